@@ -1,0 +1,215 @@
+"""Frozen, validated configuration for every layer of the engine.
+
+Owns: the schema (one section per layer), loading from JSON/YAML, `--set key=value`
+overrides, and error messages that name the offending key. Runtime facts (the number of
+blocks actually allocated, the model's vocabulary) live in state objects, never here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message that names the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelConfig(_Section):
+    backend: Literal["tiny", "null"] = "tiny"
+    """`tiny`: real small Llama-style decoder on CPU; `null`: no model compute."""
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _yaml_null_is_the_null_backend(cls, value: Any) -> Any:
+        # YAML (and so `--set model.backend=null`) reads a bare `null` as None.
+        return "null" if value is None else value
+    preset: str = "tiny-2l"
+    """Architecture preset of the `tiny` backend (see preempt.model.tiny.PRESETS)."""
+    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
+    """Compute and KV dtype. Tests use float64 so batching can never flip a greedy argmax."""
+    max_model_len: int = Field(16384, gt=0)
+    """Longest prompt + output a request may have; longer ones end ABORTED(prompt_too_long)."""
+
+
+class CacheConfig(_Section):
+    block_size: int = Field(16, gt=0)
+    """Tokens per KV block."""
+    num_blocks: int | None = Field(None, gt=0)
+    """Physical blocks in the pool. None: the target's KV capacity (clock.target)."""
+
+
+class SchedulerConfig(_Section):
+    max_num_seqs: int = Field(128, gt=0)
+    """Most requests in one batch."""
+    max_num_batched_tokens: int = Field(2048, gt=0)
+    """Token budget of one step (decode tokens + prefill chunks)."""
+    policy: str = "vllm_fcfs"
+    """Victim/admission policy by name (preempt.policies.POLICIES)."""
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        from preempt.policies import POLICIES  # late: policies imports request, not config
+
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy '{name}'; choose one of {sorted(POLICIES)}")
+        return name
+
+
+class ClockConfig(_Section):
+    kind: Literal["virtual", "wall"] = "virtual"
+    """`virtual`: step durations from the target's cost model (deterministic)."""
+    target: str = "h200-llama3-8b"
+    """Deployment the virtual clock models (preempt.cost_model.TARGETS)."""
+
+    @field_validator("target")
+    @classmethod
+    def _known_target(cls, name: str) -> str:
+        from preempt.cost_model import TARGETS
+
+        if name not in TARGETS:
+            raise ValueError(f"unknown target '{name}'; choose one of {sorted(TARGETS)}")
+        return name
+
+
+class WorkloadConfig(_Section):
+    trace: str = "azure-conv"
+    """Bundled trace name (azure-conv, azure-code, mooncake-synthetic) or a file path."""
+    start_s: float = Field(0.0, ge=0)
+    """Skip the trace's first `start_s` seconds (before rate scaling)."""
+    duration_s: float | None = Field(None, gt=0)
+    """Keep only arrivals in [start_s, start_s + duration_s) of the trace (before scaling)."""
+    num_requests: int | None = Field(None, gt=0)
+    """Keep at most this many requests (after slicing)."""
+    rate_scale: float = Field(1.0, gt=0)
+    """Multiply the arrival rate: arrival times are divided by this."""
+    arrival: Literal["trace", "poisson", "gamma"] = "trace"
+    """`trace`: the trace's own timestamps; `poisson`/`gamma`: synthetic arrivals at the
+    trace's mean rate (times rate_scale), lengths still from the trace."""
+    gamma_cv: float = Field(3.0, gt=0)
+    """Coefficient of variation of gamma inter-arrivals (bursty when > 1)."""
+    sla_mix: dict[int, float] = Field(default_factory=lambda: {0: 0.8, 1: 0.2})
+    """SLA level -> share of requests (higher level = more important; e.g. 1 = VIP)."""
+    max_tokens_mode: Literal["trace", "fixed", "noisy"] = "trace"
+    """What the scheduler is told as max_tokens: the trace's true length, a fixed cap,
+    or the true length times lognormal noise (an estimate)."""
+    max_tokens_fixed: int = Field(1024, gt=0)
+    """max_tokens in `fixed` mode, and the upper clamp in `noisy` mode."""
+    max_tokens_noise: float = Field(0.5, ge=0)
+    """Sigma of the lognormal noise in `noisy` mode."""
+
+    @field_validator("sla_mix")
+    @classmethod
+    def _check_mix(cls, mix: dict[int, float]) -> dict[int, float]:
+        if not mix:
+            raise ValueError("sla_mix must name at least one SLA level")
+        if any(share < 0 for share in mix.values()):
+            raise ValueError("sla_mix shares must be >= 0")
+        total = sum(mix.values())
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(f"sla_mix shares must sum to 1, got {total}")
+        return mix
+
+
+class SLOConfig(_Section):
+    """Latency objectives per SLA level, for goodput and SLO attainment. Levels not
+    listed use level 0's. Defaults: interactive-chat targets of the range that
+    vLLM/DistServe evaluations use, tighter for VIP (level 1)."""
+
+    ttft_s: dict[int, float] = Field(default_factory=lambda: {0: 5.0, 1: 1.0})
+    tpot_s: dict[int, float] = Field(default_factory=lambda: {0: 0.2, 1: 0.1})
+
+    @field_validator("ttft_s", "tpot_s")
+    @classmethod
+    def _check_levels(cls, slos: dict[int, float]) -> dict[int, float]:
+        if 0 not in slos:
+            raise ValueError("must define level 0 (the default for unlisted levels)")
+        if any(v <= 0 for v in slos.values()):
+            raise ValueError("SLOs must be > 0 seconds")
+        return slos
+
+    def for_level(self, level: int) -> tuple[float, float]:
+        return self.ttft_s.get(level, self.ttft_s[0]), self.tpot_s.get(level, self.tpot_s[0])
+
+
+class EngineConfig(_Section):
+    seed: int = 0
+    """Seeds model init, prompt tokens, SLA assignment and sampling."""
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    clock: ClockConfig = ClockConfig()
+    workload: WorkloadConfig = WorkloadConfig()
+    slo: SLOConfig = SLOConfig()
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"]) or "<root>"
+    if first["type"] == "extra_forbidden":
+        return f"unknown config key '{key}'"
+    return f"config key '{key}': {first['msg']}"
+
+
+def build_config(data: dict[str, Any]) -> EngineConfig:
+    """Validate a nested dict into an EngineConfig, raising ConfigError naming the key."""
+    try:
+        return EngineConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a JSON or YAML file into a dict (no validation yet)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    text = path.read_text()
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        raise ConfigError(f"config file {path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return data
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Apply one `a.b.c=value` override in place; value is parsed as YAML (so 10, 0.5,
+    true, null and {0: 1.0} keep their types)."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set expects key=value, got '{assignment}'")
+    key, raw = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set has an empty key in '{assignment}'")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> EngineConfig:
+    """Config file (optional) + `--set` overrides -> validated EngineConfig."""
+    data = read_config_file(path) if path is not None else {}
+    for assignment in overrides:
+        apply_override(data, assignment)
+    return build_config(data)

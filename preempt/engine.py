@@ -1,0 +1,166 @@
+"""The engine loop: arrivals in, scheduled steps through the model, finished requests out.
+
+Owns: wiring (config -> pool, scheduler, runner, clock, cost model), the step, request
+bookkeeping after each step (tokens, timestamps, final states) and the replay loop.
+It decides nothing itself (the scheduler does) and touches no tensor itself (the runner
+does).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from preempt.block_pool import BlockPool, blocks_needed
+from preempt.clock import make_clock
+from preempt.config import EngineConfig
+from preempt.cost_model import CostModel, StepShape, get_target
+from preempt.policies import get_policy
+from preempt.request import Request, RequestState
+from preempt.scheduler import Scheduler, SchedulerOutput
+
+
+class StepOutput(NamedTuple):
+    scheduled: SchedulerOutput
+    finished: list[Request]
+    step_s: float  # this step's duration on the engine's clock
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        # The runner imports torch; keep that import out of `import preempt.engine` users
+        # that only want types (and out of the null backend's start-up where possible).
+        from preempt.model_runner import create_model_runner
+
+        self.config = config
+        self.cost_model = CostModel(get_target(config.clock.target))
+        self.block_size = config.cache.block_size
+        num_blocks = config.cache.num_blocks or self.cost_model.kv_capacity_blocks(self.block_size)
+        self.block_pool = BlockPool(num_blocks)
+        self.scheduler = Scheduler(config.scheduler, get_policy(config.scheduler.policy), self.block_pool, self.block_size)
+        self.runner = create_model_runner(config, num_blocks, self.block_size)
+        self.clock = make_clock(config.clock.kind)
+        self.num_steps = 0
+        self.busy_s = 0.0  # time spent in steps (vs idle waiting for arrivals)
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or end it ABORTED at once when it can never run."""
+        max_len = request.num_prompt_tokens + request.max_tokens
+        if max_len > self.config.model.max_model_len:
+            self._abort(request, f"prompt_too_long: prompt+max_tokens={max_len} > max_model_len="
+                        f"{self.config.model.max_model_len}")
+        elif blocks_needed(max_len, self.block_size) > self.block_pool.num_blocks:
+            self._abort(request, f"exceeds_kv_capacity: needs {blocks_needed(max_len, self.block_size)} "
+                        f"blocks, pool has {self.block_pool.num_blocks}")
+        else:
+            self.scheduler.add_request(request)
+
+    def _abort(self, request: Request, reason: str) -> None:
+        request.state = RequestState.ABORTED
+        request.abort_reason = reason
+        request.finish_s = self.clock.now()
+
+    def abort_request(self, request: Request, reason: str) -> None:
+        """Abort a queued or running request (client gone, shutdown); frees its blocks."""
+        if not request.state.is_final:
+            self.scheduler.finish_request(request, RequestState.ABORTED)
+            self._abort(request, reason)
+
+    # ----------------------------------------------------------------- step
+    def step(self) -> StepOutput:
+        scheduled = self.scheduler.schedule()
+        if not scheduled.chunks:
+            return StepOutput(scheduled, [], 0.0)
+        shape = self._step_shape(scheduled)
+        started = time.perf_counter()
+        next_tokens = self.runner.execute(scheduled.chunks)
+        compute_s = time.perf_counter() - started
+        step_s = self.cost_model.step_time_s(shape) if self.config.clock.kind == "virtual" else compute_s
+        self.clock.advance(step_s)
+        now = self.clock.now()
+        self.num_steps += 1
+        self.busy_s += step_s
+
+        finished: list[Request] = []
+        for chunk, token in zip(scheduled.chunks, next_tokens):
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_new_tokens
+            if request.admitted_s is None:
+                request.admitted_s = now - step_s
+            if token is None:
+                continue
+            request.output_token_ids.append(token)
+            if request.first_token_s is None:
+                request.first_token_s = now
+            if request.is_finished_generating:
+                request.finish_s = now
+                finished.append(request)
+        self.scheduler.remove_finished(finished)
+        return StepOutput(scheduled, finished, step_s)
+
+    @staticmethod
+    def _step_shape(scheduled: SchedulerOutput) -> StepShape:
+        sum_attn_ctx = 0
+        sum_kv_read = 0
+        for request, num_new in scheduled.chunks:
+            start = request.num_computed_tokens
+            end = start + num_new
+            # token at position p attends to p+1 keys: sum_{p=start}^{end-1} (p+1)
+            sum_attn_ctx += (start + 1 + end) * num_new // 2
+            sum_kv_read += end
+        return StepShape(scheduled.num_batched_tokens, sum_attn_ctx, sum_kv_read)
+
+    # ----------------------------------------------------------------- loops
+    def run(
+        self,
+        requests: Sequence[Request],
+        on_step: Callable[[StepOutput], None] | None = None,
+    ) -> list[Request]:
+        """Replay requests (sorted by arrival) to completion; returns them, all final."""
+        pending = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
+        next_index = 0
+        while next_index < len(pending) or self.scheduler.has_unfinished:
+            now = self.clock.now()
+            while next_index < len(pending) and pending[next_index].arrival_s <= now:
+                self.add_request(pending[next_index])
+                next_index += 1
+            if not self.scheduler.has_unfinished:
+                if next_index < len(pending):
+                    self.clock.wait_until(pending[next_index].arrival_s)
+                continue
+            output = self.step()
+            if on_step is not None:
+                on_step(output)
+            if not output.scheduled.chunks and not output.scheduled.preempted:
+                # Nothing could run although requests are queued: only possible if the
+                # pool cannot hold the head request, which add_request already rejects.
+                raise RuntimeError("scheduler made no progress with requests queued")
+        return list(pending)
+
+    def generate(
+        self,
+        prompts: Iterable[Sequence[int] | str],
+        max_tokens: int,
+        temperature: float = 0.0,
+    ) -> list[list[int]]:
+        """Library use: run prompts (token ids or text, byte-level) to `max_tokens` each,
+        all arriving now; returns the generated token ids in prompt order."""
+        requests = []
+        for index, prompt in enumerate(prompts):
+            ids = list(prompt.encode("utf-8")) if isinstance(prompt, str) else list(prompt)
+            requests.append(
+                Request(
+                    request_id=index,
+                    arrival_s=self.clock.now(),
+                    prompt_token_ids=np.asarray(ids, dtype=np.int32),
+                    max_tokens=max_tokens,
+                    target_output_tokens=max_tokens,
+                    temperature=temperature,
+                )
+            )
+        self.run(requests)
+        return [r.output_token_ids for r in requests]

@@ -1,0 +1,110 @@
+"""A request's identity, its tokens and its lifecycle state.
+
+Owns: the per-request facts the scheduler decides on and the runner acts on. Holds no
+tensors and imports no torch. The *true* output length (from the trace) lives in
+`target_output_tokens`; policies must only look at `max_tokens`, which is what a real
+server would know (see DESIGN.md "Workloads").
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+
+class RequestState(str, enum.Enum):
+    """Lifecycle states (names are a contract, see DESIGN.md)."""
+
+    WAITING = "WAITING"  # arrived, never admitted (or requeued after a recompute preemption)
+    RUNNING = "RUNNING"  # holds device blocks and is in the batch
+    PREEMPTED = "PREEMPTED"  # taken out of the batch; KV kept, saved or dropped by mode
+    READY = "READY"  # KV restored, waiting for a batch slot
+    PREEMPTION_FAILED = "PREEMPTION_FAILED"  # fallback: runs to completion, never preempted again
+    FINISHED = "FINISHED"
+    ABORTED = "ABORTED"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (RequestState.FINISHED, RequestState.ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    """One inference request. Identity is by object (eq=False), ids are for output."""
+
+    request_id: int
+    arrival_s: float
+    prompt_token_ids: np.ndarray  # (P,) int32
+    max_tokens: int  # the scheduler's budget for the output (what a server is told)
+    target_output_tokens: int  # true output length from the trace; generation stops there
+    sla_level: int = 0  # service class, higher = more important
+    temperature: float = 0.0  # 0 = greedy
+
+    # --- runtime state, owned by the engine/scheduler ---
+    state: RequestState = RequestState.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the device cache
+    block_ids: list[int] = field(default_factory=list)  # logical block i -> physical block
+    admitted_s: float | None = None  # first admission
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    num_preemptions: int = 0
+    abort_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            raise ValueError(f"request {self.request_id}: max_tokens must be > 0, got {self.max_tokens}")
+        if self.target_output_tokens <= 0:
+            raise ValueError(
+                f"request {self.request_id}: target_output_tokens must be > 0, got {self.target_output_tokens}"
+            )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return int(self.prompt_token_ids.shape[0])
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: everything whose KV the request needs."""
+        return self.num_prompt_tokens + len(self.output_token_ids)
+
+    @property
+    def output_limit(self) -> int:
+        """Generation stops at the trace's true length, or earlier at `max_tokens`."""
+        return min(self.max_tokens, self.target_output_tokens)
+
+    @property
+    def is_finished_generating(self) -> bool:
+        return len(self.output_token_ids) >= self.output_limit
+
+    def token_id(self, position: int) -> int:
+        """The token at absolute position `position` (prompt first, then output)."""
+        num_prompt = self.num_prompt_tokens
+        if position < num_prompt:
+            return int(self.prompt_token_ids[position])
+        return self.output_token_ids[position - num_prompt]
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens at positions [start, end)."""
+        num_prompt = self.num_prompt_tokens
+        out: list[int] = []
+        if start < num_prompt:
+            out.extend(self.prompt_token_ids[start : min(end, num_prompt)].tolist())
+        if end > num_prompt:
+            out.extend(self.output_token_ids[max(start, num_prompt) - num_prompt : end - num_prompt])
+        return out
+
+
+class ScheduledChunk(NamedTuple):
+    """One request's share of a step: compute the KV of positions
+    [request.num_computed_tokens, request.num_computed_tokens + num_new_tokens)."""
+
+    request: Request
+    num_new_tokens: int

@@ -1,0 +1,143 @@
+"""Run outputs: `requests.parquet` (one row per request) and `summary.json`.
+
+Owns: the *contract* columns and keys of DESIGN.md "Files", the latency definitions and
+the output digest. It reads finished requests; it never changes them.
+
+Definitions (seconds on the engine's clock):
+- ttft_s = first_token_s - arrival_s (queueing + prefill, incl. recompute after preemption)
+- tpot_s = (finish_s - first_token_s) / (output_tokens - 1); NaN for one-token outputs
+- e2e_s  = finish_s - arrival_s
+- goodput_req_s = requests that finished within their SLA level's TTFT and TPOT SLOs,
+  per second of simulated time.
+- output_digest = blake2b-128 of the generated token ids (little-endian int32): equal
+  digests mean identical outputs, so lossless preemption modes can be checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from preempt.config import SLOConfig
+from preempt.request import Request, RequestState
+
+def output_digest(token_ids: Sequence[int]) -> str:
+    data = np.asarray(token_ids, dtype="<i4").tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _latencies(request: Request) -> tuple[float, float, float]:
+    nan = float("nan")
+    if request.state is not RequestState.FINISHED:
+        return nan, nan, nan
+    ttft = request.first_token_s - request.arrival_s
+    num_out = request.num_output_tokens
+    tpot = (request.finish_s - request.first_token_s) / (num_out - 1) if num_out > 1 else nan
+    return ttft, tpot, request.finish_s - request.arrival_s
+
+
+def requests_table(requests: Sequence[Request]) -> pa.Table:
+    rows: dict[str, list[Any]] = {
+        name: []
+        for name in (
+            "request_id", "arrival_s", "prompt_tokens", "max_tokens", "output_tokens", "sla_level",
+            "ttft_s", "tpot_s", "e2e_s", "num_preemptions", "final_state", "output_digest", "abort_reason",
+        )
+    }
+    for r in sorted(requests, key=lambda r: r.request_id):
+        ttft, tpot, e2e = _latencies(r)
+        for name, value in (
+            ("request_id", r.request_id), ("arrival_s", r.arrival_s), ("prompt_tokens", r.num_prompt_tokens),
+            ("max_tokens", r.max_tokens), ("output_tokens", r.num_output_tokens), ("sla_level", r.sla_level),
+            ("ttft_s", ttft), ("tpot_s", tpot), ("e2e_s", e2e), ("num_preemptions", r.num_preemptions),
+            ("final_state", r.state.value), ("output_digest", output_digest(r.output_token_ids)),
+            ("abort_reason", r.abort_reason),
+        ):
+            rows[name].append(value)
+    schema = pa.schema([
+        ("request_id", pa.int64()), ("arrival_s", pa.float64()), ("prompt_tokens", pa.int64()),
+        ("max_tokens", pa.int64()), ("output_tokens", pa.int64()), ("sla_level", pa.int64()),
+        ("ttft_s", pa.float64()), ("tpot_s", pa.float64()), ("e2e_s", pa.float64()),
+        ("num_preemptions", pa.int64()), ("final_state", pa.string()), ("output_digest", pa.string()),
+        ("abort_reason", pa.string()),
+    ])
+    return pa.table(rows, schema=schema)
+
+
+def write_requests_parquet(requests: Sequence[Request], path: Path) -> None:
+    # Fixed writer options, no timestamps in metadata: byte-identical files for
+    # identical runs (the reproducibility test compares bytes).
+    pq.write_table(requests_table(requests), path, compression="zstd", write_statistics=False)
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    finite = [v for v in values if not math.isnan(v)]
+    return float(np.percentile(finite, q)) if finite else None
+
+
+def _latency_stats(requests: Sequence[Request], slo: SLOConfig) -> dict[str, Any]:
+    ttfts, tpots, e2es = [], [], []
+    num_good = 0
+    for r in requests:
+        ttft, tpot, e2e = _latencies(r)
+        ttfts.append(ttft)
+        tpots.append(tpot)
+        e2es.append(e2e)
+        ttft_slo, tpot_slo = slo.for_level(r.sla_level)
+        if r.state is RequestState.FINISHED and ttft <= ttft_slo and (math.isnan(tpot) or tpot <= tpot_slo):
+            num_good += 1
+    return {
+        "num_requests": len(requests),
+        "num_finished": sum(r.state is RequestState.FINISHED for r in requests),
+        "ttft_p50_s": _percentile(ttfts, 50), "ttft_p99_s": _percentile(ttfts, 99),
+        "tpot_p50_s": _percentile(tpots, 50), "tpot_p99_s": _percentile(tpots, 99),
+        "e2e_p50_s": _percentile(e2es, 50), "e2e_p99_s": _percentile(e2es, 99),
+        "num_slo_met": num_good,
+        "slo_attainment": num_good / len(requests) if requests else None,
+    }
+
+
+def summarize(
+    requests: Sequence[Request],
+    *,
+    sim_time_s: float,
+    wall_time_s: float,
+    config: dict[str, Any],
+    slo: SLOConfig,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    overall = _latency_stats(requests, slo)
+    levels = sorted({r.sla_level for r in requests})
+    summary: dict[str, Any] = {
+        **overall,
+        "num_aborted": sum(r.state is RequestState.ABORTED for r in requests),
+        "num_preemptions": sum(r.num_preemptions for r in requests),
+        # Recompute preemption (the only mode so far) cannot fail and saves no KV.
+        "num_preemption_failed": 0,
+        "preemption_stall_s": 0.0,
+        "kv_saved_bytes_raw": 0,
+        "kv_saved_bytes_stored": 0,
+        "num_output_tokens": sum(r.num_output_tokens for r in requests),
+        "goodput_req_s": overall["num_slo_met"] / sim_time_s if sim_time_s > 0 else 0.0,
+        "per_sla": {
+            str(level): _latency_stats([r for r in requests if r.sla_level == level], slo) for level in levels
+        },
+        "sim_time_s": sim_time_s,
+        "wall_time_s": wall_time_s,
+    }
+    if extra:
+        summary.update(extra)
+    summary["config"] = config
+    return summary
+
+
+def write_summary(summary: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(summary, indent=2, sort_keys=False) + "\n")

@@ -1,0 +1,60 @@
+import json
+
+import pytest
+
+from preempt.config import ConfigError, EngineConfig, load_config
+
+
+def test_defaults_are_valid_and_frozen():
+    config = load_config()
+    assert config == EngineConfig()
+    with pytest.raises(Exception):
+        config.seed = 3  # type: ignore[misc]
+
+
+def test_file_and_overrides_keep_types(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"scheduler": {"max_num_seqs": 8}, "seed": 1}))
+    config = load_config(path, ["scheduler.policy=vllm_priority", "workload.sla_mix={0: 0.5, 3: 0.5}"])
+    assert config.scheduler.max_num_seqs == 8 and config.seed == 1
+    assert config.scheduler.policy == "vllm_priority"
+    assert config.workload.sla_mix == {0: 0.5, 3: 0.5}
+
+
+def test_yaml_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  backend: null\ncache:\n  num_blocks: 64\n")
+    config = load_config(path)
+    assert config.model.backend == "null" and config.cache.num_blocks == 64
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("scheduler.bogus=1", "unknown config key 'scheduler.bogus'"),
+        ("nosuchsection.x=1", "unknown config key 'nosuchsection'"),
+        ("scheduler.max_num_seqs=0", "'scheduler.max_num_seqs'"),
+        ("scheduler.max_num_seqs=many", "'scheduler.max_num_seqs'"),
+        ("scheduler.policy=lottery", "unknown policy 'lottery'"),
+        ("clock.target=tpu", "unknown target 'tpu'"),
+        ("workload.sla_mix={0: 0.3}", "sum to 1"),
+        ("slo.ttft_s={1: 2.0}", "level 0"),
+        ("novalue", "key=value"),
+    ],
+)
+def test_bad_config_names_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid json"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(listy)
