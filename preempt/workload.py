@@ -121,20 +121,24 @@ def load_trace(name_or_path: str | Path) -> list[TraceRow]:
     return _parse_azure(path, lines)
 
 
-def _parse_length(value: object, field: str, where: str) -> int:
-    """A token count: an integer >= 1 (a request has at least one prompt and one output token)."""
-    if isinstance(value, str):
-        text = value.strip()
-        if not _INT_RE.fullmatch(text):
-            raise TraceError(f"{where}: {field} is not an integer: {value!r}")
-        number = int(text)
-    elif isinstance(value, int) and not isinstance(value, bool):
-        number = value
-    else:
-        raise TraceError(f"{where}: {field} is not an integer: {value!r}")
+def _checked_length(number: int, field: str, where: str) -> int:
+    # a request has at least one prompt token and produces at least one output token
     if number < 1:
         raise TraceError(f"{where}: {field} must be >= 1, got {number}")
     return number
+
+
+def _csv_length(text: str, field: str, where: str) -> int:
+    if not _INT_RE.fullmatch(text):
+        raise TraceError(f"{where}: {field} is not an integer: {text!r}")
+    return _checked_length(int(text), field, where)
+
+
+def _json_length(value: object, field: str, where: str) -> int:
+    # JSON must hold a number: a quoted "5", 5.0 or true is a malformed trace
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TraceError(f"{where}: {field} is not an integer: {value!r}")
+    return _checked_length(value, field, where)
 
 
 def _parse_azure_timestamp(text: str, where: str, day_cache: dict[str, int]) -> int:
@@ -193,8 +197,8 @@ def _parse_azure(path: Path, lines: list[str]) -> list[TraceRow]:
                 f"{where}: TIMESTAMP goes backwards ({fields[i_time]} is {(prev_ns - ns) / _NS_PER_S:g} s "
                 "before the previous row's); the trace must be sorted by time"
             )
-        prompt = _parse_length(fields[i_prompt], "ContextTokens", where)
-        output = _parse_length(fields[i_output], "GeneratedTokens", where)
+        prompt = _csv_length(fields[i_prompt], "ContextTokens", where)
+        output = _csv_length(fields[i_output], "GeneratedTokens", where)
         rows.append(TraceRow((ns - first_ns) / _NS_PER_S, prompt, output))
         prev_ns = ns
     if not rows:
@@ -229,8 +233,8 @@ def _parse_mooncake(path: Path, lines: list[str]) -> list[TraceRow]:
                 f"{where}: timestamp goes backwards ({ms} ms is before the previous row's {prev_ms} ms); "
                 "the trace must be sorted by time"
             )
-        prompt = _parse_length(record["input_length"], "input_length", where)
-        output = _parse_length(record["output_length"], "output_length", where)
+        prompt = _json_length(record["input_length"], "input_length", where)
+        output = _json_length(record["output_length"], "output_length", where)
         # integer ms stay exact until this one division
         rows.append(TraceRow((ms - first_ms) / 1000, prompt, output))
         prev_ms = ms
@@ -273,8 +277,8 @@ def _max_tokens(cfg: WorkloadConfig, true_output: np.ndarray, seed: int) -> np.n
     if cfg.max_tokens_mode == "fixed":
         return np.full_like(true_output, cfg.max_tokens_fixed)
     noise = _stream(seed, _STREAM_MAX_TOKENS).lognormal(0.0, cfg.max_tokens_noise, size=true_output.shape)
-    estimate = np.rint(true_output * noise).astype(np.int64)
-    return np.clip(estimate, 1, cfg.max_tokens_fixed)
+    # clamp while still float: a huge sigma can overflow to inf, which has no int64 value
+    return np.clip(np.rint(true_output * noise), 1, cfg.max_tokens_fixed).astype(np.int64)
 
 
 def _prompts(prompt_lengths: np.ndarray, seed: int, vocab_size: int) -> list[np.ndarray]:

@@ -1,0 +1,121 @@
+"""Scheduler decisions, driven directly (no model): budgets, chunked prefill, victims."""
+
+from __future__ import annotations
+
+from preempt.block_pool import BlockPool
+from preempt.config import SchedulerConfig
+from preempt.policies import get_policy
+from preempt.request import RequestState
+from preempt.scheduler import Scheduler
+from tests.conftest import make_request
+
+
+def make_scheduler(num_blocks=64, block_size=4, policy="vllm_fcfs", **cfg) -> Scheduler:
+    config = SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 32, **cfg})
+    return Scheduler(config, get_policy(policy), BlockPool(num_blocks), block_size)
+
+
+def complete(scheduler: Scheduler, output) -> None:
+    """What the engine does after a step: advance computed tokens, emit one token at the
+    end of the known tokens."""
+    for request, num_new in output.chunks:
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens == request.num_tokens:
+            request.output_token_ids.append(7)
+    scheduler.remove_finished([r for r, _ in output.chunks if r.is_finished_generating])
+
+
+def test_chunked_prefill_respects_token_budget():
+    scheduler = make_scheduler()
+    long = make_request(0, 50, 3)
+    scheduler.add_request(long)
+    out = scheduler.schedule()
+    assert [(r.request_id, n) for r, n in out.chunks] == [(0, 32)]
+    complete(scheduler, out)
+    out = scheduler.schedule()
+    assert [(r.request_id, n) for r, n in out.chunks] == [(0, 18)]
+    assert len(long.block_ids) == 13  # ceil(50 / 4)
+
+
+def test_max_num_seqs_and_fcfs_admission_order():
+    scheduler = make_scheduler(max_num_seqs=2)
+    for i in range(4):
+        scheduler.add_request(make_request(i, 4, 3, arrival_s=float(i)))
+    out = scheduler.schedule()
+    assert [r.request_id for r, _ in out.chunks] == [0, 1]
+    assert [r.request_id for r in scheduler.waiting_requests()] == [2, 3]
+
+
+def test_priority_policy_admits_vip_first():
+    scheduler = make_scheduler(policy="vllm_priority", max_num_seqs=1)
+    scheduler.add_request(make_request(0, 4, 3, arrival_s=0.0, sla_level=0))
+    scheduler.add_request(make_request(1, 4, 3, arrival_s=1.0, sla_level=1))
+    out = scheduler.schedule()
+    assert [r.request_id for r, _ in out.chunks] == [1]
+
+
+def test_recompute_preemption_of_last_admitted_then_resume():
+    # 4 blocks of 4 tokens. Two 8-token prompts fill the pool; the first decode needs a
+    # third block, so vllm_fcfs preempts the last admitted, which resumes from scratch
+    # (prompt + its one output recomputed) once the first one finishes.
+    scheduler = make_scheduler(num_blocks=4, max_num_batched_tokens=64)
+    first, second = make_request(0, 8, 4, arrival_s=0.0), make_request(1, 8, 4, arrival_s=1.0)
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    complete(scheduler, scheduler.schedule())
+    out = scheduler.schedule()
+    assert out.preempted == [second] and [(r.request_id, n) for r, n in out.chunks] == [(0, 1)]
+    assert second.state is RequestState.WAITING and second.block_ids == [] and second.num_computed_tokens == 0
+    assert scheduler.waiting_requests() == [second]
+    steps = 0
+    while scheduler.has_unfinished:
+        out = scheduler.schedule()
+        complete(scheduler, out)
+        scheduler.block_pool.check()
+        steps += 1
+        assert steps < 50
+    assert first.num_preemptions == 0 and second.num_preemptions == 1
+    assert len(second.output_token_ids) == 4
+    # The resumed request recomputed 9 tokens (prompt + first output) in one chunk.
+    assert scheduler.block_pool.num_free == 4
+
+
+def test_victim_scheduled_earlier_in_the_step_is_refunded():
+    # vllm_priority: the worst request is picked even if it was already scheduled.
+    scheduler = make_scheduler(num_blocks=4, policy="vllm_priority", max_num_batched_tokens=64)
+    low = make_request(0, 4, 10, arrival_s=0.0, sla_level=0)
+    high = make_request(1, 4, 10, arrival_s=1.0, sla_level=1)
+    scheduler.add_request(low)
+    scheduler.add_request(high)
+    out = scheduler.schedule()
+    complete(scheduler, out)  # both hold 1 block, prompt done, 1 output token each
+    scheduler.block_pool.allocate(2)  # someone else took the rest of the pool
+    out = scheduler.schedule()
+    # high (admitted first: VIP) needs a 2nd block -> victim is low, which was not yet
+    # scheduled; high then runs alone.
+    assert [r.request_id for r in out.preempted] == [0]
+    assert [(r.request_id, n) for r, n in out.chunks] == [(1, 1)]
+    assert out.num_batched_tokens == 1
+    assert low.block_ids == [] and low.num_computed_tokens == 0 and low.num_preemptions == 1
+
+
+def test_requester_preempting_itself_waits():
+    scheduler = make_scheduler(num_blocks=2, max_num_batched_tokens=64)
+    only = make_request(0, 8, 5)
+    scheduler.add_request(only)
+    out = scheduler.schedule()
+    complete(scheduler, out)  # 8 tokens fill both blocks; token 9 needs a third
+    out = scheduler.schedule()
+    assert out.preempted == [only] and out.chunks == []
+    assert scheduler.block_pool.num_free == 2
+
+
+def test_finish_request_from_waiting_and_running():
+    scheduler = make_scheduler()
+    a, b = make_request(0, 4, 2), make_request(1, 4, 2)
+    scheduler.add_request(a)
+    complete(scheduler, scheduler.schedule())
+    scheduler.add_request(b)
+    scheduler.finish_request(b, RequestState.ABORTED)
+    scheduler.finish_request(a, RequestState.ABORTED)
+    assert not scheduler.has_unfinished and scheduler.block_pool.num_free == 64
