@@ -104,7 +104,7 @@ def build_attention_metadata(
     seq_lens_np = starts_np + num_new_np
     num_blocks_np = (seq_lens_np + block_size - 1) // block_size  # (B,) blocks each context needs
     block_tables_np = np.zeros((num_seqs, int(num_blocks_np.max())), dtype=np.int64)
-    for i, (ids, nb) in enumerate(zip(block_ids, num_blocks_np.tolist())):
+    for i, (ids, nb) in enumerate(zip(block_ids, num_blocks_np.tolist(), strict=True)):
         if len(ids) < nb:
             raise ValueError(
                 f"sequence {i}: {len(ids)} blocks cannot hold {int(seq_lens_np[i])} tokens "
@@ -118,7 +118,8 @@ def build_attention_metadata(
     # Vectorised per-token indices: never a Python loop over tokens.
     seq_of_token = np.repeat(np.arange(num_seqs), num_new_np)  # (T,)
     positions_np = np.arange(num_tokens) - query_start_np[seq_of_token] + starts_np[seq_of_token]  # (T,)
-    slot_np = block_tables_np[seq_of_token, positions_np // block_size] * block_size + positions_np % block_size
+    block_of_token = block_tables_np[seq_of_token, positions_np // block_size]  # (T,)
+    slot_np = block_of_token * block_size + positions_np % block_size  # (T,)
 
     def to_tensor(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)

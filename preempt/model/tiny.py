@@ -1,0 +1,283 @@
+"""The `tiny` backend: a small Llama-style decoder computing real tokens and real KV on CPU.
+
+Owns: the architecture (token embedding; per layer RMSNorm -> attention with RoPE and
+grouped-query attention -> residual, RMSNorm -> SwiGLU MLP -> residual; final RMSNorm;
+untied lm_head), its named presets, seeded initialisation, the paged `forward` and the
+cache-free reference `forward_naive` / `generate_naive`. It never allocates the KV pool,
+never samples (except the greedy reference) and never touches the global RNG.
+
+Parameter names follow Hugging Face Llama (`layers.0.self_attn.q_proj.weight`, ...), so
+a checkpoint loader has nothing to rename.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from preempt.model.attention import AttentionMetadata, paged_attention, write_kv
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (GQA when < num_heads)
+    head_dim: int
+    intermediate_size: int  # SwiGLU hidden width
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def num_params(self) -> int:
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        per_layer = attn + mlp + 2 * self.hidden_size
+        return self.num_layers * per_layer + 2 * self.vocab_size * self.hidden_size + self.hidden_size
+
+
+PRESETS: dict[str, TinyConfig] = {
+    # ~0.46M parameters (0.39M without embeddings): the replay model, fast on 2 cores.
+    "tiny-2l": TinyConfig(
+        vocab_size=256,
+        num_layers=2,
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        intermediate_size=384,
+    ),
+    # ~3.1M parameters: for quality studies.
+    "small-4l": TinyConfig(
+        vocab_size=256,
+        num_layers=4,
+        hidden_size=256,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        intermediate_size=768,
+    ),
+}
+
+
+def get_preset(name: str) -> TinyConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown tiny model preset '{name}'; valid: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype '{name}'; valid: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+class Linear(nn.Module):
+    """Bias-free linear layer whose weight is filled by TinyLM's seeded init (nn.Linear's
+    constructor would draw from the global RNG)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # bf16 statistics are too coarse: normalise in at least float32.
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T,) positions -> cos, sin of shape (T, 1, D) (half-split "rotate_half" convention)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim
+    inv_freq = theta**-exponents  # (D/2,)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # (T, D/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, D)
+    return angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, H, D) rotated by position."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TinyConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, dtype)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, dtype)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, dtype)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, dtype)
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # (T, Hq, D)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (T, hidden)
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self._qkv(x, cos, sin)
+        write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+    def forward_naive(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Dense causal attention written out by hand: an implementation independent of SDPA
+        and of the cache, so comparing against it tests both."""
+        q, k, v = self._qkv(x, cos, sin)
+        group = self.num_heads // self.num_kv_heads
+        k = k.repeat_interleave(group, dim=1)  # (T, Hq, D): slow, fine for a reference
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale  # (Hq, T, T)
+        num_tokens = x.shape[0]
+        causal = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(v.dtype)
+        out = torch.einsum("hqk,khd->qhd", probs, v)  # (T, Hq, D)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TinyConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, dtype)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TinyConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype)
+
+
+class TinyLM(nn.Module):
+    """Llama-style decoder. Weights are a pure function of (cfg, seed): the init draws from
+    a local generator in float32 and casts, so float64 and bfloat16 models of one seed hold
+    the float32 model's weights (exactly, resp. rounded)."""
+
+    def __init__(self, cfg: TinyConfig, seed: int = 0, dtype: torch.dtype | str = torch.float32) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = resolve_dtype(dtype) if isinstance(dtype, str) else dtype
+        self.embed_tokens = nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype), requires_grad=False
+        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, self.dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, self.dtype)
+        self._init_weights(seed)
+        self.eval()
+
+    @torch.no_grad()
+    def _init_weights(self, seed: int) -> None:
+        # Variance-preserving init (std 1/sqrt(fan_in)), not the usual 0.02: with 0.02 a random
+        # model is a bigram table (changing an early prompt token moved the last logits by
+        # <1%, and every prompt fell into the same few cycles), so a broken attention or KV
+        # cache would go unnoticed. At unit scale each attention/MLP branch adds as much as
+        # the residual carries and the context visibly steers the greedy tokens.
+        gen = torch.Generator().manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                continue  # RMSNorm gains stay 1
+            # Embeddings: unit-RMS rows like a normalised hidden state; weights: 1/sqrt(fan_in).
+            std = 1.0 if name == "embed_tokens" else 1.0 / math.sqrt(param.shape[1])
+            values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
+            param.copy_(values.to(self.dtype))
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,) int64
+        positions: torch.Tensor,  # (T,) int64
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Flattened batch of new tokens of several sequences -> logits (B, V) at
+        `meta.logits_indices`; writes the new K/V into the paged cache."""
+        if len(kv_caches) != self.cfg.num_layers:
+            raise ValueError(f"expected {self.cfg.num_layers} layer caches, got {len(kv_caches)}")
+        hidden = F.embedding(input_ids, self.embed_tokens)  # (T, hidden)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, self.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            hidden = hidden + layer.self_attn(layer.input_layernorm(hidden), cos, sin, k_cache, v_cache, meta)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self._logits(hidden.index_select(0, meta.logits_indices))  # (B, V)
+
+    def forward_naive(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """One sequence from position 0, full causal attention, no cache -> logits (T, V)."""
+        positions = torch.arange(input_ids.shape[0], device=input_ids.device)
+        hidden = F.embedding(input_ids, self.embed_tokens)  # (T, hidden)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, self.dtype)
+        for layer in self.layers:
+            hidden = hidden + layer.self_attn.forward_naive(layer.input_layernorm(hidden), cos, sin)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self._logits(hidden)
+
+
+@torch.inference_mode()
+def generate_naive(model: TinyLM, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """Greedy decoding re-running `forward_naive` on the whole context for every token:
+    the correctness reference for the paged runner (quadratic, slow by design)."""
+    context = list(prompt_ids)
+    out: list[int] = []
+    for _ in range(num_tokens):
+        logits = model.forward_naive(torch.tensor(context, dtype=torch.int64))  # (T, V)
+        token = int(torch.argmax(logits[-1]))
+        out.append(token)
+        context.append(token)
+    return out

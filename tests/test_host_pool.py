@@ -1,0 +1,284 @@
+"""HostPool: sizes, round trips, OOM reasons and messages, exact accounting (also across threads)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from preempt.host_pool import (
+    HostPool,
+    HostPoolError,
+    PreemptionHandlerOOM,
+    SlotHandle,
+    format_size,
+    parse_size,
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("4GB", 4 * 10**9),
+        ("256MB", 256 * 10**6),
+        ("512MiB", 512 * 2**20),
+        ("1.5GiB", 3 * 2**29),
+        ("1024", 1024),
+        (1024, 1024),
+        (0, 0),
+        (" 4 gb ", 4 * 10**9),
+        ("128mb", 128 * 10**6),
+        ("2KiB", 2048),
+        ("3kb", 3000),
+        ("10B", 10),
+        ("1.1GB", 1_100_000_000),
+        ("4G", 4 * 10**9),
+        (".5KiB", 512),
+    ],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text", ["", "GB", "4XB", "-1GB", "4 G B", "1.5B", "0.1", "abc", "4GBs", -5, True, 1.5, None]
+)
+def test_parse_size_rejects_bad_input(text):
+    with pytest.raises(ValueError, match="invalid size") as info:
+        parse_size(text)
+    assert repr(text) in str(info.value)
+
+
+def test_format_size():
+    assert format_size(4 * 10**9) == "4.0 GB"
+    assert format_size(256 * 10**6) == "256 MB"
+    assert format_size(512) == "512 B"
+    assert format_size(512 * 2**20, binary=True) == "512 MiB"
+    assert format_size(parse_size("12.5MB")) == "12.5 MB"
+
+
+def test_construction():
+    pool = HostPool("1000B", "300B", pin_memory=False)
+    assert pool.num_slots == 3
+    assert pool.num_free_slots == 3
+    assert pool.allocated_bytes == 900  # whole slots only
+    assert not pool.is_pinned
+    with pytest.raises(ValueError, match="--preemption-host-mem.*--preemption-slot-size"):
+        HostPool(100, 200, pin_memory=False)
+    with pytest.raises(ValueError, match="--preemption-slot-size"):
+        HostPool(100, 0, pin_memory=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_pin_memory_true_without_cuda_is_refused():
+    with pytest.raises(ValueError, match="CUDA"):
+        HostPool(100, 10, pin_memory=True)
+    assert not HostPool(100, 10).is_pinned  # auto: no CUDA, no pinning
+
+
+def test_store_load_free_round_trip_all_input_kinds():
+    pool = HostPool(4 * 64, 64, pin_memory=False)
+    data = bytes(range(50))
+    inputs = [
+        data,
+        bytearray(data),
+        memoryview(data),
+        np.frombuffer(data, np.uint8),
+        torch.frombuffer(bytearray(data), dtype=torch.uint8),
+    ]
+    handles = [pool.store(blob) for blob in inputs[:4]]
+    assert pool.bytes_used == 4 * 50
+    for handle in handles:
+        view = pool.load(handle)
+        assert view.nbytes == 50 and bytes(view) == data
+        assert view.readonly
+        assert bytes(pool.load_tensor(handle).numpy()) == data
+    assert len({h.slot for h in handles}) == 4
+    for handle in handles:
+        pool.free(handle)
+    handle = pool.store(inputs[4])
+    assert bytes(pool.load(handle)) == data
+    pool.free(handle)
+    assert pool.bytes_used == 0 and pool.num_free_slots == 4 and pool.peak_bytes_used == 200
+    pool.check()
+
+
+def test_empty_blob_and_exact_slot_fit():
+    pool = HostPool(20, 10, pin_memory=False)
+    empty = pool.store(b"")
+    full = pool.store(b"x" * 10)
+    assert bytes(pool.load(empty)) == b"" and bytes(pool.load(full)) == b"x" * 10
+    pool.check()
+
+
+def test_pool_full_raises_and_holds_nothing():
+    pool = HostPool(parse_size("4GB") // 10**6, parse_size("256MB") // 10**6, pin_memory=False)
+    assert pool.num_slots == 15
+    handles = [pool.store(b"a" * 100) for _ in range(15)]
+    assert not pool.can_store(1)
+    with pytest.raises(PreemptionHandlerOOM) as info:
+        pool.store(b"b" * 100)
+    assert info.value.reason == "pool_full"
+    message = str(info.value)
+    assert "raise --preemption-host-mem" in message
+    assert "15 of 15 slots in use" in message
+    assert pool.bytes_used == 1500 and pool.num_free_slots == 0
+    pool.check()
+    pool.free(handles[3])
+    assert pool.can_store(100)
+    pool.store(b"c" * 100)
+    pool.check()
+
+
+def test_full_message_names_capacity_in_user_units():
+    pool = HostPool("4KB", "2KB", pin_memory=False)  # the message formats like the flag: 4KB -> "4.0 KB"
+    pool.store(b"x")
+    pool.store(b"x")
+    expected = r"raise --preemption-host-mem \(now 4.0 KB, 2 of 2 slots in use\)"
+    with pytest.raises(PreemptionHandlerOOM, match=expected):
+        pool.store(b"x")
+
+
+def test_oversize_blob_raises_slot_too_small_first():
+    pool = HostPool(300 * 10**3, 256 * 10**3, pin_memory=False)
+    pool.store(b"x")  # pool now full: the size check must still win, since waiting cannot fix it
+    with pytest.raises(PreemptionHandlerOOM) as info:
+        pool.store(np.zeros(300 * 10**3, np.uint8))
+    assert info.value.reason == "slot_too_small"
+    assert info.value.nbytes == 300 * 10**3
+    assert "raise --preemption-slot-size (blob 300 KB > slot 256 KB)" in str(info.value)
+    assert pool.bytes_used == 1 and pool.num_free_slots == 0
+    assert not pool.can_store(256 * 10**3 + 1)
+    pool.check()
+
+
+def test_double_free_and_stale_handles_raise():
+    pool = HostPool(20, 10, pin_memory=False)
+    handle = pool.store(b"abc")
+    pool.free(handle)
+    with pytest.raises(HostPoolError, match="double free"):
+        pool.free(handle)
+    with pytest.raises(HostPoolError):
+        pool.load(handle)
+    reused = pool.store(b"defg")  # LIFO: same slot, new generation
+    assert reused.slot == handle.slot
+    with pytest.raises(HostPoolError, match="stale"):
+        pool.load(handle)
+    with pytest.raises(HostPoolError):
+        pool.free(SlotHandle(slot=7, nbytes=1, generation=1))
+    assert bytes(pool.load(reused)) == b"defg"
+    pool.check()
+
+
+def test_store_rejects_wrong_dtypes():
+    pool = HostPool(20, 10, pin_memory=False)
+    with pytest.raises(TypeError, match="uint8"):
+        pool.store(torch.zeros(2, dtype=torch.float16))
+    with pytest.raises(TypeError, match="uint8"):
+        pool.store(np.zeros(2, np.float32))
+    with pytest.raises(TypeError):
+        pool.store("text")  # type: ignore[arg-type]
+    assert pool.num_free_slots == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 40), st.integers(0, 1000)), max_size=60))
+def test_accounting_exact_under_random_store_free(ops):
+    pool = HostPool(5 * 32, 32, pin_memory=False)
+    live: dict[SlotHandle, bytes] = {}
+    peak = 0
+    for is_store, nbytes, pick in ops:
+        if is_store:
+            blob = bytes([nbytes % 251]) * nbytes
+            if nbytes > 32:
+                with pytest.raises(PreemptionHandlerOOM, match="slot-size"):
+                    pool.store(blob)
+            elif len(live) == pool.num_slots:
+                with pytest.raises(PreemptionHandlerOOM, match="host-mem"):
+                    pool.store(blob)
+            else:
+                live[pool.store(blob)] = blob
+        elif live:
+            handle = list(live)[pick % len(live)]
+            assert bytes(pool.load(handle)) == live.pop(handle)
+            pool.free(handle)
+        peak = max(peak, sum(map(len, live.values())))
+        assert pool.bytes_used == sum(map(len, live.values()))
+        assert pool.num_free_slots == pool.num_slots - len(live)
+        assert pool.peak_bytes_used == peak
+        pool.check()
+    for handle, blob in live.items():
+        assert bytes(pool.load(handle)) == blob
+
+
+def test_concurrent_store_and_free_keep_accounting_exact():
+    """A save worker stores while the engine thread frees: nothing lost, nothing corrupted."""
+    pool = HostPool(8 * 4096, 4096, pin_memory=False)
+    stored: list[tuple[SlotHandle, int]] = []
+    cond = threading.Condition()
+    num_blobs = 2000
+    errors: list[BaseException] = []
+    num_full = 0
+
+    def saver() -> None:
+        nonlocal num_full
+        try:
+            for i in range(num_blobs):
+                blob = np.full(1 + (i * 37) % 4096, i % 256, np.uint8)
+                while True:
+                    try:
+                        handle = pool.store(blob)
+                        break
+                    except PreemptionHandlerOOM:
+                        num_full += 1
+                        with cond:
+                            cond.wait(0.001)
+                with cond:
+                    stored.append((handle, i))
+                    cond.notify_all()
+        except BaseException as exc:  # surfaced by the main thread's assert
+            errors.append(exc)
+
+    def engine() -> None:
+        try:
+            for _ in range(num_blobs):
+                with cond:
+                    while not stored:
+                        cond.wait()
+                    handle, i = stored.pop(0)
+                view = pool.load(handle)
+                assert view.nbytes == 1 + (i * 37) % 4096
+                assert np.all(np.frombuffer(view, np.uint8) == i % 256)
+                pool.free(handle)
+                with cond:
+                    cond.notify_all()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=saver), threading.Thread(target=engine)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors, errors
+    assert not any(thread.is_alive() for thread in threads)
+    assert pool.bytes_used == 0 and pool.num_free_slots == pool.num_slots
+    assert 0 < pool.peak_bytes_used <= 8 * 4096
+    pool.check()
+
+
+def test_store_parts_back_to_back():
+    pool = HostPool(40, 20, pin_memory=False)
+    parts = [b"head", np.arange(5, dtype=np.uint8), torch.tensor([9, 8], dtype=torch.uint8), memoryview(b"")]
+    handle = pool.store(parts)
+    assert handle.nbytes == 11 and pool.bytes_used == 11
+    assert bytes(pool.load(handle)) == b"head" + bytes(range(5)) + bytes([9, 8])
+    with pytest.raises(PreemptionHandlerOOM, match="slot-size") as info:
+        pool.store([b"x" * 15, b"y" * 6])  # each part fits, the blob does not
+    assert info.value.nbytes == 21
+    assert pool.num_free_slots == 1
+    pool.check()
