@@ -42,18 +42,24 @@ def _replay_speed(overrides: dict[str, Any]) -> dict[str, Any]:
 def _scheduler_overhead(num_running: int, num_waiting: int, num_steps: int) -> dict[str, Any]:
     """Per-step cost of scheduling with `num_running` decoding and `num_waiting` queued
     requests (null backend, so only engine + scheduler work is timed)."""
-    config = build_config({
-        "model": {"backend": "null"},
-        "scheduler": {"max_num_seqs": num_running, "max_num_batched_tokens": 8192},
-    })
+    config = build_config(
+        {
+            "model": {"backend": "null"},
+            "scheduler": {"max_num_seqs": num_running, "max_num_batched_tokens": 8192},
+        }
+    )
     engine = Engine(config)
     rng = np.random.default_rng(0)
     for index in range(num_running + num_waiting):
-        engine.add_request(Request(
-            request_id=index, arrival_s=0.0,
-            prompt_token_ids=rng.integers(32, 127, size=int(rng.integers(64, 1024)), dtype=np.int32),
-            max_tokens=100_000, target_output_tokens=100_000,
-        ))
+        engine.add_request(
+            Request(
+                request_id=index,
+                arrival_s=0.0,
+                prompt_token_ids=rng.integers(32, 127, size=int(rng.integers(64, 1024)), dtype=np.int32),
+                max_tokens=100_000,
+                target_output_tokens=100_000,
+            )
+        )
     while len(engine.scheduler.running) < num_running or any(
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
     ):
@@ -82,8 +88,9 @@ def _scheduler_overhead(num_running: int, num_waiting: int, num_steps: int) -> d
 def bench_engine(quick: bool = False) -> dict[str, Any]:
     minutes = 1 if quick else 10
     tiny = _replay_speed({"workload": {"trace": "azure-conv", "duration_s": 60 * minutes}})
-    null_slice = _replay_speed({"model": {"backend": "null"},
-                                "workload": {"trace": "azure-conv", "duration_s": 60 * minutes}})
+    null_slice = _replay_speed(
+        {"model": {"backend": "null"}, "workload": {"trace": "azure-conv", "duration_s": 60 * minutes}}
+    )
     result: dict[str, Any] = {
         "bench": "engine",
         "scheduler_overhead": _scheduler_overhead(256, 2000, 20 if quick else 200),
@@ -93,7 +100,8 @@ def bench_engine(quick: bool = False) -> dict[str, Any]:
     }
     if not quick:
         result["replay_azure_conv_full_hour_null"] = _replay_speed(
-            {"model": {"backend": "null"}, "workload": {"trace": "azure-conv"}})
+            {"model": {"backend": "null"}, "workload": {"trace": "azure-conv"}}
+        )
     return result
 
 

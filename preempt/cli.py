@@ -24,12 +24,17 @@ class _Parser(argparse.ArgumentParser):
 def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="JSON or YAML engine config")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
-    parser.add_argument("--trace", help="bundled trace (azure-conv, azure-code, mooncake-synthetic) or a path")
+    parser.add_argument(
+        "--trace", help="bundled trace (azure-conv, azure-code, mooncake-synthetic) or a path"
+    )
     parser.add_argument("--duration", type=float, help="seconds of the trace to replay (workload.duration_s)")
     parser.add_argument("--rate-scale", type=float, help="arrival-rate multiplier (workload.rate_scale)")
     parser.add_argument("--seed", type=int, help="seed of model init, prompts, SLA mix, sampling")
     parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override any config key, e.g. --set scheduler.max_num_seqs=64 (repeatable)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -37,8 +42,12 @@ def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
 
 def _config_from_args(args: argparse.Namespace) -> EngineConfig:
     overrides = list(args.set)
-    for flag, key in (("trace", "workload.trace"), ("duration", "workload.duration_s"),
-                      ("rate_scale", "workload.rate_scale"), ("seed", "seed")):
+    for flag, key in (
+        ("trace", "workload.trace"),
+        ("duration", "workload.duration_s"),
+        ("rate_scale", "workload.rate_scale"),
+        ("seed", "seed"),
+    ):
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={value}")
@@ -50,8 +59,19 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = _config_from_args(args)
     summary = replay(config, args.out, progress=not args.no_progress)
-    keys = ("num_requests", "num_finished", "num_aborted", "num_preemptions", "ttft_p50_s", "ttft_p99_s",
-            "tpot_p50_s", "tpot_p99_s", "goodput_req_s", "sim_time_s", "wall_time_s")
+    keys = (
+        "num_requests",
+        "num_finished",
+        "num_aborted",
+        "num_preemptions",
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "tpot_p50_s",
+        "tpot_p99_s",
+        "goodput_req_s",
+        "sim_time_s",
+        "wall_time_s",
+    )
     print(json.dumps({k: summary[k] for k in keys}, indent=2))
     print(f"wrote {args.out / 'requests.parquet'} and {args.out / 'summary.json'}")
     return 0

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -32,6 +32,7 @@ class ModelConfig(_Section):
     def _yaml_null_is_the_null_backend(cls, value: Any) -> Any:
         # YAML (and so `--set model.backend=null`) reads a bare `null` as None.
         return "null" if value is None else value
+
     preset: str = "tiny-2l"
     """Architecture preset of the `tiny` backend (see preempt.model.tiny.PRESETS)."""
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"
@@ -120,6 +121,106 @@ class WorkloadConfig(_Section):
         return mix
 
 
+class PriorityWeights(_Section):
+    """Weights of `score = age_s * age + sla_level * sla - remaining_ktokens * tokens`.
+
+    Units are explicit: age in seconds since arrival, SLA level as an integer class,
+    remaining work in *thousands* of tokens (prompt still to prefill + max_tokens still to
+    generate). With raw tokens the token term would swamp the others (a 2k-token prompt
+    would outweigh 15 minutes of age at the SPEC's weights)."""
+
+    age: float = Field(1.2, ge=0)
+    sla: float = Field(0.8, ge=0)
+    tokens: float = Field(0.5, ge=0)
+
+
+class TimeSliceConfig(_Section):
+    """Slice lengths by the request's current length (prompt + generated tokens)."""
+
+    long_ms: float = Field(50.0, gt=0)
+    """Requests longer than `long_above_tokens`."""
+    medium_ms: float = Field(20.0, gt=0)
+    short_ms: float = Field(10.0, gt=0)
+    """Requests shorter than `short_below_tokens`."""
+    long_above_tokens: int = Field(512, gt=0)
+    short_below_tokens: int = Field(128, gt=0)
+    static_ms: float = Field(20.0, gt=0)
+    """The one slice of the `static` strategy."""
+
+
+class BackoffConfig(_Section):
+    """After a preemption failure, new admissions wait base * 2^(k-1) seconds (k =
+    failures in a row, capped); k resets after `reset_after_s` without a failure."""
+
+    base_s: float = Field(0.05, gt=0)
+    cap_s: float = Field(2.0, gt=0)
+    reset_after_s: float = Field(10.0, gt=0)
+
+
+class PreemptionConfig(_Section):
+    """The SPEC's `preemption` section (serve_config.json), extended."""
+
+    mode: Literal["recompute", "swap", "swap_zstd", "pause"] = "recompute"
+    """What happens to a victim's KV: dropped and recomputed (vLLM V1), saved raw to host
+    memory (vLLM V0 swap), saved with zstd, or kept resident until its blocks are needed
+    (`pause`, zero-copy; saved with `reclaim_codec` when reclaimed)."""
+    time_slice_strategy: Literal["static", "dynamic"] = "dynamic"
+    min_time_slice_ms: float = Field(10.0, ge=0)
+    """No slice is shorter than this."""
+    time_slices: TimeSliceConfig = TimeSliceConfig()
+    priority_weights: PriorityWeights = PriorityWeights()
+    threshold: float = Field(0.2, ge=0)
+    """A challenger must beat a running request's score by threshold * max(|score|,
+    score_floor): 20% of the incumbent's magnitude, never less than 20% of the floor."""
+    score_floor: float = Field(1.0, gt=0)
+    """Keeps the margin meaningful when the incumbent's score is near zero."""
+    priority_gap: int = Field(1, ge=1)
+    """`sglang_threshold`: preempt only if the challenger's SLA level exceeds the victim's
+    by at least this (SGLang's --priority-scheduling-preemption-threshold, default 10 on
+    its own priority scale)."""
+    max_preemption_per_min: int | None = Field(30, gt=0)
+    """Priority preemptions allowed in any 60 s window of the engine's clock (None: no
+    cap). Preemptions forced by running out of KV blocks are counted but never blocked."""
+    max_consecutive_preemptions: int = Field(3, gt=0)
+    """A request already preempted this many times is marked PREEMPTION_FAILED instead of
+    preempted again, and runs to completion."""
+    backoff: BackoffConfig = BackoffConfig()
+    host_mem: int | str = "4GB"
+    """Host pool for saved KV (`--preemption-host-mem`), in the KV bytes of the backend
+    that stores them (the tiny model's real KV; the target's modelled KV with `null`)."""
+    slot_size: int | str = "256MB"
+    """One request's saved KV must fit one slot (`--preemption-slot-size`)."""
+    zstd_level: int = Field(3, ge=1, le=22)
+    zstd_threads: int = Field(0, ge=0)
+    zstd_shuffle: bool = True
+    """Byte-shuffle before zstd (high bytes of fp16 together): smaller and faster."""
+    reclaim_codec: Literal["raw", "zstd"] = "raw"
+    """How `pause` saves a paused request when its blocks are reclaimed."""
+    codec_encode_mb_s: dict[str, float] = Field(default_factory=lambda: {"raw": 0.0, "zstd": 480.0})
+    """Virtual clock: host-side encode throughput per codec (0 = free), calibrated with
+    `preempt bench save` on this kind of machine (zstd L3 + shuffle, one core)."""
+    codec_decode_mb_s: dict[str, float] = Field(default_factory=lambda: {"raw": 0.0, "zstd": 1000.0})
+    modelled_ratio: dict[str, float] = Field(default_factory=lambda: {"raw": 1.0, "zstd": 1.15})
+    """`null` backend (no real KV): compression ratio assumed per codec (measured on the
+    tiny model's KV by `preempt bench save`)."""
+
+    @field_validator("host_mem", "slot_size")
+    @classmethod
+    def _size(cls, value: int | str) -> int:
+        from preempt.sizes import parse_size
+
+        return parse_size(value)
+
+    @model_validator(mode="after")
+    def _slot_fits_pool(self) -> PreemptionConfig:
+        if self.slot_size > self.host_mem:
+            raise ValueError(
+                f"slot_size ({self.slot_size} B) exceeds host_mem ({self.host_mem} B): raise "
+                "--preemption-host-mem or lower --preemption-slot-size"
+            )
+        return self
+
+
 class SLOConfig(_Section):
     """Latency objectives per SLA level, for goodput and SLO attainment. Levels not
     listed use level 0's. Defaults: interactive-chat targets of the range that
@@ -149,6 +250,7 @@ class EngineConfig(_Section):
     scheduler: SchedulerConfig = SchedulerConfig()
     clock: ClockConfig = ClockConfig()
     workload: WorkloadConfig = WorkloadConfig()
+    preemption: PreemptionConfig = PreemptionConfig()
     slo: SLOConfig = SLOConfig()
 
 
@@ -177,7 +279,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as err:
-        raise ConfigError(f"config file {path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {err}") from None
+        raise ConfigError(
+            f"config file {path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {err}"
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

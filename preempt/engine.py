@@ -40,22 +40,44 @@ class Engine:
         self.block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or self.cost_model.kv_capacity_blocks(self.block_size)
         self.block_pool = BlockPool(num_blocks)
-        self.scheduler = Scheduler(config.scheduler, get_policy(config.scheduler.policy), self.block_pool, self.block_size)
         self.runner = create_model_runner(config, num_blocks, self.block_size)
+        self.saver = None
+        if config.preemption.mode != "recompute":
+            from preempt.saver import Saver
+
+            self.saver = Saver(
+                config, getattr(self.runner, "kv_cache", None), self.cost_model, self.block_size
+            )
+        self.scheduler = Scheduler(
+            config.scheduler,
+            get_policy(config.scheduler.policy, config.preemption),
+            self.block_pool,
+            self.block_size,
+            preemption=config.preemption,
+            mover=self.saver,
+        )
         self.clock = make_clock(config.clock.kind)
         self.num_steps = 0
         self.busy_s = 0.0  # time spent in steps (vs idle waiting for arrivals)
+        self.stall_s = 0.0  # compute waiting for KV moves (saves' copy-out, restores)
+        self._saver_thread_s_seen = 0.0
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
         """Queue a request, or end it ABORTED at once when it can never run."""
         max_len = request.num_prompt_tokens + request.max_tokens
         if max_len > self.config.model.max_model_len:
-            self._abort(request, f"prompt_too_long: prompt+max_tokens={max_len} > max_model_len="
-                        f"{self.config.model.max_model_len}")
+            self._abort(
+                request,
+                f"prompt_too_long: prompt+max_tokens={max_len} > max_model_len="
+                f"{self.config.model.max_model_len}",
+            )
         elif blocks_needed(max_len, self.block_size) > self.block_pool.num_blocks:
-            self._abort(request, f"exceeds_kv_capacity: needs {blocks_needed(max_len, self.block_size)} "
-                        f"blocks, pool has {self.block_pool.num_blocks}")
+            self._abort(
+                request,
+                f"exceeds_kv_capacity: needs {blocks_needed(max_len, self.block_size)} "
+                f"blocks, pool has {self.block_pool.num_blocks}",
+            )
         else:
             self.scheduler.add_request(request)
 
@@ -72,7 +94,8 @@ class Engine:
 
     # ----------------------------------------------------------------- step
     def step(self) -> StepOutput:
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(self.clock.now())
+        stall_s = self._stall(scheduled)
         if not scheduled.chunks:
             return StepOutput(scheduled, [], 0.0)
         shape = self._step_shape(scheduled)
@@ -83,10 +106,11 @@ class Engine:
         self.clock.advance(step_s)
         now = self.clock.now()
         self.num_steps += 1
-        self.busy_s += step_s
+        self.busy_s += step_s + stall_s
+        self.scheduler.on_step_done(scheduled.chunks, step_s)
 
         finished: list[Request] = []
-        for chunk, token in zip(scheduled.chunks, next_tokens):
+        for chunk, token in zip(scheduled.chunks, next_tokens, strict=True):
             request = chunk.request
             request.num_computed_tokens += chunk.num_new_tokens
             if request.admitted_s is None:
@@ -101,6 +125,45 @@ class Engine:
                 finished.append(request)
         self.scheduler.remove_finished(finished)
         return StepOutput(scheduled, finished, step_s)
+
+    def _stall(self, scheduled: SchedulerOutput) -> float:
+        """Compute waits for KV moves it depends on: on the virtual clock, until restores
+        and (when the step uses blocks still being copied out) saves end; on the wall
+        clock, the save/restore work the engine thread did inside schedule()."""
+        if self.saver is None:
+            return 0.0
+        if self.config.clock.kind == "virtual":
+            now = self.clock.now()
+            until = self.saver.restore_end_s
+            if scheduled.uses_saved_blocks:
+                until = max(until, self.saver.save_copy_end_s)
+            stall_s = max(0.0, until - now)
+            self.clock.advance(stall_s)
+        else:  # the engine thread's share of this step's saves and restores
+            stall_s = self.saver.engine_thread_s - self._saver_thread_s_seen
+            self._saver_thread_s_seen = self.saver.engine_thread_s
+        self.stall_s += stall_s
+        return stall_s
+
+    def close(self) -> None:
+        """Stop background workers (the saver's thread on the wall clock)."""
+        if self.saver is not None:
+            self.saver.close()
+
+    def stats(self) -> dict[str, float | int]:
+        """Engine-level counters for summary.json and the server's metrics."""
+        saver = self.saver
+        return {
+            "num_steps": self.num_steps,
+            "num_blocks": self.block_pool.num_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_preemption_failed": self.scheduler.num_preemption_failed,
+            "num_restore_fallbacks": self.scheduler.num_restore_fallbacks,
+            "preemption_stall_s": self.stall_s,
+            "kv_saved_bytes_raw": saver.bytes_raw if saver else 0,
+            "kv_saved_bytes_stored": saver.bytes_stored if saver else 0,
+            "host_pool_peak_bytes": saver.host_pool.peak_bytes_used if saver else 0,
+        }
 
     @staticmethod
     def _step_shape(scheduled: SchedulerOutput) -> StepShape:

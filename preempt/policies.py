@@ -1,9 +1,10 @@
-"""Scheduling policies: admission order and victim choice, chosen by name.
+"""Scheduling policies: admission order, victim choice and priority preemption, by name.
 
-Owns: the small interface the scheduler consults when it must order the waiting queue or
-pick a request to preempt, and the registry of named policies. Policies only read request
-fields a real server knows (arrival, SLA level, max_tokens, progress); they never look at
-`target_output_tokens` (the future) and never mutate a request.
+Owns: the small interface the scheduler consults when it must order the waiting queue,
+pick a request to preempt when KV blocks run out, or decide whether a waiting request
+may take a running one's place; and the registry of named policies. Policies read only
+what a real server knows (arrival, SLA level, max_tokens, progress); they never look at
+`target_output_tokens` and never mutate a request.
 """
 
 from __future__ import annotations
@@ -11,27 +12,42 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from preempt.config import PreemptionConfig
+from preempt.priority import beats, priority_score
 from preempt.request import Request
 
 
 class SchedulingPolicy(ABC):
     """Rules every policy keeps:
 
-    - `admission_key` is a total order on waiting requests; the scheduler admits the
-      smallest key first and never skips the head (no reordering behind its back).
-    - `select_victim` returns one element of `running` (which is in admission order,
-      oldest first) and may return the request that is asking for blocks itself.
+    - `admission_key` is a total order on waiting requests that does not change while
+      they wait; the scheduler admits the smallest key first and never skips the head.
+    - `select_victim` returns one element of `running` (admission order, oldest first);
+      it may return the request that is asking for blocks itself.
+    - `priority_victim` returns a running request the challenger may displace, or None.
+      The scheduler has already filtered `candidates` (slice used if `uses_time_slices`,
+      not PREEMPTION_FAILED); the policy only compares importance.
     """
 
     name: str
+    uses_time_slices: bool = False
+
+    def __init__(self, config: PreemptionConfig) -> None:
+        self.config = config
 
     @abstractmethod
     def admission_key(self, request: Request) -> tuple:
         """Sort key for the waiting queue; smaller is admitted first."""
 
     @abstractmethod
-    def select_victim(self, running: Sequence[Request]) -> Request:
+    def select_victim(self, running: Sequence[Request], now: float) -> Request:
         """The request to preempt when KV blocks run out."""
+
+    def priority_victim(
+        self, challenger: Request, candidates: Sequence[Request], now: float
+    ) -> Request | None:
+        """A running request `challenger` should displace now; None: no preemption."""
+        return None
 
 
 class VllmFcfsPolicy(SchedulingPolicy):
@@ -40,36 +56,93 @@ class VllmFcfsPolicy(SchedulingPolicy):
     name = "vllm_fcfs"
 
     def admission_key(self, request: Request) -> tuple:
-        # A recompute victim arrived before every request still waiting under FCFS, so
-        # sorting by arrival puts it back at the head, as vLLM's `appendleft` does.
+        # A victim arrived before every request still waiting under FCFS, so sorting by
+        # arrival puts it back at the head, as vLLM's `appendleft` does.
         return (request.arrival_s, request.request_id)
 
-    def select_victim(self, running: Sequence[Request]) -> Request:
+    def select_victim(self, running: Sequence[Request], now: float) -> Request:
         return running[-1]
 
 
 class VllmPriorityPolicy(SchedulingPolicy):
     """vLLM V1 priority scheduling: admit by (priority, arrival); the victim is the worst
     by (priority, arrival). vLLM's smaller `priority` value is more important; our
-    `sla_level` is the opposite, hence the negation."""
+    `sla_level` is the opposite, hence the negation. Preempts only for memory."""
 
     name = "vllm_priority"
 
     def admission_key(self, request: Request) -> tuple:
         return (-request.sla_level, request.arrival_s, request.request_id)
 
-    def select_victim(self, running: Sequence[Request]) -> Request:
+    def select_victim(self, running: Sequence[Request], now: float) -> Request:
         return max(running, key=self.admission_key)
 
 
+class SglangThresholdPolicy(VllmPriorityPolicy):
+    """SGLang-like: priority order, and a waiting request preempts the lowest-priority
+    running one only when its level exceeds the victim's by `priority_gap`. No slices."""
+
+    name = "sglang_threshold"
+
+    def priority_victim(
+        self, challenger: Request, candidates: Sequence[Request], now: float
+    ) -> Request | None:
+        if not candidates:
+            return None
+        victim = max(candidates, key=self.admission_key)  # lowest level, latest arrival
+        if challenger.sla_level - victim.sla_level >= self.config.priority_gap:
+            return victim
+        return None
+
+
+class PriorityScorePolicy(SchedulingPolicy):
+    """The SPEC's design: score = age, SLA and remaining work (preempt.priority); the
+    victim is the lowest-scored running request that has used its time slice, and it is
+    displaced only when the challenger beats it by the threshold margin."""
+
+    name = "priority_score"
+    uses_time_slices = True
+
+    def admission_key(self, request: Request) -> tuple:
+        # Every waiting request ages at the same rate, so ordering by the score at time 0
+        # (arrival folded into the age term) is the score order at any time, and the
+        # heap stays valid while requests wait.
+        return (
+            -priority_score(request, 0.0, self.config.priority_weights),
+            request.arrival_s,
+            request.request_id,
+        )
+
+    def select_victim(self, running: Sequence[Request], now: float) -> Request:
+        weights = self.config.priority_weights
+        return min(reversed(running), key=lambda r: priority_score(r, now, weights))
+
+    def priority_victim(
+        self, challenger: Request, candidates: Sequence[Request], now: float
+    ) -> Request | None:
+        if not candidates:
+            return None
+        weights = self.config.priority_weights
+        victim = min(reversed(candidates), key=lambda r: priority_score(r, now, weights))
+        if beats(
+            priority_score(challenger, now, weights),
+            priority_score(victim, now, weights),
+            self.config.threshold,
+            self.config.score_floor,
+        ):
+            return victim
+        return None
+
+
 POLICIES: dict[str, type[SchedulingPolicy]] = {
-    VllmFcfsPolicy.name: VllmFcfsPolicy,
-    VllmPriorityPolicy.name: VllmPriorityPolicy,
+    policy.name: policy
+    for policy in (VllmFcfsPolicy, VllmPriorityPolicy, SglangThresholdPolicy, PriorityScorePolicy)
 }
 
 
-def get_policy(name: str) -> SchedulingPolicy:
+def get_policy(name: str, config: PreemptionConfig | None = None) -> SchedulingPolicy:
     try:
-        return POLICIES[name]()
+        policy_cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown scheduler.policy '{name}'; choose one of {sorted(POLICIES)}") from None
+    return policy_cls(config or PreemptionConfig())

@@ -2,7 +2,8 @@
 
 Owns: the glue `preempt run` (and later `collect` and the ablation arms) share: build the
 workload, run the engine with a progress bar, write `requests.parquet` and
-`summary.json`. No decisions and no tensors here.
+`summary.json` (and `preemptions.parquet`, one row per preemption decision). No
+decisions and no tensors here.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from preempt.config import EngineConfig
 from preempt.engine import Engine, StepOutput
-from preempt.results import summarize, write_requests_parquet, write_summary
+from preempt.results import summarize, write_preemptions_parquet, write_requests_parquet, write_summary
 from preempt.workload import build_workload
 
 
@@ -32,12 +33,19 @@ def replay(config: EngineConfig, out_dir: Path, progress: bool = True) -> dict[s
         def on_step(output: StepOutput) -> None:
             if output.finished:
                 bar.update(len(output.finished))
-            bar.set_postfix(sim_s=f"{engine.clock.now():.0f}", run=len(engine.scheduler.running),
-                            wait=engine.scheduler.num_waiting, refresh=False)
+            bar.set_postfix(
+                sim_s=f"{engine.clock.now():.0f}",
+                run=len(engine.scheduler.running),
+                wait=engine.scheduler.num_waiting,
+                refresh=False,
+            )
 
-    engine.run(requests, on_step=on_step)
-    if bar is not None:
-        bar.close()
+    try:
+        engine.run(requests, on_step=on_step)
+    finally:
+        engine.close()
+        if bar is not None:
+            bar.close()
 
     out_dir.mkdir(parents=True, exist_ok=True)
     write_requests_parquet(requests, out_dir / "requests.parquet")
@@ -47,7 +55,8 @@ def replay(config: EngineConfig, out_dir: Path, progress: bool = True) -> dict[s
         wall_time_s=time.perf_counter() - started,
         config=config.model_dump(mode="json"),
         slo=config.slo,
-        extra={"num_steps": engine.num_steps, "num_blocks": engine.block_pool.num_blocks},
+        extra=engine.stats(),
     )
+    write_preemptions_parquet(engine.scheduler.records, out_dir / "preemptions.parquet")
     write_summary(summary, out_dir / "summary.json")
     return summary

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
+
+# Where a preempted request's KV lives: kept on the device (`pause`), saved to the host
+# pool, or None (dropped; recompute from tokens).
+KVLocation = Literal["device", "host"] | None
 
 
 class RequestState(str, enum.Enum):
@@ -53,13 +57,19 @@ class Request:
     finish_s: float | None = None
     num_preemptions: int = 0
     abort_reason: str | None = None
+    # --- preemption state ---
+    slice_used_s: float = 0.0  # executed time since it last started running
+    preemption_failed: bool = False  # fallback taken: never preempted for priority again
+    kv_location: KVLocation = None  # where a PREEMPTED request's KV is
+    saved_kv: Any = None  # the saver's handle while kv_location == "host" (opaque here)
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
             raise ValueError(f"request {self.request_id}: max_tokens must be > 0, got {self.max_tokens}")
         if self.target_output_tokens <= 0:
             raise ValueError(
-                f"request {self.request_id}: target_output_tokens must be > 0, got {self.target_output_tokens}"
+                f"request {self.request_id}: target_output_tokens must be > 0, "
+                f"got {self.target_output_tokens}"
             )
 
     @property

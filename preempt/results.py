@@ -15,6 +15,7 @@ Definitions (seconds on the engine's clock):
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -28,6 +29,8 @@ import pyarrow.parquet as pq
 
 from preempt.config import SLOConfig
 from preempt.request import Request, RequestState
+from preempt.scheduler import PreemptionRecord
+
 
 def output_digest(token_ids: Sequence[int]) -> str:
     data = np.asarray(token_ids, dtype="<i4").tobytes()
@@ -48,27 +51,59 @@ def requests_table(requests: Sequence[Request]) -> pa.Table:
     rows: dict[str, list[Any]] = {
         name: []
         for name in (
-            "request_id", "arrival_s", "prompt_tokens", "max_tokens", "output_tokens", "sla_level",
-            "ttft_s", "tpot_s", "e2e_s", "num_preemptions", "final_state", "output_digest", "abort_reason",
+            "request_id",
+            "arrival_s",
+            "prompt_tokens",
+            "max_tokens",
+            "output_tokens",
+            "sla_level",
+            "ttft_s",
+            "tpot_s",
+            "e2e_s",
+            "num_preemptions",
+            "final_state",
+            "output_digest",
+            "abort_reason",
+            "preemption_failed",
         )
     }
     for r in sorted(requests, key=lambda r: r.request_id):
         ttft, tpot, e2e = _latencies(r)
         for name, value in (
-            ("request_id", r.request_id), ("arrival_s", r.arrival_s), ("prompt_tokens", r.num_prompt_tokens),
-            ("max_tokens", r.max_tokens), ("output_tokens", r.num_output_tokens), ("sla_level", r.sla_level),
-            ("ttft_s", ttft), ("tpot_s", tpot), ("e2e_s", e2e), ("num_preemptions", r.num_preemptions),
-            ("final_state", r.state.value), ("output_digest", output_digest(r.output_token_ids)),
+            ("request_id", r.request_id),
+            ("arrival_s", r.arrival_s),
+            ("prompt_tokens", r.num_prompt_tokens),
+            ("max_tokens", r.max_tokens),
+            ("output_tokens", r.num_output_tokens),
+            ("sla_level", r.sla_level),
+            ("ttft_s", ttft),
+            ("tpot_s", tpot),
+            ("e2e_s", e2e),
+            ("num_preemptions", r.num_preemptions),
+            ("final_state", r.state.value),
+            ("output_digest", output_digest(r.output_token_ids)),
             ("abort_reason", r.abort_reason),
+            ("preemption_failed", r.preemption_failed),
         ):
             rows[name].append(value)
-    schema = pa.schema([
-        ("request_id", pa.int64()), ("arrival_s", pa.float64()), ("prompt_tokens", pa.int64()),
-        ("max_tokens", pa.int64()), ("output_tokens", pa.int64()), ("sla_level", pa.int64()),
-        ("ttft_s", pa.float64()), ("tpot_s", pa.float64()), ("e2e_s", pa.float64()),
-        ("num_preemptions", pa.int64()), ("final_state", pa.string()), ("output_digest", pa.string()),
-        ("abort_reason", pa.string()),
-    ])
+    schema = pa.schema(
+        [
+            ("request_id", pa.int64()),
+            ("arrival_s", pa.float64()),
+            ("prompt_tokens", pa.int64()),
+            ("max_tokens", pa.int64()),
+            ("output_tokens", pa.int64()),
+            ("sla_level", pa.int64()),
+            ("ttft_s", pa.float64()),
+            ("tpot_s", pa.float64()),
+            ("e2e_s", pa.float64()),
+            ("num_preemptions", pa.int64()),
+            ("final_state", pa.string()),
+            ("output_digest", pa.string()),
+            ("abort_reason", pa.string()),
+            ("preemption_failed", pa.bool_()),
+        ]
+    )
     return pa.table(rows, schema=schema)
 
 
@@ -76,6 +111,31 @@ def write_requests_parquet(requests: Sequence[Request], path: Path) -> None:
     # Fixed writer options, no timestamps in metadata: byte-identical files for
     # identical runs (the reproducibility test compares bytes).
     pq.write_table(requests_table(requests), path, compression="zstd", write_statistics=False)
+
+
+def write_preemptions_parquet(records: Sequence[PreemptionRecord], path: Path) -> None:
+    """One row per preemption decision (also failed attempts and reclaims of paused
+    requests): time, victim, reason, what happened to its KV, bytes and durations."""
+    fields = [f.name for f in dataclasses.fields(PreemptionRecord)]
+    columns = {name: [getattr(r, name) for r in records] for name in fields}
+    schema = pa.schema(
+        [
+            ("time_s", pa.float64()),
+            ("request_id", pa.int64()),
+            ("reason", pa.string()),
+            ("action", pa.string()),
+            ("num_tokens", pa.int64()),
+            ("challenger_id", pa.int64()),
+            ("failure", pa.string()),
+            ("codec", pa.string()),
+            ("bytes_raw", pa.int64()),
+            ("bytes_stored", pa.int64()),
+            ("save_s", pa.float64()),
+            ("restore_s", pa.float64()),
+            ("restored", pa.bool_()),
+        ]
+    )
+    pq.write_table(pa.table(columns, schema=schema), path, compression="zstd", write_statistics=False)
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -97,9 +157,12 @@ def _latency_stats(requests: Sequence[Request], slo: SLOConfig) -> dict[str, Any
     return {
         "num_requests": len(requests),
         "num_finished": sum(r.state is RequestState.FINISHED for r in requests),
-        "ttft_p50_s": _percentile(ttfts, 50), "ttft_p99_s": _percentile(ttfts, 99),
-        "tpot_p50_s": _percentile(tpots, 50), "tpot_p99_s": _percentile(tpots, 99),
-        "e2e_p50_s": _percentile(e2es, 50), "e2e_p99_s": _percentile(e2es, 99),
+        "ttft_p50_s": _percentile(ttfts, 50),
+        "ttft_p99_s": _percentile(ttfts, 99),
+        "tpot_p50_s": _percentile(tpots, 50),
+        "tpot_p99_s": _percentile(tpots, 99),
+        "e2e_p50_s": _percentile(e2es, 50),
+        "e2e_p99_s": _percentile(e2es, 99),
         "num_slo_met": num_good,
         "slo_attainment": num_good / len(requests) if requests else None,
     }
@@ -120,11 +183,7 @@ def summarize(
         **overall,
         "num_aborted": sum(r.state is RequestState.ABORTED for r in requests),
         "num_preemptions": sum(r.num_preemptions for r in requests),
-        # Recompute preemption (the only mode so far) cannot fail and saves no KV.
-        "num_preemption_failed": 0,
-        "preemption_stall_s": 0.0,
-        "kv_saved_bytes_raw": 0,
-        "kv_saved_bytes_stored": 0,
+        "num_preemption_failed": sum(r.preemption_failed for r in requests),
         "num_output_tokens": sum(r.num_output_tokens for r in requests),
         "goodput_req_s": overall["num_slo_met"] / sim_time_s if sim_time_s > 0 else 0.0,
         "per_sla": {

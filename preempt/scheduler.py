@@ -1,36 +1,102 @@
-"""Continuous batching: which requests run this step, with how many tokens, and who
-gets preempted when KV blocks run out.
+"""Continuous batching and preemption: which requests run this step, with how many
+tokens, who is preempted, and what happens to a victim's KV.
 
-Owns: the waiting queue, the running list, block allocation for scheduled tokens, and
-recompute preemption (vLLM V1's only mode: free the victim's blocks, forget its KV,
-requeue it). Plain Python, no torch. It never runs the model and never reads a clock of
-its own: `schedule()` is a pure decision over the state it is given.
+Owns: the waiting queue (new and preempted requests), the running list, block
+allocation for scheduled tokens, the preemption decisions (memory pressure and priority),
+their rate limit, the failure fallback and the admission backoff. Plain Python, no
+torch: moving KV bytes is delegated to a `KVMover` (the saver), and the scheduler never
+runs the model or reads a clock of its own (`schedule(now)` is given the time).
 
-One step (`schedule`):
-1. Running requests, in admission order, each get their next tokens (1 for decode, a
-   chunk of the prompt otherwise) within the step's token budget. When blocks run out,
-   the policy picks a victim among the running requests and it is preempted by
-   recompute; if the victim is the requester itself, the requester waits.
-2. Only if nobody was preempted, waiting requests are admitted in policy order while the
-   budget, `max_num_seqs` and free blocks allow. The head of the queue is never skipped.
+One step (`schedule(now)`):
+0. Priority: if the head of the waiting queue cannot be admitted (no seat or no blocks),
+   the policy may name a running request it displaces (at most one per step; only
+   requests that used their time slice; never beyond `max_preemption_per_min`).
+1. Running requests, in admission order, get their next tokens (1 for decode, a prompt
+   chunk otherwise) within the token budget. When blocks run out, paused requests'
+   blocks are reclaimed first, then the policy picks a victim among the running
+   requests (a forced preemption); if the victim is the requester itself, it waits.
+2. Unless step 1 preempted someone, waiting requests are admitted in policy order while
+   the budget, `max_num_seqs` and free blocks allow; the head is never skipped. A
+   preempted request resumes by re-pointing its blocks (`pause`), restoring its saved KV
+   (`swap*`) or recomputing it.
+
+What happens to a victim's KV (`preemption.mode`): `recompute` drops it; `swap` /
+`swap_zstd` save it to host memory and free the blocks; `pause` keeps the blocks
+resident (zero copy) and saves them (`reclaim_codec`) only when someone needs blocks.
+A failed save (host pool full, blob over one slot) or a request already preempted
+`max_consecutive_preemptions` times takes the fallback: the request is marked
+PREEMPTION_FAILED and runs to completion (a forced preemption still drops its KV, since
+the blocks are needed), and new admissions back off exponentially.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from preempt.block_pool import BlockPool, blocks_needed
-from preempt.config import SchedulerConfig
+from preempt.config import PreemptionConfig, SchedulerConfig
 from preempt.policies import SchedulingPolicy
+from preempt.priority import time_slice_s
 from preempt.request import Request, RequestState, ScheduledChunk
+
+RATE_WINDOW_S = 60.0
+_MODE_CODEC = {"swap": "raw", "swap_zstd": "zstd"}
+
+
+@dataclass
+class PreemptionRecord:
+    """One preemption decision (or failed attempt, or deferred reclaim of a paused one)."""
+
+    time_s: float
+    request_id: int
+    reason: str  # "priority" | "memory" | "reclaim"
+    action: str  # what happened to the KV: "recompute" | "save" | "pause" | "none" (failed, kept running)
+    num_tokens: int  # tokens of KV the victim had
+    challenger_id: int | None = None
+    failure: str | None = None  # "pool_full" | "slot_too_small" | "consecutive_limit"
+    codec: str | None = None
+    bytes_raw: int = 0  # filled by the KVMover on a save
+    bytes_stored: int = 0
+    save_s: float = 0.0
+    restore_s: float = 0.0
+    restored: bool | None = None  # None: not (yet) restored; False: fell back to recompute
+
+
+class KVMover(ABC):
+    """The acting side of save/restore, called synchronously at decision time.
+
+    Rules: `save` copies the KV of the request's first `num_computed_tokens` tokens out of
+    `request.block_ids` into host memory and fills the record's byte counts and timing;
+    it must not touch the blocks' ownership (the scheduler frees them right after).
+    `restore` is called once the request's blocks cover `num_computed_tokens` again; it
+    writes the saved KV into them and frees the host copy. Neither raises on load
+    conditions: they return what went wrong.
+    """
+
+    @abstractmethod
+    def save(self, request: Request, codec: str, now: float, record: PreemptionRecord) -> str | None:
+        """Save the KV; None on success, else the failure reason (the host copy is not kept)."""
+
+    @abstractmethod
+    def restore(self, request: Request, now: float, record: PreemptionRecord) -> bool:
+        """Restore the KV; False if the saved copy was unusable (it is freed either way)."""
+
+    @abstractmethod
+    def discard(self, request: Request) -> None:
+        """Drop a saved copy that will never be restored (the request was aborted)."""
 
 
 class SchedulerOutput(NamedTuple):
     chunks: list[ScheduledChunk]  # what to compute this step, running order
-    preempted: list[Request]  # recompute victims of this step
+    preempted: list[Request]  # requests preempted this step
+    records: list[PreemptionRecord]  # every preemption decision of this step
     num_batched_tokens: int
+    uses_saved_blocks: bool  # the step needs blocks whose KV is still being copied out
 
 
 class Scheduler:
@@ -40,17 +106,34 @@ class Scheduler:
         policy: SchedulingPolicy,
         block_pool: BlockPool,
         block_size: int,
+        preemption: PreemptionConfig | None = None,
+        mover: KVMover | None = None,
     ) -> None:
         self.config = config
+        self.preemption = preemption or PreemptionConfig()
+        if self.preemption.mode != "recompute" and mover is None:
+            raise ValueError(f"preemption.mode '{self.preemption.mode}' needs a KV mover (saver)")
         self.policy = policy
         self.block_pool = block_pool
         self.block_size = block_size
+        self.mover = mover
         self.running: list[Request] = []  # admission order, oldest first
         # Heap of (policy key, insertion counter, request): the counter keeps equal keys
         # FIFO and stops heapq from ever comparing Request objects.
         self._waiting: list[tuple[tuple, int, Request]] = []
         self._counter = itertools.count()
+        self.paused: list[Request] = []  # preempted, KV still on the device, oldest first
+        self.records: list[PreemptionRecord] = []
         self.num_preemptions = 0
+        self.num_preemption_failed = 0
+        self.num_restore_fallbacks = 0
+        self._window: deque[float] = deque()  # times of preemptions in the last minute
+        self._failures_in_row = 0
+        self._last_failure_s = float("-inf")
+        self.backoff_until_s = 0.0
+        self._now = 0.0
+        self._saved_free_blocks = 0  # blocks freed this step by saves still in flight
+        self._uses_saved_blocks = False
 
     # ----------------------------------------------------------------- queue
     @property
@@ -62,34 +145,47 @@ class Scheduler:
         return bool(self.running or self._waiting)
 
     def add_request(self, request: Request) -> None:
-        request.state = RequestState.WAITING
+        if request.state is not RequestState.PREEMPTED:
+            request.state = RequestState.WAITING
         heapq.heappush(self._waiting, (self.policy.admission_key(request), next(self._counter), request))
 
     def waiting_requests(self) -> list[Request]:
         """Waiting requests in admission order (a copy; for inspection and tests)."""
         return [entry[2] for entry in sorted(self._waiting)]
 
+    def preemptions_in_window(self, now: float) -> int:
+        while self._window and self._window[0] <= now - RATE_WINDOW_S:
+            self._window.popleft()
+        return len(self._window)
+
     # ----------------------------------------------------------------- step
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float = 0.0) -> SchedulerOutput:
+        self._now = now
+        self._saved_free_blocks = 0
+        self._uses_saved_blocks = False
+        first_record = len(self.records)
         budget = self.config.max_num_batched_tokens
         chunks: dict[int, ScheduledChunk] = {}  # id(request) -> chunk, insertion ordered
         preempted: list[Request] = []
 
+        victim = self._priority_preemption(now)
+        if victim is not None:
+            preempted.append(victim)
+
+        memory_preempted = False
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:  # nothing to compute (cannot happen for live requests)
-                index += 1
-                continue
             while not self._allocate_for(request, num_new):
-                victim = self.policy.select_victim(self.running)
+                victim = self.policy.select_victim(self._memory_candidates(), now)
                 victim_chunk = chunks.pop(id(victim), None)
                 if victim_chunk is not None:  # refund a victim scheduled earlier this step
                     budget += victim_chunk.num_new_tokens
                 victim_index = self.running.index(victim)
-                self._preempt_by_recompute(victim)
+                self._preempt(victim, "memory", forced=True)
                 preempted.append(victim)
+                memory_preempted = True
                 if victim_index < index:
                     index -= 1
                 if victim is request:
@@ -99,54 +195,229 @@ class Scheduler:
                 budget -= num_new
                 index += 1
 
-        if not preempted:
-            budget = self._admit_waiting(chunks, budget)
+        if not memory_preempted:
+            self._admit_waiting(chunks, budget, now)
 
         chunk_list = list(chunks.values())
         num_tokens = sum(chunk.num_new_tokens for chunk in chunk_list)
-        return SchedulerOutput(chunk_list, preempted, num_tokens)
+        return SchedulerOutput(
+            chunk_list, preempted, self.records[first_record:], num_tokens, self._uses_saved_blocks
+        )
 
-    def _admit_waiting(self, chunks: dict[int, ScheduledChunk], budget: int) -> int:
+    def on_step_done(self, chunks: list[ScheduledChunk], step_s: float) -> None:
+        """Charge the step's duration to every request that ran in it (time slices)."""
+        for chunk in chunks:
+            chunk.request.slice_used_s += step_s
+
+    # ----------------------------------------------------------------- admission
+    def _admit_waiting(self, chunks: dict[int, ScheduledChunk], budget: int, now: float) -> None:
         while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._waiting[0][2]
+            if self._held_by_backoff(request, now):
+                break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_for(request, num_new):
-                break  # FCFS-style head-of-line blocking: never skip the head
+                break  # never skip the head
             heapq.heappop(self._waiting)
-            request.state = RequestState.RUNNING
+            if request.kv_location == "host" and not self._restore(request, now):
+                num_new = min(request.num_tokens, budget)  # KV lost: recompute from tokens
+            elif request.kv_location == "device":
+                self.paused.remove(request)  # zero copy: its blocks never left
+            request.kv_location = None
+            request.state = (
+                RequestState.PREEMPTION_FAILED if request.preemption_failed else RequestState.RUNNING
+            )
+            request.slice_used_s = 0.0
             self.running.append(request)
             chunks[id(request)] = ScheduledChunk(request, num_new)
             budget -= num_new
-        return budget
 
+    def _held_by_backoff(self, request: Request, now: float) -> bool:
+        """After a preemption failure, requests that never ran wait for the backoff;
+        preempted ones may resume (they already hold host or device memory)."""
+        return now < self.backoff_until_s and request.state is RequestState.WAITING
+
+    def _restore(self, request: Request, now: float) -> bool:
+        record = request.saved_kv
+        ok = self.mover.restore(request, now, record)
+        request.saved_kv = None
+        if not ok:
+            self.num_restore_fallbacks += 1
+            request.num_computed_tokens = 0
+        return ok
+
+    # ----------------------------------------------------------------- blocks
     def _allocate_for(self, request: Request, num_new: int) -> bool:
-        """Grow the request's block table to cover `num_new` more tokens, if possible."""
+        """Grow the request's block table to cover `num_new` more tokens, if possible,
+        reclaiming paused requests' blocks first."""
         num_missing = blocks_needed(request.num_computed_tokens + num_new, self.block_size) - len(
             request.block_ids
         )
         if num_missing <= 0:
             return True
         if not self.block_pool.can_allocate(num_missing):
-            return False
+            self._reclaim_paused(num_missing, exclude=request)
+            if not self.block_pool.can_allocate(num_missing):
+                return False
+        if self.block_pool.num_free - num_missing < self._saved_free_blocks:
+            self._uses_saved_blocks = True  # eats into blocks still being copied out
         request.block_ids.extend(self.block_pool.allocate(num_missing))
         return True
 
-    def _preempt_by_recompute(self, request: Request) -> None:
-        self.running.remove(request)
-        self._release_blocks(request)
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
+    def _reclaim_paused(self, num_missing: int, exclude: Request) -> None:
+        """Data moves only now: save paused requests (least important first) until
+        `num_missing` blocks are free or nobody is left paused."""
+        while not self.block_pool.can_allocate(num_missing):
+            candidates = [r for r in self.paused if r is not exclude]
+            if not candidates:
+                return
+            victim = self.policy.select_victim(candidates, self._now)
+            self.paused.remove(victim)
+            record = PreemptionRecord(
+                self._now, victim.request_id, "reclaim", "save", victim.num_computed_tokens
+            )
+            self.records.append(record)
+            failure = self._save(victim, self.preemption.reclaim_codec, record)
+            self._free_after_save(victim, record, failure)
+            if failure is not None:
+                self._fail(victim, record, failure)
+
+    def _save(self, victim: Request, codec: str, record: PreemptionRecord) -> str | None:
+        record.codec = codec
+        if not victim.num_computed_tokens:
+            return None  # nothing computed yet, nothing to save
+        return self.mover.save(victim, codec, self._now, record)
+
+    def _free_after_save(self, victim: Request, record: PreemptionRecord, failure: str | None) -> None:
+        """Free the victim's blocks; its KV now lives on the host, or (failed save) is
+        dropped and will be recomputed from its tokens."""
+        num_blocks = len(victim.block_ids)
+        self._release_blocks(victim)
+        if failure is None and victim.num_computed_tokens:
+            victim.kv_location = "host"
+            victim.saved_kv = record
+            self._saved_free_blocks += num_blocks  # in flight until the copy-out ends
+        else:
+            record.action = "recompute"
+            victim.kv_location = None
+            victim.num_computed_tokens = 0
+
+    # ----------------------------------------------------------------- preemption
+    def _memory_candidates(self) -> list[Request]:
+        """Victims for a forced preemption: PREEMPTION_FAILED requests only as a last resort."""
+        return [r for r in self.running if not r.preemption_failed] or self.running
+
+    def _priority_preemption(self, now: float) -> Request | None:
+        if not self._waiting:
+            return None
+        challenger = self._waiting[0][2]
+        if self._held_by_backoff(challenger, now) or self._can_admit(challenger):
+            return None
+        limit = self.preemption.max_preemption_per_min
+        if limit is not None and self.preemptions_in_window(now) >= limit:
+            return None
+        for _ in range(len(self.running)):
+            candidates = [
+                r
+                for r in self.running
+                if not r.preemption_failed
+                and (not self.policy.uses_time_slices or r.slice_used_s >= time_slice_s(r, self.preemption))
+            ]
+            victim = self.policy.priority_victim(challenger, candidates, now)
+            if victim is None:
+                return None
+            if self._preempt(victim, "priority", forced=False, challenger=challenger):
+                return victim
+        return None
+
+    def _can_admit(self, request: Request) -> bool:
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        first_chunk = min(
+            request.num_tokens - request.num_computed_tokens, self.config.max_num_batched_tokens
+        )
+        num_missing = blocks_needed(request.num_computed_tokens + first_chunk, self.block_size) - len(
+            request.block_ids
+        )
+        reclaimable = sum(len(r.block_ids) for r in self.paused if r is not request)
+        return num_missing <= self.block_pool.num_free + reclaimable
+
+    def _preempt(
+        self, victim: Request, reason: str, *, forced: bool, challenger: Request | None = None
+    ) -> bool:
+        """Take `victim` out of the batch. Returns False when the fallback kept it running."""
+        mode = self.preemption.mode
+        record = PreemptionRecord(
+            self._now,
+            victim.request_id,
+            reason,
+            "recompute",
+            victim.num_computed_tokens,
+            challenger_id=challenger.request_id if challenger is not None else None,
+        )
+        self.records.append(record)
+        if not forced and victim.num_preemptions >= self.preemption.max_consecutive_preemptions:
+            self._fail(victim, record, "consecutive_limit")
+            return False
+        if mode == "pause" and not forced:
+            record.action = "pause"
+            victim.kv_location = "device"
+            self.paused.append(victim)
+        elif mode == "recompute":
+            self._release_blocks(victim)
+            victim.num_computed_tokens = 0
+            victim.kv_location = None
+        else:
+            # A forced preemption must free the blocks, so `pause` saves here too.
+            record.action = "save"
+            failure = self._save(victim, _MODE_CODEC.get(mode, self.preemption.reclaim_codec), record)
+            if failure is not None and not forced:
+                self._fail(victim, record, failure)  # keeps running with its KV
+                return False
+            self._free_after_save(victim, record, failure)
+            if failure is not None:
+                self._fail(victim, record, failure)  # forced: blocks freed, KV dropped
+        self.running.remove(victim)
+        victim.state = RequestState.PREEMPTED
+        victim.num_preemptions += 1
+        victim.slice_used_s = 0.0
         self.num_preemptions += 1
-        self.add_request(request)
+        self._window.append(self._now)
+        self.add_request(victim)
+        return True
+
+    def _fail(self, request: Request, record: PreemptionRecord, failure: str) -> None:
+        """The SPEC's fallback: mark PREEMPTION_FAILED (runs to completion, never a
+        priority victim again) and back new admissions off exponentially."""
+        record.failure = failure
+        if not request.preemption_failed:
+            request.preemption_failed = True
+            self.num_preemption_failed += 1
+        if request in self.running:
+            record.action = "none"
+            request.state = RequestState.PREEMPTION_FAILED
+        backoff = self.preemption.backoff
+        if self._now - self._last_failure_s > backoff.reset_after_s:
+            self._failures_in_row = 0
+        self._failures_in_row += 1
+        self._last_failure_s = self._now
+        delay = min(backoff.cap_s, backoff.base_s * 2 ** (self._failures_in_row - 1))
+        self.backoff_until_s = max(self.backoff_until_s, self._now + delay)
 
     # ----------------------------------------------------------------- exits
     def finish_request(self, request: Request, state: RequestState) -> None:
-        """Take a running or waiting request out for good and free its blocks."""
+        """Take a running or waiting request out for good and free its blocks and host copy."""
         if request in self.running:
             self.running.remove(request)
         else:
             self._waiting = [entry for entry in self._waiting if entry[2] is not request]
             heapq.heapify(self._waiting)
+            if request in self.paused:
+                self.paused.remove(request)
+            if request.kv_location == "host":
+                self.mover.discard(request)
+                request.saved_kv = None
+        request.kv_location = None
         self._release_blocks(request)
         request.state = state
 

@@ -10,18 +10,52 @@ import pytest
 from preempt.cli import main
 
 CONTRACT_COLUMNS = {
-    "request_id", "arrival_s", "prompt_tokens", "max_tokens", "output_tokens", "sla_level", "ttft_s",
-    "tpot_s", "e2e_s", "num_preemptions", "final_state", "output_digest",
+    "request_id",
+    "arrival_s",
+    "prompt_tokens",
+    "max_tokens",
+    "output_tokens",
+    "sla_level",
+    "ttft_s",
+    "tpot_s",
+    "e2e_s",
+    "num_preemptions",
+    "final_state",
+    "output_digest",
 }
 CONTRACT_KEYS = {
-    "num_requests", "num_finished", "num_preemptions", "num_preemption_failed", "preemption_stall_s",
-    "kv_saved_bytes_raw", "kv_saved_bytes_stored", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
-    "goodput_req_s", "per_sla", "sim_time_s", "wall_time_s", "config",
+    "num_requests",
+    "num_finished",
+    "num_preemptions",
+    "num_preemption_failed",
+    "preemption_stall_s",
+    "kv_saved_bytes_raw",
+    "kv_saved_bytes_stored",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "tpot_p50_s",
+    "tpot_p99_s",
+    "goodput_req_s",
+    "per_sla",
+    "sim_time_s",
+    "wall_time_s",
+    "config",
 }
 # A short slice of the bundled conversation trace on the small tiny model with a pool
 # small enough that the vLLM baseline preempts.
-SMALL = ["--trace", "azure-conv", "--duration", "4", "--rate-scale", "4", "--no-progress",
-         "--set", "cache.num_blocks=1200", "--set", "model.max_model_len=8192"]
+SMALL = [
+    "--trace",
+    "azure-conv",
+    "--duration",
+    "4",
+    "--rate-scale",
+    "4",
+    "--no-progress",
+    "--set",
+    "cache.num_blocks=1200",
+    "--set",
+    "model.max_model_len=8192",
+]
 
 
 def test_run_writes_contract_files(tmp_path, capsys):
@@ -40,9 +74,13 @@ def test_run_writes_contract_files(tmp_path, capsys):
 def test_same_config_and_seed_give_byte_identical_parquet(tmp_path):
     for name in ("a", "b"):
         assert main(["run", "--out", str(tmp_path / name), *SMALL, "--seed", "3"]) == 0
-    assert (tmp_path / "a" / "requests.parquet").read_bytes() == (tmp_path / "b" / "requests.parquet").read_bytes()
+    assert (tmp_path / "a" / "requests.parquet").read_bytes() == (
+        tmp_path / "b" / "requests.parquet"
+    ).read_bytes()
     assert main(["run", "--out", str(tmp_path / "c"), *SMALL, "--seed", "4"]) == 0
-    assert (tmp_path / "a" / "requests.parquet").read_bytes() != (tmp_path / "c" / "requests.parquet").read_bytes()
+    assert (tmp_path / "a" / "requests.parquet").read_bytes() != (
+        tmp_path / "c" / "requests.parquet"
+    ).read_bytes()
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+from pydantic import ValidationError
 
 from preempt.config import ConfigError, EngineConfig, load_config
 
@@ -8,7 +9,7 @@ from preempt.config import ConfigError, EngineConfig, load_config
 def test_defaults_are_valid_and_frozen():
     config = load_config()
     assert config == EngineConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         config.seed = 3  # type: ignore[misc]
 
 

@@ -14,8 +14,10 @@ from tests.conftest import make_request, small_config
 
 def _mixed_requests(num: int, seed: int = 0):
     # Mixed lengths: prompts 1..70 tokens (several blocks, several prefill chunks), outputs 1..24.
-    return [make_request(i, 1 + (i * 37) % 70, 1 + (i * 11) % 24, arrival_s=0.01 * i, seed=seed)
-            for i in range(num)]
+    return [
+        make_request(i, 1 + (i * 37) % 70, 1 + (i * 11) % 24, arrival_s=0.01 * i, seed=seed)
+        for i in range(num)
+    ]
 
 
 def _assert_matches_naive(engine: Engine, requests) -> None:
@@ -75,8 +77,9 @@ def test_impossible_requests_end_aborted_with_a_reason():
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 30), st.integers(0, 1)), min_size=1,
-                     max_size=30),
+    lengths=st.lists(
+        st.tuples(st.integers(1, 40), st.integers(1, 30), st.integers(0, 1)), min_size=1, max_size=30
+    ),
     num_blocks=st.integers(12, 60),
     max_num_seqs=st.integers(1, 8),
     budget=st.integers(1, 48),
@@ -89,7 +92,9 @@ def test_invariants_under_random_load(lengths, num_blocks, max_num_seqs, budget,
         scheduler={"max_num_seqs": max_num_seqs, "max_num_batched_tokens": budget, "policy": policy},
     )
     engine = Engine(config)
-    requests = [make_request(i, p, o, arrival_s=0.003 * i, sla_level=s) for i, (p, o, s) in enumerate(lengths)]
+    requests = [
+        make_request(i, p, o, arrival_s=0.003 * i, sla_level=s) for i, (p, o, s) in enumerate(lengths)
+    ]
     finished_count: dict[int, int] = {}
 
     def check(output: StepOutput) -> None:

@@ -1,0 +1,54 @@
+"""The SPEC's priority score, its trigger margin, and time slices.
+
+Owns: the arithmetic of "who is more important, by enough, and has the incumbent had its
+turn". Plain Python over request fields a real server knows; never reads the future
+(`target_output_tokens`) and never mutates a request.
+
+Score (units are part of the definition, see PriorityWeights):
+    score = age_s * w_age + sla_level * w_sla - remaining_ktokens * w_tokens
+Trigger: a challenger beats an incumbent when
+    score_c - score_i > threshold * max(|score_i|, score_floor)
+A relative margin alone breaks down around zero (any epsilon beats 0 by "20%") and flips
+for negative scores (20% of a negative number lowers the bar); measuring the margin on
+|score_i|, floored at score_floor, keeps it a positive, scale-aware hurdle for every sign.
+"""
+
+from __future__ import annotations
+
+from preempt.config import PreemptionConfig, PriorityWeights
+from preempt.request import Request
+
+
+def remaining_ktokens(request: Request) -> float:
+    """Estimated remaining work in thousands of tokens: prompt not yet prefilled plus
+    output still allowed by `max_tokens` (the estimate a server has, not the truth)."""
+    prefill_left = max(request.num_prompt_tokens - request.num_computed_tokens, 0)
+    decode_left = max(request.max_tokens - request.num_output_tokens, 0)
+    return (prefill_left + decode_left) / 1000.0
+
+
+def priority_score(request: Request, now: float, weights: PriorityWeights) -> float:
+    return (
+        (now - request.arrival_s) * weights.age
+        + request.sla_level * weights.sla
+        - remaining_ktokens(request) * weights.tokens
+    )
+
+
+def beats(challenger_score: float, incumbent_score: float, threshold: float, floor: float) -> bool:
+    return challenger_score - incumbent_score > threshold * max(abs(incumbent_score), floor)
+
+
+def time_slice_s(request: Request, config: PreemptionConfig) -> float:
+    """The slice a running request may use before it can be preempted for priority.
+    `dynamic`: by its current length class; `static`: one slice for all."""
+    slices = config.time_slices
+    if config.time_slice_strategy == "static":
+        ms = slices.static_ms
+    elif request.num_tokens > slices.long_above_tokens:
+        ms = slices.long_ms
+    elif request.num_tokens < slices.short_below_tokens:
+        ms = slices.short_ms
+    else:
+        ms = slices.medium_ms
+    return max(ms, config.min_time_slice_ms) / 1000.0
