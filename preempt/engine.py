@@ -199,8 +199,12 @@ class Engine:
             if on_step is not None:
                 on_step(output)
             if not output.scheduled.chunks and not output.scheduled.preempted:
-                # Nothing could run although requests are queued: only possible if the
-                # pool cannot hold the head request, which add_request already rejects.
+                if self.scheduler.backoff_until_s > self.clock.now():
+                    # Only new requests wait, and the backoff holds them: idle until it ends.
+                    self.clock.wait_until(self.scheduler.backoff_until_s)
+                    continue
+                # Otherwise nothing can run although requests are queued: only possible if
+                # the pool cannot hold the head request, which add_request already rejects.
                 raise RuntimeError("scheduler made no progress with requests queued")
         return list(pending)
 

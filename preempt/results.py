@@ -126,6 +126,8 @@ def write_preemptions_parquet(records: Sequence[PreemptionRecord], path: Path) -
             ("action", pa.string()),
             ("num_tokens", pa.int64()),
             ("challenger_id", pa.int64()),
+            ("slice_used_s", pa.float64()),
+            ("slice_s", pa.float64()),
             ("failure", pa.string()),
             ("codec", pa.string()),
             ("bytes_raw", pa.int64()),

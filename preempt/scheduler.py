@@ -58,6 +58,8 @@ class PreemptionRecord:
     action: str  # what happened to the KV: "recompute" | "save" | "pause" | "none" (failed, kept running)
     num_tokens: int  # tokens of KV the victim had
     challenger_id: int | None = None
+    slice_used_s: float = 0.0  # the victim's executed time since it last started running
+    slice_s: float = 0.0  # its time slice at the decision
     failure: str | None = None  # "pool_full" | "slot_too_small" | "consecutive_limit"
     codec: str | None = None
     bytes_raw: int = 0  # filled by the KVMover on a save
@@ -354,6 +356,8 @@ class Scheduler:
             "recompute",
             victim.num_computed_tokens,
             challenger_id=challenger.request_id if challenger is not None else None,
+            slice_used_s=victim.slice_used_s,
+            slice_s=time_slice_s(victim, self.preemption),
         )
         self.records.append(record)
         if not forced and victim.num_preemptions >= self.preemption.max_consecutive_preemptions:

@@ -65,7 +65,9 @@ def test_recompute_preemption_of_last_admitted_then_resume():
     complete(scheduler, scheduler.schedule())
     out = scheduler.schedule()
     assert out.preempted == [second] and [(r.request_id, n) for r, n in out.chunks] == [(0, 1)]
-    assert second.state is RequestState.PREEMPTED and second.block_ids == [] and second.num_computed_tokens == 0
+    assert (
+        second.state is RequestState.PREEMPTED and second.block_ids == [] and second.num_computed_tokens == 0
+    )
     assert scheduler.waiting_requests() == [second]
     steps = 0
     while scheduler.has_unfinished:

@@ -1,0 +1,264 @@
+"""Priority preemption with KV save/restore: lossless modes keep outputs, failures end in
+defined states, limits hold. Engine-level (the scheduler and saver together)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from preempt.engine import Engine, StepOutput
+from preempt.priority import time_slice_s
+from preempt.request import RequestState
+from preempt.results import output_digest
+from preempt.scheduler import RATE_WINDOW_S
+from tests.conftest import make_request, small_config
+
+# Priority preemption everywhere: tiny slices, no rate cap, many preemptions allowed.
+AGGRESSIVE = {
+    "min_time_slice_ms": 0.0,
+    "time_slices": {"long_ms": 5.0, "medium_ms": 5.0, "short_ms": 5.0, "static_ms": 5.0},
+    "max_preemption_per_min": None,
+    "max_consecutive_preemptions": 100,
+}
+
+
+def _workload(seed: int = 0):
+    # Eight long level-0 requests fill the batch at t=0; then a VIP arrives every 15 ms,
+    # finds no free seat and outranks (score +0.8) a running one that used its slice.
+    background = [make_request(i, 8 + (i * 13) % 33, 30 + i, seed=seed) for i in range(8)]
+    vips = [
+        make_request(8 + k, 5 + (k * 7) % 30, 4 + k % 7, arrival_s=0.02 + 0.015 * k, sla_level=1, seed=seed)
+        for k in range(16)
+    ]
+    return background + vips
+
+
+def _run(mode: str, *, num_blocks: int = 256, policy: str = "priority_score", **preemption):
+    config = small_config(
+        cache={"num_blocks": num_blocks},
+        scheduler={"max_num_seqs": 4, "policy": policy},
+        preemption={"mode": mode, **AGGRESSIVE, **preemption},
+    )
+    engine = Engine(config)
+    requests = _workload()
+    engine.run(requests)
+    engine.close()
+    return engine, requests
+
+
+def _digests(requests):
+    return [output_digest(r.output_token_ids) for r in requests]
+
+
+@pytest.fixture(scope="module")
+def unpreempted():
+    # Preemption disabled: FCFS never preempts for priority, and the pool never runs out.
+    engine, requests = _run("recompute", policy="vllm_fcfs")
+    assert engine.scheduler.num_preemptions == 0
+    return _digests(requests)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap", "swap_zstd", "pause"])
+def test_lossless_modes_change_no_output(mode, unpreempted):
+    engine, requests = _run(mode)
+    assert engine.scheduler.num_preemptions >= 10, "the workload must actually preempt"
+    assert all(r.state is RequestState.FINISHED for r in requests)
+    assert _digests(requests) == unpreempted
+    if mode.startswith("swap"):
+        saves = [r for r in engine.scheduler.records if r.action == "save"]
+        assert saves and all(r.restored for r in saves)
+        assert engine.saver.bytes_raw > 0
+    if mode == "pause":
+        assert any(r.action == "pause" for r in engine.scheduler.records)
+    assert engine.block_pool.num_free == engine.block_pool.num_blocks
+    if engine.saver is not None:
+        assert engine.saver.host_pool.num_used_slots == 0
+        engine.saver.host_pool.check()
+
+
+def test_lossless_under_memory_pressure_with_reclaim(unpreempted):
+    # 30 blocks x 4 tokens: pause must reclaim (save) paused requests and swap must
+    # save under forced (memory) preemptions too; outputs still unchanged.
+    for mode in ("pause", "swap_zstd"):
+        engine, requests = _run(mode, num_blocks=30)
+        reasons = {r.reason for r in engine.scheduler.records}
+        assert "memory" in reasons or "reclaim" in reasons, reasons
+        assert _digests(requests) == unpreempted
+
+
+def test_save_then_restore_gives_bit_identical_kv():
+    config = small_config(preemption={"mode": "swap_zstd"})
+    engine = Engine(config)
+    request = make_request(0, 37, 50)
+    engine.add_request(request)
+    for _ in range(5):
+        engine.step()
+    saver, kv_cache, pool = engine.saver, engine.runner.kv_cache, engine.block_pool
+    num_tokens = request.num_computed_tokens
+    before = saver._gather(request.block_ids, num_tokens).clone()
+    from preempt.scheduler import PreemptionRecord
+
+    record = PreemptionRecord(0.0, 0, "memory", "save", num_tokens)
+    assert saver.save(request, "zstd", 0.0, record) is None
+    assert record.bytes_raw == before.numel() * before.element_size() and record.bytes_stored > 0
+    old_blocks = request.block_ids
+    kv_cache.kv[:, :, old_blocks] = float("nan")  # the old blocks get overwritten by others
+    pool.free(old_blocks)
+    request.block_ids = pool.allocate(len(old_blocks))
+    assert saver.restore(request, 0.0, record)
+    after = saver._gather(request.block_ids, num_tokens)
+    assert torch.equal(before, after)
+    assert saver.host_pool.num_used_slots == 0
+
+
+def _swap_engine(**preemption):
+    config = small_config(
+        scheduler={"max_num_seqs": 4, "policy": "priority_score"},
+        preemption={"mode": "swap", **AGGRESSIVE, **preemption},
+    )
+    return Engine(config)
+
+
+def test_full_host_pool_marks_preemption_failed_and_backs_off(unpreempted):
+    # One 64 KB slot (a request's float64 KV is 2 KB/token): the first save fits, then
+    # the pool is full while that request stays preempted.
+    engine = _swap_engine(host_mem="64KB", slot_size="64KB")
+    requests = _workload()
+    admissions_blocked = []
+
+    def watch(output: StepOutput) -> None:
+        if engine.scheduler.backoff_until_s > engine.clock.now():
+            admissions_blocked.append(engine.clock.now())
+
+    engine.run(requests, on_step=watch)
+    failures = [r for r in engine.scheduler.records if r.failure == "pool_full"]
+    assert failures and all(r.action == "none" for r in failures)  # kept running, KV intact
+    failed = [r for r in requests if r.preemption_failed]
+    assert failed and engine.scheduler.num_preemption_failed == len(failed)
+    assert all(r.state is RequestState.FINISHED for r in requests)
+    assert admissions_blocked, "backoff must hold new admissions for a while"
+    assert _digests(requests) == unpreempted
+    assert (
+        engine.saver.host_pool.num_used_slots == 0
+        and engine.block_pool.num_free == engine.block_pool.num_blocks
+    )
+
+
+def test_request_larger_than_a_slot_takes_the_fallback():
+    engine = _swap_engine(host_mem="4MB", slot_size="4KB")  # no request's KV fits 4 KB
+    requests = _workload()
+    engine.run(requests)
+    failures = {r.failure for r in engine.scheduler.records if r.failure}
+    assert failures == {"slot_too_small"}
+    assert all(r.state is RequestState.FINISHED for r in requests)
+    assert engine.saver.bytes_raw == 0
+
+
+def test_consecutive_preemption_limit():
+    engine = _swap_engine(max_consecutive_preemptions=1)
+    requests = _workload()
+    engine.run(requests)
+    limited = [r for r in engine.scheduler.records if r.failure == "consecutive_limit"]
+    assert limited, "some request must hit the limit"
+    assert max(r.num_preemptions for r in requests) <= 1
+    by_id = {r.request_id: r for r in requests}
+    assert all(by_id[r.request_id].preemption_failed for r in limited)
+    assert all(r.state is RequestState.FINISHED for r in requests)
+
+
+def test_corrupted_blob_falls_back_to_recompute(unpreempted):
+    engine = _swap_engine()
+    saver = engine.saver
+    original_save = saver.save
+
+    def corrupting_save(request, codec, now, record):
+        failure = original_save(request, codec, now, record)
+        if failure is None:
+            handle = saver._saved[id(request)].handle
+            saver.host_pool.load_tensor(handle)[-1] ^= 0xFF  # flip the payload's last byte
+        return failure
+
+    saver.save = corrupting_save
+    requests = _workload()
+    engine.run(requests)
+    assert engine.scheduler.num_restore_fallbacks > 0
+    assert engine.scheduler.num_restore_fallbacks == sum(
+        r.restored is False for r in engine.scheduler.records
+    )
+    assert _digests(requests) == unpreempted
+    assert saver.host_pool.num_used_slots == 0
+
+
+def test_aborting_a_saved_request_frees_its_slot():
+    engine = _swap_engine()
+    requests = _workload()
+    pending = list(requests)
+    for _ in range(1000):  # step by hand until some request's KV sits in the host pool
+        if any(r.kv_location == "host" for r in requests):
+            break
+        while pending and pending[0].arrival_s <= engine.clock.now():
+            engine.add_request(pending.pop(0))
+        engine.step()
+    saved = next(r for r in requests if r.kv_location == "host")
+    engine.abort_request(saved, "client_disconnected")
+    assert saved.state is RequestState.ABORTED
+    engine.run(pending)
+    assert (
+        engine.saver.host_pool.num_used_slots == 0
+        and engine.block_pool.num_free == engine.block_pool.num_blocks
+    )
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(
+        st.tuples(st.integers(1, 200), st.integers(1, 60), st.integers(0, 2)), min_size=2, max_size=40
+    ),
+    limit=st.integers(1, 5),
+    strategy=st.sampled_from(["static", "dynamic"]),
+    policy=st.sampled_from(["priority_score", "sglang_threshold"]),
+    mode=st.sampled_from(["recompute", "swap", "pause"]),
+    gap_s=st.floats(0.0005, 0.05),
+)
+def test_rate_limit_and_time_slices_hold(lengths, limit, strategy, policy, mode, gap_s):
+    config = small_config(
+        model={"backend": "null"},
+        cache={"num_blocks": 4096},
+        scheduler={"max_num_seqs": 3, "policy": policy},
+        preemption={
+            "mode": mode,
+            "time_slice_strategy": strategy,
+            "max_preemption_per_min": limit,
+            "priority_weights": {"age": 1.2, "sla": 5.0, "tokens": 0.5},
+        },
+    )
+    engine = Engine(config)
+    requests = [
+        make_request(i, p, o, arrival_s=gap_s * i, sla_level=s) for i, (p, o, s) in enumerate(lengths)
+    ]
+    engine.run(requests)
+    records = [r for r in engine.scheduler.records if r.reason == "priority" and r.action != "none"]
+    times = [
+        r.time_s
+        for r in engine.scheduler.records
+        if r.reason in ("priority", "memory") and r.action != "none"
+    ]
+    for record in records:
+        earlier = [t for t in times if record.time_s - RATE_WINDOW_S < t < record.time_s]
+        assert len(earlier) < limit
+        if policy == "priority_score":
+            assert record.slice_used_s >= record.slice_s > 0
+    assert all(r.state.is_final for r in requests)
+    assert engine.block_pool.num_free == 4096
+
+
+def test_dynamic_slices_follow_length_classes():
+    from preempt.config import PreemptionConfig
+
+    config = PreemptionConfig(min_time_slice_ms=15)
+    short, medium, long = make_request(0, 50, 1), make_request(1, 300, 1), make_request(2, 600, 1)
+    assert [time_slice_s(r, config) for r in (short, medium, long)] == [0.015, 0.020, 0.050]
+    static = PreemptionConfig(time_slice_strategy="static")
+    assert {time_slice_s(r, static) for r in (short, medium, long)} == {0.020}
