@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from preempt.config import ConfigError, EngineConfig, load_config
+from preempt.workload import TraceError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -80,7 +81,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from preempt.bench import BENCHMARKS
 
-    result: dict[str, Any] = BENCHMARKS[args.name](quick=args.quick)
+    result: dict[str, Any] = BENCHMARKS[args.name](args.quick)
     if args.json:
         print(json.dumps(result))
     else:
@@ -110,10 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as err:
-        print(f"preempt: error: {err}", file=sys.stderr)
-        return 2
-    except ValueError as err:  # trace errors and other named input problems
+    except (ConfigError, TraceError) as err:  # bad input named by key, file or line
         print(f"preempt: error: {err}", file=sys.stderr)
         return 2
 

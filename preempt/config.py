@@ -37,6 +37,10 @@ class ModelConfig(_Section):
     """Architecture preset of the `tiny` backend (see preempt.model.tiny.PRESETS)."""
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"
     """Compute and KV dtype. Tests use float64 so batching can never flip a greedy argmax."""
+    num_threads: int | None = Field(None, gt=0)
+    """torch intra-op threads for the model (None: torch's default, one per core). On CPU
+    with the wall clock, leave a core to the save worker: OpenMP threads that find their
+    core taken stall at every barrier (measured by `preempt bench save`)."""
     max_model_len: int = Field(16384, gt=0)
     """Longest prompt + output a request may have; longer ones end ABORTED(prompt_too_long)."""
 

@@ -91,9 +91,13 @@ class TinyModelRunner(ModelRunner):
     """Real compute with the `tiny` backend on a paged KV cache."""
 
     def __init__(self, config: EngineConfig, num_blocks: int, block_size: int) -> None:
+        import torch
+
         from preempt.kv_cache import KVCache
         from preempt.model.tiny import TinyLM, get_preset, resolve_dtype
 
+        if config.model.num_threads is not None:
+            torch.set_num_threads(config.model.num_threads)  # process-wide: asked for explicitly
         self.seed = config.seed
         self.block_size = block_size
         dtype = resolve_dtype(config.model.dtype)

@@ -60,7 +60,10 @@ class PreemptionRecord:
     challenger_id: int | None = None
     slice_used_s: float = 0.0  # the victim's executed time since it last started running
     slice_s: float = 0.0  # its time slice at the decision
-    failure: str | None = None  # "pool_full" | "slot_too_small" | "consecutive_limit"
+    # Why the fallback was taken: "pool_full" | "slot_too_small" | "consecutive_limit". With
+    # action "none" the victim kept running; otherwise (a forced preemption) it was still
+    # preempted and is now PREEMPTION_FAILED: protected from later preemptions.
+    failure: str | None = None
     codec: str | None = None
     bytes_raw: int = 0  # filled by the KVMover on a save
     bytes_stored: int = 0
@@ -388,6 +391,10 @@ class Scheduler:
         self.num_preemptions += 1
         self._window.append(self._now)
         self.add_request(victim)
+        if forced and victim.num_preemptions >= self.preemption.max_consecutive_preemptions:
+            # Memory had to be freed now, but this request has paid enough: from here on
+            # it is only a victim of last resort, and new admissions back off.
+            self._fail(victim, record, "consecutive_limit")
         return True
 
     def _fail(self, request: Request, record: PreemptionRecord, failure: str) -> None:

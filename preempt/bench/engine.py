@@ -1,15 +1,9 @@
-"""`preempt bench NAME`: benchmarks that print one JSON object.
-
-Owns: the measurement protocols (what is timed, against which baseline in the same
-run). Targets are checked here, never in timed tests: these machines are shared and
-noisy, so tests check behaviour and benchmarks report numbers.
-"""
+"""`preempt bench engine`: scheduler overhead per step and trace replay speed."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -103,8 +97,3 @@ def bench_engine(quick: bool = False) -> dict[str, Any]:
             {"model": {"backend": "null"}, "workload": {"trace": "azure-conv"}}
         )
     return result
-
-
-BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
-    "engine": bench_engine,
-}

@@ -1,0 +1,26 @@
+"""`preempt bench NAME`: benchmarks that print one JSON object.
+
+Owns: the measurement protocols (what is timed, against which baseline measured in the
+same run). Targets are checked here, never in timed tests: these machines are shared and
+noisy, so tests check behaviour and benchmarks report numbers as ratios.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def _engine(quick: bool) -> dict[str, Any]:
+    from preempt.bench.engine import bench_engine
+
+    return bench_engine(quick)
+
+
+def _save(quick: bool) -> dict[str, Any]:
+    from preempt.bench.save import bench_save
+
+    return bench_save(quick)
+
+
+BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {"engine": _engine, "save": _save}
