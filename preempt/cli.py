@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_workload_flags(run)
     run.set_defaults(func=cmd_run)
 
+    from preempt.server import add_serve_arguments, cmd_serve  # fastapi, uvicorn: ~0.4 s
+
+    serve = sub.add_parser("serve", help="HTTP server (OpenAI-compatible), engine on the wall clock")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
+
     bench = sub.add_parser("bench", help="micro/macro benchmarks; one JSON object on stdout")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("--json", action="store_true", help="compact JSON on one line")

@@ -96,7 +96,8 @@ class Saver(KVMover):
             self.engine_thread_s += record.save_s
         self._saved[id(request)] = _Saved(handle_or_failure, codec, num_tokens, ready)
         self.bytes_raw += record.bytes_raw
-        self.bytes_stored += record.bytes_stored
+        if not isinstance(handle_or_failure, Future):  # the worker counts its own when done
+            self.bytes_stored += record.bytes_stored
         return None
 
     def _gather(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
@@ -132,6 +133,7 @@ class Saver(KVMover):
             finally:
                 with self._pending_lock:
                     self._num_pending -= 1
+                    self.bytes_stored += record.bytes_stored
             return result if isinstance(result, SlotHandle) else None  # lost: restore recomputes
 
         return self._worker.submit(work)

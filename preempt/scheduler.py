@@ -366,6 +366,7 @@ class Scheduler:
         if not forced and victim.num_preemptions >= self.preemption.max_consecutive_preemptions:
             self._fail(victim, record, "consecutive_limit")
             return False
+        failure = None
         if mode == "pause" and not forced:
             record.action = "pause"
             victim.kv_location = "device"
@@ -382,8 +383,6 @@ class Scheduler:
                 self._fail(victim, record, failure)  # keeps running with its KV
                 return False
             self._free_after_save(victim, record, failure)
-            if failure is not None:
-                self._fail(victim, record, failure)  # forced: blocks freed, KV dropped
         self.running.remove(victim)
         victim.state = RequestState.PREEMPTED
         victim.num_preemptions += 1
@@ -391,9 +390,12 @@ class Scheduler:
         self.num_preemptions += 1
         self._window.append(self._now)
         self.add_request(victim)
-        if forced and victim.num_preemptions >= self.preemption.max_consecutive_preemptions:
-            # Memory had to be freed now, but this request has paid enough: from here on
-            # it is only a victim of last resort, and new admissions back off.
+        # Forced: memory had to be freed now (its KV dropped if the save failed). Either
+        # way it is flagged after leaving `running`, so the record keeps its action.
+        if failure is not None:
+            self._fail(victim, record, failure)
+        elif forced and victim.num_preemptions >= self.preemption.max_consecutive_preemptions:
+            # It has paid enough: from now on only a victim of last resort.
             self._fail(victim, record, "consecutive_limit")
         return True
 

@@ -30,9 +30,10 @@ def make_request(
 
 
 def small_config(**sections) -> EngineConfig:
-    """A config for fast engine tests: float64 tiny model, small pool, small batches."""
+    """A config for fast engine tests: float64 tiny model, small pool, small batches, one
+    torch thread (two OpenMP threads on 2 shared cores stall each other badly)."""
     data = {
-        "model": {"backend": "tiny", "dtype": "float64", "max_model_len": 4096},
+        "model": {"backend": "tiny", "dtype": "float64", "max_model_len": 4096, "num_threads": 1},
         "cache": {"block_size": 4, "num_blocks": 256},
         "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64},
     }

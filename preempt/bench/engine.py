@@ -50,8 +50,8 @@ def _scheduler_overhead(num_running: int, num_waiting: int, num_steps: int) -> d
                 request_id=index,
                 arrival_s=0.0,
                 prompt_token_ids=rng.integers(32, 127, size=int(rng.integers(64, 1024)), dtype=np.int32),
-                max_tokens=100_000,
-                target_output_tokens=100_000,
+                max_tokens=10_000,
+                target_output_tokens=10_000,
             )
         )
     while len(engine.scheduler.running) < num_running or any(
