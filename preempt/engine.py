@@ -58,7 +58,6 @@ class Engine:
         )
         self.clock = make_clock(config.clock.kind)
         self.num_steps = 0
-        self.busy_s = 0.0  # time spent in steps (vs idle waiting for arrivals)
         self.stall_s = 0.0  # compute waiting for KV moves (saves' copy-out, restores)
         self._saver_thread_s_seen = 0.0
 
@@ -106,15 +105,12 @@ class Engine:
         self.clock.advance(step_s)
         now = self.clock.now()
         self.num_steps += 1
-        self.busy_s += step_s + stall_s
         self.scheduler.on_step_done(scheduled.chunks, step_s)
 
         finished: list[Request] = []
         for chunk, token in zip(scheduled.chunks, next_tokens, strict=True):
             request = chunk.request
             request.num_computed_tokens += chunk.num_new_tokens
-            if request.admitted_s is None:
-                request.admitted_s = now - step_s
             if token is None:
                 continue
             request.output_token_ids.append(token)

@@ -52,7 +52,6 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the device cache
     block_ids: list[int] = field(default_factory=list)  # logical block i -> physical block
-    admitted_s: float | None = None  # first admission
     first_token_s: float | None = None
     finish_s: float | None = None
     num_preemptions: int = 0

@@ -75,21 +75,33 @@ def test_impossible_requests_end_aborted_with_a_reason():
     assert fine.state is RequestState.FINISHED
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lengths=st.lists(
-        st.tuples(st.integers(1, 40), st.integers(1, 30), st.integers(0, 1)), min_size=1, max_size=30
+        st.tuples(st.integers(1, 40), st.integers(1, 30), st.integers(0, 2)), min_size=1, max_size=30
     ),
     num_blocks=st.integers(12, 60),
     max_num_seqs=st.integers(1, 8),
     budget=st.integers(1, 48),
-    policy=st.sampled_from(["vllm_fcfs", "vllm_priority"]),
+    policy=st.sampled_from(["vllm_fcfs", "vllm_priority", "sglang_threshold", "priority_score"]),
+    mode=st.sampled_from(["recompute", "swap", "swap_zstd", "pause"]),
+    host_slots=st.integers(1, 8),
 )
-def test_invariants_under_random_load(lengths, num_blocks, max_num_seqs, budget, policy):
+def test_invariants_under_random_load(lengths, num_blocks, max_num_seqs, budget, policy, mode, host_slots):
+    # The null backend models Llama-3-8B KV (128 KiB/token): slots of 4 MiB hold 32
+    # tokens, so small host pools and oversized blobs both happen.
     config = small_config(
         model={"backend": "null"},
         cache={"num_blocks": num_blocks},
         scheduler={"max_num_seqs": max_num_seqs, "max_num_batched_tokens": budget, "policy": policy},
+        preemption={
+            "mode": mode,
+            "min_time_slice_ms": 0,
+            "time_slice_strategy": "static",
+            "time_slices": {"static_ms": 1.0},
+            "host_mem": f"{4 * host_slots}MiB",
+            "slot_size": "4MiB",
+        },
     )
     engine = Engine(config)
     requests = [
@@ -100,9 +112,15 @@ def test_invariants_under_random_load(lengths, num_blocks, max_num_seqs, budget,
     def check(output: StepOutput) -> None:
         pool, scheduler = engine.block_pool, engine.scheduler
         pool.check()
-        owned = [b for r in scheduler.running for b in r.block_ids]
+        waiting = scheduler.waiting_requests()
+        owned = [b for r in scheduler.running + waiting for b in r.block_ids]
         assert len(owned) == len(set(owned)) == pool.num_used  # no block owned twice, none leaked
-        assert all(not r.block_ids for r in scheduler.waiting_requests())  # recompute keeps nothing
+        # Only paused requests hold blocks while waiting; saved ones hold a host slot.
+        assert all(not r.block_ids or r.kv_location == "device" for r in waiting)
+        if engine.saver is not None:
+            engine.saver.host_pool.check()
+            num_saved = sum(r.kv_location == "host" for r in waiting)
+            assert engine.saver.host_pool.num_used_slots == num_saved
         assert output.scheduled.num_batched_tokens <= budget
         assert len(output.scheduled.chunks) <= max_num_seqs and len(scheduler.running) <= max_num_seqs
         for r in output.finished:
@@ -117,3 +135,5 @@ def test_invariants_under_random_load(lengths, num_blocks, max_num_seqs, budget,
         else:
             assert r.abort_reason and r.request_id not in finished_count
     assert engine.block_pool.num_free == num_blocks
+    if engine.saver is not None:
+        assert engine.saver.host_pool.num_used_slots == 0
