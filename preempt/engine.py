@@ -26,7 +26,8 @@ from preempt.scheduler import Scheduler, SchedulerOutput
 class StepOutput(NamedTuple):
     scheduled: SchedulerOutput
     finished: list[Request]
-    step_s: float  # this step's duration on the engine's clock
+    step_s: float  # this step's compute duration on the engine's clock
+    stall_s: float = 0.0  # compute waited this long for KV moves before the step
 
 
 class Engine:
@@ -96,7 +97,7 @@ class Engine:
         scheduled = self.scheduler.schedule(self.clock.now())
         stall_s = self._stall(scheduled)
         if not scheduled.chunks:
-            return StepOutput(scheduled, [], 0.0)
+            return StepOutput(scheduled, [], 0.0, stall_s)
         shape = self._step_shape(scheduled)
         started = time.perf_counter()
         next_tokens = self.runner.execute(scheduled.chunks)
@@ -120,7 +121,7 @@ class Engine:
                 request.finish_s = now
                 finished.append(request)
         self.scheduler.remove_finished(finished)
-        return StepOutput(scheduled, finished, step_s)
+        return StepOutput(scheduled, finished, step_s, stall_s)
 
     def _stall(self, scheduled: SchedulerOutput) -> float:
         """Compute waits for KV moves it depends on: on the virtual clock, until restores
