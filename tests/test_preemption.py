@@ -71,7 +71,11 @@ def test_lossless_modes_change_no_output(mode, unpreempted):
         assert saves and all(r.restored for r in saves)
         assert engine.saver.bytes_raw > 0
     if mode == "pause":
+        # Zero copy: with blocks to spare, paused requests resume by re-pointing their
+        # block table; no KV is ever saved.
         assert any(r.action == "pause" for r in engine.scheduler.records)
+        assert not any(r.reason == "reclaim" for r in engine.scheduler.records)
+        assert engine.saver.bytes_raw == 0
     assert engine.block_pool.num_free == engine.block_pool.num_blocks
     if engine.saver is not None:
         assert engine.saver.host_pool.num_used_slots == 0

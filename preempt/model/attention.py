@@ -29,6 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from preempt.block_table import update_block_table
+
 # Gathered K+V bytes per decode group per layer: small enough to stay in L2/L3 between
 # the gather and SDPA's read of it (see module docstring).
 DEFAULT_DECODE_GROUP_BYTES = 4 << 20
@@ -110,7 +112,7 @@ def build_attention_metadata(
                 f"sequence {i}: {len(ids)} blocks cannot hold {int(seq_lens_np[i])} tokens "
                 f"at block_size {block_size}"
             )
-        block_tables_np[i, :nb] = ids[:nb]
+        update_block_table(block_tables_np, i, ids[:nb])
 
     query_start_np = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(num_new_np, out=query_start_np[1:])
