@@ -47,64 +47,50 @@ def _latencies(request: Request) -> tuple[float, float, float]:
     return ttft, tpot, request.finish_s - request.arrival_s
 
 
-def requests_table(requests: Sequence[Request]) -> pa.Table:
-    rows: dict[str, list[Any]] = {
-        name: []
-        for name in (
-            "request_id",
-            "arrival_s",
-            "prompt_tokens",
-            "max_tokens",
-            "output_tokens",
-            "sla_level",
-            "ttft_s",
-            "tpot_s",
-            "e2e_s",
-            "num_preemptions",
-            "final_state",
-            "output_digest",
-            "abort_reason",
-            "preemption_failed",
-        )
+# The contract columns (DESIGN.md "Files"), then our extensions.
+REQUESTS_SCHEMA = pa.schema(
+    [
+        ("request_id", pa.int64()),
+        ("arrival_s", pa.float64()),
+        ("prompt_tokens", pa.int64()),
+        ("max_tokens", pa.int64()),
+        ("output_tokens", pa.int64()),
+        ("sla_level", pa.int64()),
+        ("ttft_s", pa.float64()),
+        ("tpot_s", pa.float64()),
+        ("e2e_s", pa.float64()),
+        ("num_preemptions", pa.int64()),
+        ("final_state", pa.string()),
+        ("output_digest", pa.string()),
+        ("abort_reason", pa.string()),
+        ("preemption_failed", pa.bool_()),
+    ]
+)
+
+
+def _request_row(r: Request) -> dict[str, Any]:
+    ttft, tpot, e2e = _latencies(r)
+    return {
+        "request_id": r.request_id,
+        "arrival_s": r.arrival_s,
+        "prompt_tokens": r.num_prompt_tokens,
+        "max_tokens": r.max_tokens,
+        "output_tokens": r.num_output_tokens,
+        "sla_level": r.sla_level,
+        "ttft_s": ttft,
+        "tpot_s": tpot,
+        "e2e_s": e2e,
+        "num_preemptions": r.num_preemptions,
+        "final_state": r.state.value,
+        "output_digest": output_digest(r.output_token_ids),
+        "abort_reason": r.abort_reason,
+        "preemption_failed": r.preemption_failed,
     }
-    for r in sorted(requests, key=lambda r: r.request_id):
-        ttft, tpot, e2e = _latencies(r)
-        for name, value in (
-            ("request_id", r.request_id),
-            ("arrival_s", r.arrival_s),
-            ("prompt_tokens", r.num_prompt_tokens),
-            ("max_tokens", r.max_tokens),
-            ("output_tokens", r.num_output_tokens),
-            ("sla_level", r.sla_level),
-            ("ttft_s", ttft),
-            ("tpot_s", tpot),
-            ("e2e_s", e2e),
-            ("num_preemptions", r.num_preemptions),
-            ("final_state", r.state.value),
-            ("output_digest", output_digest(r.output_token_ids)),
-            ("abort_reason", r.abort_reason),
-            ("preemption_failed", r.preemption_failed),
-        ):
-            rows[name].append(value)
-    schema = pa.schema(
-        [
-            ("request_id", pa.int64()),
-            ("arrival_s", pa.float64()),
-            ("prompt_tokens", pa.int64()),
-            ("max_tokens", pa.int64()),
-            ("output_tokens", pa.int64()),
-            ("sla_level", pa.int64()),
-            ("ttft_s", pa.float64()),
-            ("tpot_s", pa.float64()),
-            ("e2e_s", pa.float64()),
-            ("num_preemptions", pa.int64()),
-            ("final_state", pa.string()),
-            ("output_digest", pa.string()),
-            ("abort_reason", pa.string()),
-            ("preemption_failed", pa.bool_()),
-        ]
-    )
-    return pa.table(rows, schema=schema)
+
+
+def requests_table(requests: Sequence[Request]) -> pa.Table:
+    rows = [_request_row(r) for r in sorted(requests, key=lambda r: r.request_id)]
+    return pa.Table.from_pylist(rows, schema=REQUESTS_SCHEMA)
 
 
 def write_requests_parquet(requests: Sequence[Request], path: Path) -> None:
