@@ -41,6 +41,13 @@ def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
 def _config_from_args(args: argparse.Namespace) -> EngineConfig:
     overrides = list(args.set)
     for flag, key in (
@@ -78,6 +85,113 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _feature_config(args: argparse.Namespace) -> Any:
+    """Take the collect-only `--set features.KEY=VALUE` overrides out of args.set (the
+    engine config has no `features` section) into a FeatureConfig."""
+    from preempt.features import FeatureConfig
+
+    engine_sets, values = [], {}
+    for assignment in args.set:
+        key, _, raw = assignment.partition("=")
+        if not key.strip().startswith("features."):
+            engine_sets.append(assignment)
+            continue
+        name = key.strip().removeprefix("features.")
+        if name not in FeatureConfig.__dataclass_fields__:
+            raise ConfigError(f"unknown config key 'features.{name}'; choose every_k_steps or horizon_ms")
+        try:
+            values[name] = int(raw) if name == "every_k_steps" else float(raw)
+        except ValueError:
+            raise ConfigError(f"config key 'features.{name}': not a number: '{raw}'") from None
+    args.set = engine_sets
+    try:
+        return FeatureConfig(**values)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def cmd_collect(args: argparse.Namespace) -> int:
+    import time
+
+    from preempt.features import FeatureLogger, save_dataset
+    from preempt.replay import replay
+
+    feature_config = _feature_config(args)
+    config = _config_from_args(args)
+    logger = FeatureLogger(feature_config)
+    engines = []
+
+    def on_step(engine: Any, output: Any) -> None:
+        if not engines:
+            engines.append(engine)
+        logger(engine, output)
+
+    summary = replay(config, args.out, progress=not args.no_progress, on_step=on_step)
+    started = time.perf_counter()
+    records = engines[0].scheduler.records if engines else []
+    columns = logger.columns(records)
+    info = {
+        "trace": config.workload.trace,
+        "seed": config.seed,
+        "horizon_ms": feature_config.horizon_ms,
+        "every_k_steps": feature_config.every_k_steps,
+        "num_preemptions": summary["num_preemptions"],
+        "sim_time_s": summary["sim_time_s"],
+        "config": config.model_dump(mode="json"),
+    }
+    dataset = save_dataset(columns, info, args.features)
+    num_rows = len(dataset)
+    print(
+        json.dumps(
+            {
+                "num_requests": summary["num_requests"],
+                "num_preemptions": summary["num_preemptions"],
+                "num_rows": num_rows,
+                "num_positive": int(columns["label"].sum()),
+                "positive_rate": float(columns["label"].mean()) if num_rows else None,
+                "sim_time_s": summary["sim_time_s"],
+                "replay_wall_s": summary["wall_time_s"],
+                "dataset_wall_s": time.perf_counter() - started,
+            },
+            indent=2,
+        )
+    )
+    print(
+        f"wrote {args.out / 'requests.parquet'}, {args.out / 'summary.json'} and the dataset {args.features}"
+    )
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from predictor.train import TrainConfig, resolve_wandb_mode, train  # pytorch_lightning: ~5 s
+
+    resolve_wandb_mode(args.wandb)  # a bad mode fails before the slow start
+    config = TrainConfig(
+        max_epochs=args.max_epochs,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        wandb=args.wandb,
+        num_threads=args.num_threads,
+        progress=not args.no_progress,
+    )
+    metrics = train(args.data, args.out, config)
+    keys = ("auroc", "auprc", "precision", "recall", "f1", "threshold", "mean_lead_time_s", "event_recall")
+    print(
+        json.dumps({k: metrics.get(k) for k in (*keys, "best_val_auprc", "fit_wall_s", "wall_s")}, indent=2)
+    )
+    print(f"wrote {args.out / 'predictor.ckpt'} and {args.out / 'metrics.json'}")
+    return 0
+
+
+def cmd_eval_predictor(args: argparse.Namespace) -> int:
+    from predictor.evaluate import evaluate_checkpoint, jsonable
+
+    print(json.dumps(jsonable(evaluate_checkpoint(args.ckpt, args.data, split=args.split))))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from preempt.bench import BENCHMARKS
 
@@ -98,6 +212,47 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="replay a workload through one configuration")
     _add_workload_flags(run)
     run.set_defaults(func=cmd_run)
+
+    collect = sub.add_parser("collect", help="replay like `run` and log features + labels for the predictor")
+    _add_workload_flags(collect)
+    collect.add_argument(
+        "--features",
+        type=Path,
+        required=True,
+        help="output directory of the features dataset (datasets.load_from_disk); "
+        "--set features.every_k_steps=K / features.horizon_ms=MS tune it",
+    )
+    collect.set_defaults(func=cmd_collect)
+
+    train = sub.add_parser("train", help="train the LSTM preemption predictor (Lightning)")
+    train.add_argument("--data", type=Path, required=True, help="features dataset from `preempt collect`")
+    train.add_argument("--out", type=Path, required=True, help="writes predictor.ckpt and metrics.json")
+    train.add_argument("--max-epochs", type=_positive_int, default=5)
+    train.add_argument("--seq-len", type=_positive_int, default=16, help="steps per window")
+    train.add_argument("--batch-size", type=_positive_int, default=512)
+    train.add_argument("--lr", type=float, default=3e-3)
+    train.add_argument("--seed", type=int, default=0, help="seeds the split, the weights and the shuffle")
+    train.add_argument(
+        "--wandb",
+        choices=("online", "offline", "disabled"),
+        help="default: online if WANDB_API_KEY is set, else offline (never blocks on the network)",
+    )
+    train.add_argument("--num-threads", type=_positive_int, default=1, help="torch threads (default 1)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(func=cmd_train)
+
+    evaluate = sub.add_parser(
+        "eval-predictor", help="evaluate a checkpoint and the baselines; one JSON object"
+    )
+    evaluate.add_argument("--ckpt", type=Path, required=True, help="predictor.ckpt from `preempt train`")
+    evaluate.add_argument("--data", type=Path, required=True, help="features dataset")
+    evaluate.add_argument(
+        "--split",
+        choices=("train", "val", "test"),
+        default="test",
+        help="rows to report (split as in training)",
+    )
+    evaluate.set_defaults(func=cmd_eval_predictor)
 
     from preempt.server import add_serve_arguments, cmd_serve  # fastapi, uvicorn: ~0.4 s
 

@@ -9,6 +9,7 @@ decisions and no tensors here.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,19 +19,28 @@ from preempt.results import summarize, write_preemptions_parquet, write_requests
 from preempt.workload import build_workload
 
 
-def replay(config: EngineConfig, out_dir: Path, progress: bool = True) -> dict[str, Any]:
+def replay(
+    config: EngineConfig,
+    out_dir: Path,
+    progress: bool = True,
+    on_step: Callable[[Engine, StepOutput], None] | None = None,
+) -> dict[str, Any]:
+    """Run `config`'s workload and write the run's files; `on_step(engine, output)`, if
+    given, sees every step (e.g. `preempt collect`'s feature logger)."""
     started = time.perf_counter()
     requests = build_workload(config.workload, seed=config.seed)
     engine = Engine(config)
 
     bar = None
-    on_step = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=len(requests), unit="req", desc="replay", mininterval=1.0)
 
-        def on_step(output: StepOutput) -> None:
+    def hook(output: StepOutput) -> None:
+        if on_step is not None:
+            on_step(engine, output)
+        if bar is not None:
             if output.finished:
                 bar.update(len(output.finished))
             bar.set_postfix(
@@ -41,7 +51,7 @@ def replay(config: EngineConfig, out_dir: Path, progress: bool = True) -> dict[s
             )
 
     try:
-        engine.run(requests, on_step=on_step)
+        engine.run(requests, on_step=hook if progress or on_step is not None else None)
     finally:
         engine.close()
         if bar is not None:

@@ -100,12 +100,20 @@ class Saver(KVMover):
             self.bytes_stored += record.bytes_stored
         return None
 
-    def _gather(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        kv = self.kv_cache
+    def _token_slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """Flat cache slots of the request's tokens 0..num_tokens-1, in logical order."""
         num_blocks = blocks_needed(num_tokens, self.block_size)
-        blocks = kv.read_blocks(block_ids[:num_blocks])  # (L, 2, n, bs, H, D)
-        shape = (kv.num_layers, 2, num_blocks * self.block_size, kv.num_kv_heads, kv.head_dim)
-        return blocks.reshape(shape)[:, :, :num_tokens].contiguous()
+        blocks = torch.as_tensor(block_ids[:num_blocks], dtype=torch.int64)  # (n,)
+        offsets = torch.arange(self.block_size, dtype=torch.int64)  # (bs,)
+        return (blocks[:, None] * self.block_size + offsets).flatten()[:num_tokens]  # (T,)
+
+    def _flat_kv(self) -> torch.Tensor:
+        kv = self.kv_cache
+        return kv.kv.view(kv.num_layers, 2, kv.num_blocks * self.block_size, kv.num_kv_heads, kv.head_dim)
+
+    def _gather(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """(L, 2, T, H, D) in logical order, in one copy (no padded intermediate)."""
+        return self._flat_kv().index_select(2, self._token_slots(block_ids, num_tokens))
 
     def _store(self, kv: torch.Tensor, codec: str, record: PreemptionRecord) -> SlotHandle | str:
         parts = self.codecs[codec].encode_parts(kv)
@@ -183,20 +191,9 @@ class Saver(KVMover):
         except CorruptBlobError:
             return False
         expected = (kv_cache.num_layers, 2, saved.num_tokens, kv_cache.num_kv_heads, kv_cache.head_dim)
-        if tuple(kv.shape) != expected:
-            return False
-        num_blocks = blocks_needed(saved.num_tokens, self.block_size)
-        padded = kv.new_zeros(expected[:2] + (num_blocks * self.block_size,) + expected[3:])
-        padded[:, :, : saved.num_tokens] = kv
-        shape = (
-            kv_cache.num_layers,
-            2,
-            num_blocks,
-            self.block_size,
-            kv_cache.num_kv_heads,
-            kv_cache.head_dim,
-        )
-        kv_cache.write_blocks(request.block_ids[:num_blocks], padded.reshape(shape))
+        if tuple(kv.shape) != expected or kv.dtype != kv_cache.dtype:
+            return False  # a valid blob, but not this request's KV
+        self._flat_kv().index_copy_(2, self._token_slots(request.block_ids, saved.num_tokens), kv)
         return True
 
     def discard(self, request: Request) -> None:
