@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train the LSTM preemption predictor (Lightning)")
     train.add_argument("--data", type=Path, required=True, help="features dataset from `preempt collect`")
     train.add_argument("--out", type=Path, required=True, help="writes predictor.ckpt and metrics.json")
-    train.add_argument("--max-epochs", type=_positive_int, default=5)
+    train.add_argument("--max-epochs", type=_positive_int, default=4)
     train.add_argument("--seq-len", type=_positive_int, default=16, help="steps per window")
     train.add_argument("--batch-size", type=_positive_int, default=512)
     train.add_argument("--lr", type=float, default=3e-3)

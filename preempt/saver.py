@@ -80,7 +80,7 @@ class Saver(KVMover):
         if self.kv_cache is None:
             handle_or_failure = self._reserve_modelled(num_tokens, codec, record)
         else:
-            kv = self._gather(request.block_ids, num_tokens)  # (L, 2, T, H, D), a copy
+            kv = self._gather(request.block_ids, num_tokens)  # (L, 2, n, bs, H, D), a copy
             record.bytes_raw = kv.numel() * kv.element_size()
             handle_or_failure = (
                 self._store_async(kv, codec, record) if self._worker else self._store(kv, codec, record)
@@ -100,20 +100,11 @@ class Saver(KVMover):
             self.bytes_stored += record.bytes_stored
         return None
 
-    def _token_slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        """Flat cache slots of the request's tokens 0..num_tokens-1, in logical order."""
-        num_blocks = blocks_needed(num_tokens, self.block_size)
-        blocks = torch.as_tensor(block_ids[:num_blocks], dtype=torch.int64)  # (n,)
-        offsets = torch.arange(self.block_size, dtype=torch.int64)  # (bs,)
-        return (blocks[:, None] * self.block_size + offsets).flatten()[:num_tokens]  # (T,)
-
-    def _flat_kv(self) -> torch.Tensor:
-        kv = self.kv_cache
-        return kv.kv.view(kv.num_layers, 2, kv.num_blocks * self.block_size, kv.num_kv_heads, kv.head_dim)
-
     def _gather(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        """(L, 2, T, H, D) in logical order, in one copy (no padded intermediate)."""
-        return self._flat_kv().index_select(2, self._token_slots(block_ids, num_tokens))
+        """The request's blocks in logical order, (L, 2, n, bs, H, D), in one copy. Whole
+        blocks: copying block-sized runs is faster than token-sized ones, and the last
+        block's unused slots (under one block per request) ride along."""
+        return self.kv_cache.read_blocks(block_ids[: blocks_needed(num_tokens, self.block_size)])
 
     def _store(self, kv: torch.Tensor, codec: str, record: PreemptionRecord) -> SlotHandle | str:
         parts = self.codecs[codec].encode_parts(kv)
@@ -187,13 +178,21 @@ class Saver(KVMover):
     def _load_into(self, request: Request, handle: SlotHandle, saved: _Saved) -> bool:
         kv_cache = self.kv_cache
         try:
-            kv = self.codecs[saved.codec].decode(self.host_pool.load(handle))  # (L, 2, T, H, D)
+            kv = self.codecs[saved.codec].decode(self.host_pool.load(handle))  # (L, 2, n, bs, H, D)
         except CorruptBlobError:
             return False
-        expected = (kv_cache.num_layers, 2, saved.num_tokens, kv_cache.num_kv_heads, kv_cache.head_dim)
+        num_blocks = blocks_needed(saved.num_tokens, self.block_size)
+        expected = (
+            kv_cache.num_layers,
+            2,
+            num_blocks,
+            self.block_size,
+            kv_cache.num_kv_heads,
+            kv_cache.head_dim,
+        )
         if tuple(kv.shape) != expected or kv.dtype != kv_cache.dtype:
             return False  # a valid blob, but not this request's KV
-        self._flat_kv().index_copy_(2, self._token_slots(request.block_ids, saved.num_tokens), kv)
+        kv_cache.write_blocks(request.block_ids[:num_blocks], kv)
         return True
 
     def discard(self, request: Request) -> None:
