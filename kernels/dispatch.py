@@ -1,0 +1,122 @@
+"""Which implementation runs a kernel call, and how tensors are handed to Triton.
+
+Owns: the choice between a Triton kernel and its torch `*_ref` (`use_triton`), getting a
+launchable kernel on CPU under Triton's interpreter (`launchable`), and the integer views
+that the kernels move data through (`storage_view`). It never decides what to save.
+
+The rule (`use_triton(device, requested)`):
+- requested=None (the default): Triton on CUDA, the torch reference on CPU (the
+  interpreter is ~0.5 s a call: never a production path).
+- requested=True: Triton; on CPU only when TRITON_INTERPRET=1 is set (tests), otherwise
+  a RuntimeError that says so.
+- requested=False: the torch reference, anywhere.
+
+Why integer views: kernels copy kept heads as raw bits (bit-exact whatever the dtype,
+NaN payloads and -0.0 included) and do every float conversion they need with explicit
+bit arithmetic, because Triton's interpreter gets two conversions wrong (measured with
+triton 3.7.1): fp32 -> float8e4nv (~2.5% of values that should round up to the next
+power of two come out halved) and fp32 -> bfloat16 (about half the values wrong).
+Integers and fp16 it handles exactly, like the hardware.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+# dtype -> (kind code the kernels branch on, integer dtype with the same bits)
+DTYPE_KINDS: dict[torch.dtype, tuple[int, torch.dtype]] = {
+    torch.float16: (0, torch.int16),
+    torch.bfloat16: (1, torch.int16),
+    torch.float32: (2, torch.int32),
+    torch.float64: (3, torch.int64),
+}
+KV_DTYPES = tuple(DTYPE_KINDS)
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def use_triton(device: torch.device, requested: bool | None = None) -> bool:
+    """True: launch the Triton kernel; False: run the torch reference (see module doc)."""
+    if requested is False:
+        return False
+    if device.type == "cuda":
+        return True
+    if requested is None:
+        return False
+    if not interpreter_enabled():
+        raise RuntimeError(
+            f"Triton kernels on {device.type} need Triton's interpreter: set TRITON_INTERPRET=1 "
+            "(or call with use_triton=None/False for the torch reference)"
+        )
+    return True
+
+
+_INTERPRETED: dict[int, object] = {}
+
+
+def launchable(kernel: object, device: torch.device) -> object:
+    """The kernel, ready to launch on `device`. Triton decides compiled vs interpreted when
+    a `@triton.jit` module is imported; a kernel imported before TRITON_INTERPRET=1 was
+    set is re-wrapped for the interpreter here so CPU tests do not depend on import order.
+    (Kernels must then not call other @triton.jit helpers: ours inline everything.)"""
+    if device.type == "cuda" or not isinstance(kernel, triton.runtime.JITFunction):
+        return kernel
+    wrapped = _INTERPRETED.get(id(kernel))
+    if wrapped is None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        wrapped = InterpretedFunction(kernel.fn)
+        _INTERPRETED[id(kernel)] = wrapped
+    return wrapped
+
+
+def storage_view(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(integer view with the same bits, dtype kind code). Raises on unsupported dtypes."""
+    if tensor.dtype not in DTYPE_KINDS:
+        names = ", ".join(str(d).removeprefix("torch.") for d in KV_DTYPES)
+        raise ValueError(f"KV dtype {tensor.dtype} is not supported by the kernels; supported: {names}")
+    kind, int_dtype = DTYPE_KINDS[tensor.dtype]
+    return tensor.view(int_dtype), kind
+
+
+def check_kv_cache(kv_cache: torch.Tensor) -> None:
+    """A paged cache (L, 2, num_blocks, block_size, H, D) with contiguous (H, D) rows."""
+    if kv_cache.ndim != 6 or kv_cache.shape[1] != 2:
+        raise ValueError(
+            f"kv_cache must be (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), "
+            f"got shape {tuple(kv_cache.shape)}"
+        )
+    _check_rows(kv_cache, "kv_cache")
+
+
+def check_kv(kv: torch.Tensor) -> None:
+    """A gathered KV tensor (L, 2, T, H, D) with contiguous (H, D) rows."""
+    if kv.ndim != 5 or kv.shape[1] != 2:
+        raise ValueError(
+            f"kv must be (num_layers, 2, num_tokens, num_kv_heads, head_dim), got {tuple(kv.shape)}"
+        )
+    _check_rows(kv, "kv")
+
+
+def _check_rows(tensor: torch.Tensor, name: str) -> None:
+    if tensor.dtype not in DTYPE_KINDS:
+        storage_view(tensor)  # raises the dtype error
+    head_dim = tensor.shape[-1]
+    if tensor.stride(-1) != 1 or tensor.stride(-2) != head_dim:
+        raise ValueError(
+            f"{name}: the (num_kv_heads, head_dim) dims must be contiguous, got strides {tensor.stride()}"
+        )
+
+
+def check_block_ids(block_ids: torch.Tensor, device: torch.device, num_blocks: int, name: str) -> None:
+    if block_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32 or int64, got {block_ids.dtype}")
+    if block_ids.device != device:
+        raise ValueError(f"{name} is on {block_ids.device}, the cache on {device}")
+    if block_ids.numel() and (int(block_ids.min()) < 0 or int(block_ids.max()) >= num_blocks):
+        raise IndexError(f"{name} must lie in [0, {num_blocks})")
