@@ -23,4 +23,10 @@ def _save(quick: bool) -> dict[str, Any]:
     return bench_save(quick)
 
 
-BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {"engine": _engine, "save": _save}
+def _serve(quick: bool) -> dict[str, Any]:
+    from preempt.bench.serve import bench_serve
+
+    return bench_serve(quick)
+
+
+BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {"engine": _engine, "save": _save, "serve": _serve}
