@@ -163,20 +163,20 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from predictor.train import TrainConfig, resolve_wandb_mode, train  # pytorch_lightning: ~5 s
+    from predictor.data import DataError
+    from predictor.train import TrainConfig, train  # pytorch_lightning: ~5 s
 
-    resolve_wandb_mode(args.wandb)  # a bad mode fails before the slow start
-    config = TrainConfig(
-        max_epochs=args.max_epochs,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        seed=args.seed,
-        wandb=args.wandb,
-        num_threads=args.num_threads,
-        progress=not args.no_progress,
-    )
-    metrics = train(args.data, args.out, config)
+    given = {
+        name: getattr(args, name)
+        for name in ("max_epochs", "seq_len", "batch_size", "lr", "seed", "num_threads")
+        if getattr(args, name) is not None
+    }
+    config = TrainConfig(**given, wandb=args.wandb, progress=not args.no_progress)
+    try:
+        metrics = train(args.data, args.out, config)
+    except DataError as err:
+        print(f"preempt: error: --data: {err}", file=sys.stderr)
+        return 2
     keys = ("auroc", "auprc", "precision", "recall", "f1", "threshold", "mean_lead_time_s", "event_recall")
     print(
         json.dumps({k: metrics.get(k) for k in (*keys, "best_val_auprc", "fit_wall_s", "wall_s")}, indent=2)
@@ -186,9 +186,21 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_predictor(args: argparse.Namespace) -> int:
+    import torch
+
+    from predictor.data import DataError
     from predictor.evaluate import evaluate_checkpoint, jsonable
 
-    print(json.dumps(jsonable(evaluate_checkpoint(args.ckpt, args.data, split=args.split))))
+    if not args.ckpt.is_file():
+        print(f"preempt: error: --ckpt: checkpoint not found: {args.ckpt}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.num_threads)
+    try:
+        report = evaluate_checkpoint(args.ckpt, args.data, split=args.split)
+    except DataError as err:
+        print(f"preempt: error: --data: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(jsonable(report)))
     return 0
 
 
@@ -227,17 +239,19 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train the LSTM preemption predictor (Lightning)")
     train.add_argument("--data", type=Path, required=True, help="features dataset from `preempt collect`")
     train.add_argument("--out", type=Path, required=True, help="writes predictor.ckpt and metrics.json")
-    train.add_argument("--max-epochs", type=_positive_int, default=4)
-    train.add_argument("--seq-len", type=_positive_int, default=16, help="steps per window")
-    train.add_argument("--batch-size", type=_positive_int, default=512)
-    train.add_argument("--lr", type=float, default=3e-3)
-    train.add_argument("--seed", type=int, default=0, help="seeds the split, the weights and the shuffle")
+    # Defaults (None here) live in predictor.train.TrainConfig, which this parser must not
+    # import (pytorch_lightning); the help repeats them.
+    train.add_argument("--max-epochs", type=_positive_int, help="passes over the train split (6)")
+    train.add_argument("--seq-len", type=_positive_int, help="logged steps per window (8)")
+    train.add_argument("--batch-size", type=_positive_int, help="(512)")
+    train.add_argument("--lr", type=float, help="Adam learning rate (1e-2)")
+    train.add_argument("--seed", type=int, help="seeds the split, the weights and the shuffle (0)")
     train.add_argument(
         "--wandb",
         choices=("online", "offline", "disabled"),
         help="default: online if WANDB_API_KEY is set, else offline (never blocks on the network)",
     )
-    train.add_argument("--num-threads", type=_positive_int, default=1, help="torch threads (default 1)")
+    train.add_argument("--num-threads", type=_positive_int, help="torch threads (1)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(func=cmd_train)
 
@@ -252,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="test",
         help="rows to report (split as in training)",
     )
+    evaluate.add_argument("--num-threads", type=_positive_int, default=1, help="torch threads (default 1)")
     evaluate.set_defaults(func=cmd_eval_predictor)
 
     from preempt.server import add_serve_arguments, cmd_serve  # fastapi, uvicorn: ~0.4 s

@@ -1,0 +1,209 @@
+"""Metrics of a preemption predictor, and the evaluation of a checkpoint against baselines.
+
+Owns: the metric definitions (AUROC, AUPRC, precision/recall/F1 at a threshold, lead
+time, event recall) in plain numpy, the choice of the operating threshold (max F1 on
+val), and `evaluate_checkpoint`, behind `preempt eval-predictor`. Every predictor is
+scored the same way: threshold chosen on val, metrics reported on the chosen split.
+
+Must never: choose a threshold on the rows it reports (that would flatter every
+predictor alike, and hide how far the val choice transfers), or reach the network.
+
+Definitions (scores: higher = more likely preempted within the horizon):
+- auroc: P(score of a random positive > score of a random negative), ties count half.
+- auprc: average precision, sum over thresholds of (recall step) * precision, as
+  scikit-learn's `average_precision_score` (ties broken by grouping equal scores).
+- precision / recall / f1 at `threshold` (predict positive when score >= threshold).
+- mean_lead_time_s: over true positives, the mean time from the row to the preemption:
+  how long an early save triggered by the prediction would have had.
+- event_recall: preemption events (request, time) for which at least one row within the
+  horizon before them was predicted positive: the share of preemptions an online
+  predictor would have warned about.
+- event_recall_ahead: the same, counting only warnings at least one logged step before
+  the preempting schedule() (time to preemption > 0). The row right before a preemption
+  has time 0 to it: the decision follows at once, so a warning there gives an early
+  save no compute to overlap with.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from predictor.data import FeatureTable
+    from predictor.model import PreemptionLSTM
+
+
+def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    labels = labels.astype(bool)
+    num_pos = int(labels.sum())
+    num_neg = len(labels) - num_pos
+    if num_pos == 0 or num_neg == 0:
+        return math.nan
+    # Average ranks over ties (Mann-Whitney U).
+    _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
+    first_rank = np.cumsum(counts) - counts  # 0-based rank of each distinct value's first member
+    mean_rank = first_rank + (counts - 1) / 2.0 + 1.0
+    ranks = mean_rank[inverse.reshape(-1)]
+    u = ranks[labels].sum() - num_pos * (num_pos + 1) / 2.0
+    return float(u / (num_pos * num_neg))
+
+
+def _curve(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(thresholds, tp, fp) at each distinct score, descending: predict positive when
+    score >= threshold."""
+    order = np.argsort(-scores, kind="stable")
+    sorted_scores = scores[order]
+    sorted_labels = labels[order].astype(np.int64)
+    last_of_value = np.flatnonzero(np.r_[sorted_scores[1:] != sorted_scores[:-1], True])
+    tp = np.cumsum(sorted_labels)[last_of_value]
+    fp = (last_of_value + 1) - tp
+    return sorted_scores[last_of_value], tp, fp
+
+
+def average_precision(scores: np.ndarray, labels: np.ndarray) -> float:
+    num_pos = int(labels.sum())
+    if num_pos == 0:
+        return math.nan
+    _, tp, fp = _curve(scores, labels)
+    precision = tp / (tp + fp)
+    recall = tp / num_pos
+    return float(np.sum(np.diff(np.r_[0.0, recall]) * precision))
+
+
+def best_f1_threshold(scores: np.ndarray, labels: np.ndarray) -> float:
+    """The threshold that maximises F1 on these rows (the operating point, chosen on val)."""
+    num_pos = int(labels.sum())
+    if num_pos == 0 or len(scores) == 0:
+        return math.inf  # nothing to find: predict nothing
+    thresholds, tp, fp = _curve(scores, labels)
+    f1 = 2 * tp / (tp + fp + num_pos)
+    return float(thresholds[int(np.argmax(f1))])
+
+
+def binary_metrics(
+    scores: np.ndarray,
+    labels: np.ndarray,
+    time_to_preemption_s: np.ndarray,
+    threshold: float,
+    event_key: np.ndarray | None = None,
+) -> dict[str, float]:
+    """Every metric of the module docstring, as plain numbers (NaN when undefined).
+    `event_key` (N, 2): (request group, event time in us) of each row, for event_recall."""
+    labels = labels.astype(bool)
+    predicted = scores >= threshold
+    tp = int(np.sum(predicted & labels))
+    fp = int(np.sum(predicted & ~labels))
+    fn = int(np.sum(~predicted & labels))
+    lead = time_to_preemption_s[predicted & labels]
+    out: dict[str, float] = {
+        "auroc": roc_auc(scores, labels),
+        "auprc": average_precision(scores, labels),
+        "threshold": float(threshold),
+        "precision": tp / (tp + fp) if tp + fp else math.nan,
+        "recall": tp / (tp + fn) if tp + fn else math.nan,
+        "f1": 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else math.nan,
+        "mean_lead_time_s": float(lead.mean()) if len(lead) else math.nan,
+        "num_rows": len(labels),
+        "num_positive": int(labels.sum()),
+        "num_predicted": int(predicted.sum()),
+    }
+    if event_key is not None:
+        out["event_recall"] = event_recall(predicted, labels, event_key)
+        out["event_recall_ahead"] = event_recall(predicted & (time_to_preemption_s > 0), labels, event_key)
+    return out
+
+
+def event_recall(predicted: np.ndarray, labels: np.ndarray, event_key: np.ndarray) -> float:
+    """Share of preemption events with at least one positive row predicted positive."""
+    if not labels.any():
+        return math.nan
+    events = np.unique(event_key[labels], axis=0)
+    warned = np.unique(event_key[labels & predicted], axis=0)
+    return len(warned) / len(events)
+
+
+def event_keys(table: FeatureTable) -> np.ndarray:
+    """(N, 2) int64: (request group, time of its next preemption in us); rows of one event
+    agree up to float rounding of t + time_to, which the us rounding absorbs."""
+    event_time = table.t_s + table.time_to_preemption_s
+    event_us = np.where(np.isfinite(event_time), np.round(event_time * 1e6), -1).astype(np.int64)
+    return np.stack([table.group, event_us], axis=1)
+
+
+def evaluate_scores(
+    table: FeatureTable,
+    val_rows: np.ndarray,
+    eval_rows: np.ndarray,
+    val_scores: np.ndarray,
+    eval_scores: np.ndarray,
+) -> dict[str, float]:
+    """Threshold at max F1 on val, then every metric on the eval rows."""
+    threshold = best_f1_threshold(val_scores, table.label[val_rows])
+    return binary_metrics(
+        eval_scores,
+        table.label[eval_rows],
+        table.time_to_preemption_s[eval_rows],
+        threshold,
+        event_keys(table)[eval_rows],
+    )
+
+
+def jsonable(value: Any) -> Any:
+    """NaN and inf have no JSON spelling: write them as null."""
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def load_predictor(ckpt: str | Path) -> PreemptionLSTM:
+    """The trained model of a `preempt train` checkpoint, in eval mode, on the CPU."""
+    from predictor.model import PreemptionLSTM
+
+    model = PreemptionLSTM.load_from_checkpoint(str(ckpt), map_location="cpu", weights_only=True)
+    return model.eval()
+
+
+def evaluate_checkpoint(ckpt: str | Path, data: str | Path, split: str = "test") -> dict[str, Any]:
+    """The LSTM of `ckpt` and every baseline on `split` of `data`, split as in training
+    (the checkpoint holds the split's seed and fractions)."""
+    from predictor.baselines import baseline_scores
+    from predictor.data import SPLITS, PreemptionDataModule, SplitConfig
+
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got '{split}'")
+    model = load_predictor(ckpt)
+    hp = model.hparams
+    datamodule = PreemptionDataModule(
+        data,
+        seq_len=hp.seq_len,
+        split=SplitConfig(hp.split_seed, hp.val_fraction, hp.test_fraction),
+    )
+    datamodule.setup()
+    table = datamodule.table
+    val_rows, eval_rows = datamodule.rows["val"], datamodule.rows[split]
+    results: dict[str, Any] = {
+        "lstm": evaluate_scores(
+            table,
+            val_rows,
+            eval_rows,
+            model.predict_batches(datamodule.loader("val")),
+            model.predict_batches(datamodule.loader(split)),
+        )
+    }
+    for name, scores in baseline_scores(table, datamodule.rows["train"]).items():
+        results[name] = evaluate_scores(table, val_rows, eval_rows, scores[val_rows], scores[eval_rows])
+    return {
+        "data": str(data),
+        "ckpt": str(ckpt),
+        "split": split,
+        "num_rows": len(eval_rows),
+        "positive_rate": float(table.label[eval_rows].mean()) if len(eval_rows) else math.nan,
+        "horizon_ms": table.meta.get("horizon_ms"),
+        "predictors": results,
+    }

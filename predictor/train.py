@@ -1,0 +1,235 @@
+"""Training the preemption predictor: `preempt train --data D2 --out D3`.
+
+Owns: the training run (seeding, the Trainer, the best-val-AUPRC checkpoint at
+`D3/predictor.ckpt`, the operating threshold chosen on val, `D3/metrics.json` with the
+test metrics) and the one seam to wandb (`make_logger`).
+
+Must never: block on the network (wandb is offline unless asked for online or an API key
+is set; `disabled` creates no wandb run at all), read test rows before the checkpoint
+and threshold are fixed, or run on a GPU by accident (the model is tiny; CPU keeps runs
+reproducible and the device free).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+
+from predictor.data import PreemptionDataModule, SplitConfig
+from predictor.evaluate import evaluate_scores, jsonable
+from predictor.model import PreemptionLSTM
+
+WANDB_MODES = ("online", "offline", "disabled")
+ONLINE_INIT_TIMEOUT_S = 15.0
+CHECKPOINT_NAME = "predictor.ckpt"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Defaults tuned on the default collect data (experiments/configs/collect.yaml), test
+    AUPRC by (lr, seq_len, epochs): (3e-3, 16, 4) 0.44, (3e-3, 16, 8) 0.54, (1e-2, 16, 4)
+    0.56, (1e-2, 8, 4) 0.57, (1e-2, 4, 6) 0.64, (1e-2, 8, 6) 0.68; one split, so +-0.05 is
+    noise. (1e-2, 8, 6) trains in ~25 s on one CPU thread."""
+
+    max_epochs: int = 6
+    """Passes over the train split."""
+    seq_len: int = 8
+    """Logged steps per window (the LSTM's sequence length)."""
+    batch_size: int = 512
+    """512: the fastest rows/s of a 64-unit LSTM on one CPU thread (1024 ran 1.6x slower per row)."""
+    lr: float = 1e-2
+    """Adam learning rate."""
+    weight_decay: float = 0.0
+    seed: int = 0
+    """Seeds the split, the initial weights and the shuffle."""
+    val_fraction: float = 0.15
+    test_fraction: float = 0.15
+    wandb: str | None = None
+    """online | offline | disabled; None: online if WANDB_API_KEY is set, else offline."""
+    wandb_project: str = "preempt-predictor"
+    limit_train_batches: int | float | None = None
+    """Cap on train batches per epoch (smoke tests)."""
+    num_threads: int | None = 1
+    """torch intra-op threads (None: torch's default). One by default: batches of a
+    64-unit LSTM are too small to split, and on shared cores a second OpenMP thread made
+    each batch ~7x slower (24 ms -> 177 ms, measured on 2 busy cores)."""
+    progress: bool = True
+
+
+def resolve_wandb_mode(mode: str | None) -> str:
+    if mode is None:
+        return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    if mode not in WANDB_MODES:
+        raise ValueError(f"--wandb must be one of {', '.join(WANDB_MODES)}, got '{mode}'")
+    return mode
+
+
+def make_logger(mode: str | None, save_dir: Path, project: str, config: dict[str, Any]) -> Any:
+    """The wandb seam: a WandbLogger writing under `save_dir/wandb`, or False (disabled).
+
+    The run starts here, not at Lightning's first log call, so an online run that cannot
+    reach the server within `ONLINE_INIT_TIMEOUT_S` falls back to offline (with a
+    warning) instead of holding up training."""
+    mode = resolve_wandb_mode(mode)
+    if mode == "disabled":
+        return False
+    import wandb
+    from pytorch_lightning.loggers import WandbLogger
+
+    save_dir.mkdir(parents=True, exist_ok=True)
+    # console="off": wandb must not wrap stdout, where the CLI prints its JSON; no system
+    # stats sampler process for a run that lasts seconds.
+    settings = dict(silent=True, console="off", x_disable_stats=True)
+
+    def start(offline: bool) -> Any:
+        logger = WandbLogger(
+            project=project,
+            save_dir=str(save_dir),
+            offline=offline,
+            config=config,
+            log_model=False,
+            settings=wandb.Settings(
+                mode="offline" if offline else "online", init_timeout=ONLINE_INIT_TIMEOUT_S, **settings
+            ),
+        )
+        logger.experiment  # noqa: B018 -- starts the run now (see docstring)
+        return logger
+
+    if mode == "offline":
+        return start(offline=True)
+    try:
+        return start(offline=False)
+    except Exception as err:  # wandb raises several types (CommError, UsageError, timeouts)
+        warnings.warn(f"wandb online failed ({err}); logging offline under {save_dir}", stacklevel=2)
+        return start(offline=True)
+
+
+def _quiet_lightning() -> None:
+    # Lightning's start-up banner (GPU/TPU availability, tips) and the num_workers advice
+    # would bury the one JSON line the CLI prints; the windows are gathered in-process.
+    logging.getLogger("pytorch_lightning").setLevel(logging.WARNING)
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    # D3 holds wandb/ and metrics.json next to the checkpoint on purpose.
+    warnings.filterwarnings("ignore", message=".*Checkpoint directory .* exists and is not empty.*")
+
+
+def train(data: str | Path, out_dir: str | Path, config: TrainConfig | None = None) -> dict[str, Any]:
+    """Train, checkpoint the best val AUPRC to `out_dir/predictor.ckpt`, write and return
+    the test metrics (`out_dir/metrics.json`)."""
+    config = config or TrainConfig()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    _quiet_lightning()
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    pl.seed_everything(config.seed, workers=True, verbose=False)
+
+    datamodule = PreemptionDataModule(
+        data,
+        seq_len=config.seq_len,
+        batch_size=config.batch_size,
+        split=SplitConfig(config.seed, config.val_fraction, config.test_fraction),
+    )
+    datamodule.setup()
+    table = datamodule.table
+    horizon_ms = float(table.meta.get("horizon_ms", 50.0))
+    model = PreemptionLSTM(
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        pos_weight=datamodule.pos_weight(),
+        seq_len=config.seq_len,
+        horizon_ms=horizon_ms,
+        feature_names=list(table.meta.get("feature_names", [])),
+        split_seed=config.seed,
+        val_fraction=config.val_fraction,
+        test_fraction=config.test_fraction,
+    )
+    model.set_normalization(*datamodule.feature_stats())
+
+    checkpoint_path = out_dir / CHECKPOINT_NAME
+    if checkpoint_path.exists():
+        checkpoint_path.unlink()  # a stale best from an earlier run must not survive
+    checkpoint = pl.callbacks.ModelCheckpoint(
+        dirpath=str(out_dir),
+        filename=Path(CHECKPOINT_NAME).stem,
+        monitor="val/auprc",
+        mode="max",
+        save_top_k=1,
+        auto_insert_metric_name=False,
+        enable_version_counter=False,
+    )
+    logger = make_logger(config.wandb, out_dir, config.wandb_project, {**asdict(config), "data": str(data)})
+    trainer = pl.Trainer(
+        max_epochs=config.max_epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        callbacks=[checkpoint],
+        deterministic=True,
+        enable_progress_bar=config.progress,
+        enable_model_summary=False,
+        limit_train_batches=config.limit_train_batches,
+        num_sanity_val_steps=0,
+        log_every_n_steps=10,
+        default_root_dir=str(out_dir),
+    )
+    fit_started = time.perf_counter()
+    trainer.fit(model, datamodule=datamodule)
+    fit_s = time.perf_counter() - fit_started
+
+    # Threshold on val, then (only now) the test rows, with the best checkpoint.
+    best = PreemptionLSTM.load_from_checkpoint(str(checkpoint_path), map_location="cpu", weights_only=True)
+    val_scores = best.predict_batches(datamodule.loader("val"))
+    test_scores = best.predict_batches(datamodule.loader("test"))
+    rows = datamodule.rows
+    test = evaluate_scores(table, rows["val"], rows["test"], val_scores, test_scores)
+    val = evaluate_scores(table, rows["val"], rows["val"], val_scores, val_scores)
+    _store_threshold(checkpoint_path, test["threshold"])
+
+    metrics: dict[str, Any] = {
+        **test,
+        "split": "test",
+        "val": val,
+        "best_val_auprc": float(checkpoint.best_model_score)
+        if checkpoint.best_model_score is not None
+        else None,
+        "epochs": trainer.current_epoch,
+        "num_train_rows": len(rows["train"]),
+        "num_val_rows": len(rows["val"]),
+        "num_test_rows": len(rows["test"]),
+        "train_positive_rate": float(table.label[rows["train"]].mean()),
+        "pos_weight": model.hparams.pos_weight,
+        "fit_wall_s": fit_s,
+        "wall_s": time.perf_counter() - started,
+        "data": str(data),
+        "config": asdict(config),
+        "wandb": resolve_wandb_mode(config.wandb),
+    }
+    metrics = jsonable(metrics)
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    if logger:
+        logger.log_metrics(
+            {f"test/{k}": v for k, v in test.items() if isinstance(v, float) and np.isfinite(v)}
+        )
+        logger.experiment.finish()
+    return metrics
+
+
+def _store_threshold(path: Path, threshold: float) -> None:
+    """Keep the val-chosen operating threshold with the weights, for online use."""
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    checkpoint["hyper_parameters"]["threshold"] = float(threshold)
+    torch.save(checkpoint, path)

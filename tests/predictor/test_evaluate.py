@@ -1,0 +1,72 @@
+"""Metric definitions (predictor.evaluate) against hand-computed values."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from predictor.evaluate import (
+    average_precision,
+    best_f1_threshold,
+    binary_metrics,
+    event_recall,
+    jsonable,
+    roc_auc,
+)
+
+
+def test_auroc_and_auprc_hand_computed():
+    scores = np.array([0.1, 0.4, 0.35, 0.8])
+    labels = np.array([0, 0, 1, 1])
+    # Pairs (pos, neg): (0.35 > 0.1), (0.35 < 0.4), (0.8 > both): 3 of 4.
+    assert roc_auc(scores, labels) == pytest.approx(0.75)
+    # Ranked: 0.8 (P), 0.4 (N), 0.35 (P), 0.1 (N): AP = 0.5 * 1 + 0.5 * 2/3.
+    assert average_precision(scores, labels) == pytest.approx(0.5 + 1 / 3)
+
+
+def test_ties_count_half_and_group_together():
+    labels = np.array([0, 1, 0, 1, 0])
+    flat = np.full(5, 0.3)
+    assert roc_auc(flat, labels) == pytest.approx(0.5)
+    assert average_precision(flat, labels) == pytest.approx(0.4)  # one threshold: precision = rate
+    assert math.isnan(roc_auc(flat, np.zeros(5)))
+    assert math.isnan(average_precision(flat, np.zeros(5)))
+
+
+def test_perfect_and_inverted_scores():
+    labels = np.array([0, 0, 1, 1, 0, 1])
+    assert roc_auc(labels.astype(float), labels) == 1.0
+    assert average_precision(labels.astype(float), labels) == 1.0
+    assert roc_auc(-labels.astype(float), labels) == 0.0
+
+
+def test_threshold_maximises_f1():
+    scores = np.array([0.9, 0.8, 0.7, 0.2, 0.1])
+    labels = np.array([1, 1, 0, 1, 0])
+    # >= 0.8: P=1, R=2/3, F1=0.8; >= 0.2: P=3/4, R=1, F1=6/7 (best); >= 0.1: F1=0.75.
+    assert best_f1_threshold(scores, labels) == pytest.approx(0.2)
+    assert best_f1_threshold(scores, np.zeros(5)) == math.inf
+
+
+def test_binary_metrics_and_event_recall():
+    scores = np.array([0.9, 0.1, 0.8, 0.7, 0.2, 0.6])
+    labels = np.array([1, 1, 1, 0, 0, 1])
+    time_to = np.array([0.03, 0.0, 0.02, math.inf, math.inf, 0.0])
+    # Events: rows 0-1 are one event of request 7 at 1.03 s; row 2 one of request 8; row 5 one
+    # of request 9.
+    event_key = np.array([[7, 1_030_000], [7, 1_030_000], [8, 2_000_000], [0, -1], [0, -1], [9, 5]])
+    m = binary_metrics(scores, labels, time_to, 0.65, event_key)
+    assert (m["precision"], m["recall"], m["f1"]) == pytest.approx((2 / 3, 0.5, 4 / 7))
+    assert m["mean_lead_time_s"] == pytest.approx(0.025)  # true positives: rows 0 and 2
+    assert m["num_rows"] == 6 and m["num_positive"] == 4 and m["num_predicted"] == 3
+    assert m["event_recall"] == pytest.approx(2 / 3)  # events 7 and 8 warned, 9 missed
+    assert m["event_recall_ahead"] == pytest.approx(2 / 3)
+    assert math.isnan(event_recall(np.zeros(6, bool), np.zeros(6, bool), event_key))  # no events
+
+
+def test_jsonable_writes_nan_and_inf_as_null():
+    out = jsonable({"a": math.nan, "b": {"c": math.inf, "d": 1.5}, "e": 3})
+    assert json.loads(json.dumps(out)) == {"a": None, "b": {"c": None, "d": 1.5}, "e": 3}

@@ -1,0 +1,141 @@
+"""Training smoke run, checkpoint, wandb modes and `preempt eval-predictor` (one module
+fixture trains once; the other tests reuse its checkpoint)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from predictor.data import DataError, PreemptionDataModule, SplitConfig
+from predictor.model import PreemptionLSTM
+from predictor.train import TrainConfig, resolve_wandb_mode, train
+from preempt.cli import main
+from tests.predictor import synthetic_dataset
+
+torch.set_num_threads(1)
+
+METRICS = {
+    "auroc",
+    "auprc",
+    "threshold",
+    "precision",
+    "recall",
+    "f1",
+    "mean_lead_time_s",
+    "event_recall",
+    "event_recall_ahead",
+    "num_rows",
+    "num_positive",
+    "num_predicted",
+}
+
+
+@pytest.fixture(autouse=True)
+def no_wandb_network(monkeypatch):
+    # No key, and a server address nothing listens on: any attempt to go online would fail.
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+
+
+@pytest.fixture(scope="module")
+def data_path(tmp_path_factory):
+    return synthetic_dataset(tmp_path_factory.mktemp("data") / "features", num_requests=300)
+
+
+@pytest.fixture(scope="module")
+def trained(data_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("train")
+    config = TrainConfig(max_epochs=5, batch_size=64, seq_len=4, wandb="disabled", progress=False)
+    return out, train(data_path, out, config)
+
+
+def _train_loss(model: PreemptionLSTM, data_path) -> float:
+    hp = model.hparams
+    datamodule = PreemptionDataModule(data_path, seq_len=hp.seq_len, split=SplitConfig(hp.split_seed))
+    datamodule.setup()
+    model.eval()
+    with torch.no_grad():
+        losses = [model._loss(batch)[0] for batch in datamodule.loader("train")]
+    return float(torch.stack(losses).mean())
+
+
+def test_training_lowers_the_loss_and_writes_the_files(trained, data_path):
+    out, metrics = trained
+    assert (out / "predictor.ckpt").is_file() and (out / "metrics.json").is_file()
+    assert json.loads((out / "metrics.json").read_text())["auroc"] == pytest.approx(metrics["auroc"])
+    assert METRICS <= set(metrics) and metrics["split"] == "test"
+    best = PreemptionLSTM.load_from_checkpoint(out / "predictor.ckpt", map_location="cpu", weights_only=True)
+    torch.manual_seed(0)
+    untrained = PreemptionLSTM(**{k: v for k, v in best.hparams.items() if k != "threshold"})
+    untrained.set_normalization(best.feature_mean.numpy(), best.feature_std.numpy())
+    assert _train_loss(best, data_path) < 0.8 * _train_loss(untrained, data_path)
+    # The signal is plain (lowest rank and a nearly full pool): the model must find it.
+    assert metrics["auroc"] > 0.8
+
+
+def test_checkpoint_loads_weights_only_with_everything_online_use_needs(trained):
+    out, metrics = trained
+    checkpoint = torch.load(out / "predictor.ckpt", map_location="cpu", weights_only=True)
+    hp = checkpoint["hyper_parameters"]
+    assert hp["threshold"] == pytest.approx(metrics["threshold"])
+    assert hp["seq_len"] == 4 and len(hp["feature_names"]) == 8
+    state = checkpoint["state_dict"]
+    assert state["lstm.weight_ih_l0"].shape == (4 * 64, 8)  # LSTM(8, 64): 4 gates
+    assert state["head.weight"].shape == (1, 64)
+    assert not torch.equal(state["feature_std"], torch.ones(8))  # fitted, not the default
+    model = PreemptionLSTM.load_from_checkpoint(out / "predictor.ckpt", map_location="cpu", weights_only=True)
+    probs = model(torch.zeros(3, 4, 8))
+    assert probs.shape == (3,) and torch.all((probs > 0) & (probs < 1))
+
+
+def test_eval_predictor_reports_every_metric_for_every_predictor(trained, data_path, capsys):
+    out, metrics = trained
+    assert main(["eval-predictor", "--ckpt", str(out / "predictor.ckpt"), "--data", str(data_path)]) == 0
+    report = json.loads(capsys.readouterr().out)  # exactly one JSON object
+    assert set(report["predictors"]) == {"lstm", "rule", "logreg", "oracle"}
+    for name, values in report["predictors"].items():
+        assert METRICS <= set(values), name
+    assert report["predictors"]["lstm"]["auroc"] == pytest.approx(metrics["auroc"])
+    assert report["predictors"]["oracle"]["auroc"] == 1.0 and report["predictors"]["oracle"]["auprc"] == 1.0
+    assert report["predictors"]["logreg"]["auroc"] > 0.6
+
+
+@pytest.mark.filterwarnings("ignore:The number of training batches")
+def test_offline_wandb_writes_a_local_run(data_path, tmp_path):
+    assert resolve_wandb_mode(None) == "offline"  # no API key: offline
+    config = TrainConfig(max_epochs=1, batch_size=256, seq_len=2, limit_train_batches=2, progress=False)
+    metrics = train(data_path, tmp_path, config)
+    assert metrics["wandb"] == "offline"
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+    assert (tmp_path / "predictor.ckpt").is_file()
+
+
+def test_wandb_mode_resolution(monkeypatch, capsys):
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert resolve_wandb_mode(None) == "online"
+    assert resolve_wandb_mode("disabled") == "disabled"
+    with pytest.raises(ValueError, match="--wandb"):
+        resolve_wandb_mode("cloud")
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--data", "d", "--out", "o", "--wandb", "cloud"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "--wandb" in err and len(err.splitlines()) == 1
+
+
+def test_missing_data_or_checkpoint_fails_with_one_line(tmp_path, capsys, trained, data_path):
+    out, _ = trained
+    with pytest.raises(DataError, match="features dataset not found"):
+        train(tmp_path / "nope", tmp_path / "out", TrainConfig(wandb="disabled", progress=False))
+    for argv in (
+        ["train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), "--wandb", "disabled"],
+        ["eval-predictor", "--ckpt", str(tmp_path / "none.ckpt"), "--data", str(data_path)],
+        ["eval-predictor", "--ckpt", str(out / "predictor.ckpt"), "--data", str(tmp_path / "nope")],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("preempt: error: --") and len(err.splitlines()) == 1, err

@@ -1,0 +1,197 @@
+"""Feature logging and labels (preempt.features) and `preempt collect`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from preempt.cli import main
+from preempt.config import PreemptionConfig, build_config
+from preempt.engine import Engine
+from preempt.features import (
+    FEATURE_DOCS,
+    FEATURE_NAMES,
+    FeatureConfig,
+    FeatureLogger,
+    compute_features,
+    label_rows,
+)
+from preempt.scheduler import PreemptionRecord
+from tests.conftest import make_request
+
+COLLECT_CONFIG = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "collect.yaml"
+
+
+def _config():
+    """Null backend, priority policy with a VIP mix and a pool small enough to preempt."""
+    return build_config(
+        {
+            "model": {"backend": "null"},
+            "cache": {"block_size": 16, "num_blocks": 96},
+            "scheduler": {"policy": "priority_score", "max_num_seqs": 6, "max_num_batched_tokens": 512},
+            "preemption": {"mode": "swap", "max_preemption_per_min": None},
+        }
+    )
+
+
+def _requests(num: int = 40):
+    rng = np.random.default_rng(0)
+    arrivals = np.cumsum(rng.exponential(0.05, size=num))
+    return [
+        make_request(
+            i,
+            int(rng.integers(16, 300)),
+            int(rng.integers(8, 200)),
+            arrival_s=float(arrivals[i]),
+            sla_level=int(rng.integers(0, 3)),
+        )
+        for i in range(num)
+    ]
+
+
+def _collect(requests, feature_config: FeatureConfig | None = None):
+    engine = Engine(_config())
+    logger = FeatureLogger(feature_config)
+    engine.run(requests, on_step=lambda output: logger(engine, output))
+    return logger.columns(engine.scheduler.records), engine
+
+
+def test_names_docs_and_shape():
+    assert len(FEATURE_NAMES) == 8 and len(set(FEATURE_NAMES)) == 8
+    assert set(FEATURE_DOCS) == set(FEATURE_NAMES)
+    running = [make_request(i, 100 + 50 * i, 64, arrival_s=0.0, sla_level=i % 2) for i in range(3)]
+    waiting = [make_request(9, 10, 10, arrival_s=0.5, sla_level=2)]
+    running[0].slice_used_s = 0.02
+    running[1].num_preemptions = 2
+    config = PreemptionConfig()
+    features = compute_features(running, waiting, 1.0, 30, 120, config)
+    assert features.shape == (3, 8) and features.dtype == np.float32
+    col = {name: features[:, i] for i, name in enumerate(FEATURE_NAMES)}
+    np.testing.assert_allclose(col["num_preemptions"], [0, 2, 0])
+    np.testing.assert_allclose(col["seq_ktokens"], [0.1, 0.15, 0.2])
+    np.testing.assert_allclose(col["slice_usage"], [2.0, 0.0, 0.0])  # 20 ms of a 10 ms short slice
+    np.testing.assert_allclose(col["free_kv_fraction"], 0.25)
+    np.testing.assert_allclose(col["sla_level"], [0, 1, 0])
+    # Same age; the longer remaining work scores lower: request 2 (level 0, 264 tokens
+    # left) is the lowest, request 1 (VIP) the highest.
+    np.testing.assert_allclose(col["score_rank"], [1, 2, 0])
+    # The fresh VIP challenger (score ~1.6) beats the level-0 requests (~1.1) by the margin
+    # but not the VIP one.
+    np.testing.assert_allclose(col["queue_pressure"], [1, 0, 1])
+
+
+def test_features_never_read_the_true_output_length():
+    running = [make_request(i, 100, 64, arrival_s=0.1 * i) for i in range(4)]
+    before = compute_features(running, running[:1], 2.0, 10, 100, PreemptionConfig())
+    for r in running:
+        r.target_output_tokens = 1
+    after = compute_features(running, running[:1], 2.0, 10, 100, PreemptionConfig())
+    np.testing.assert_array_equal(before, after)
+
+
+def test_no_future_leakage_when_the_trace_is_cut():
+    """Features at a step do not change when the rest of the trace is cut away."""
+    requests = _requests()
+    full, _ = _collect(requests)
+    assert full["label"].sum() > 0, "the test workload should preempt"
+    cut_s = float(np.median([r.arrival_s for r in requests]))
+    cut, _ = _collect([r for r in _requests() if r.arrival_s < cut_s])
+    before_full = full["t_s"] < cut_s
+    before_cut = cut["t_s"] < cut_s
+    assert before_full.sum() == before_cut.sum() > 100
+    for key in ("request_id", "step", "t_s", "features"):
+        np.testing.assert_array_equal(full[key][before_full], cut[key][before_cut])
+
+
+def test_every_k_steps_logs_a_subset():
+    every, _ = _collect(_requests())
+    third, _ = _collect(_requests(), FeatureConfig(every_k_steps=3))
+    assert set(np.unique(third["step"]) % 3) == {0}
+    keep = np.isin(every["step"], third["step"])
+    np.testing.assert_array_equal(every["features"][keep], third["features"])
+    np.testing.assert_array_equal(every["label"][keep], third["label"])  # labels use all records
+
+
+def _record(time_s: float, request_id: int, action: str = "save", reason: str = "memory") -> PreemptionRecord:
+    return PreemptionRecord(time_s, request_id, reason, action, num_tokens=10)
+
+
+def test_labels_on_hand_made_records():
+    request_ids = np.array([1, 1, 1, 1, 2, 2, 3])
+    t_s = np.array([1.0, 1.02, 1.06, 2.0, 1.0, 1.0, 1.0])
+    records = [
+        _record(0.5, 1),  # in the past of every row: never a label
+        _record(1.05, 1),  # exactly 50 ms after row 0: inside the (inclusive) horizon
+        _record(1.5, 1, action="none"),  # failed attempt: the request kept running
+        _record(1.0500001, 2, reason="priority"),  # just past the horizon of t = 1.0
+        _record(1.01, 3, action="pause", reason="priority"),
+        _record(1.02, 3, action="save", reason="reclaim"),  # deferred save of a paused one
+    ]
+    label, time_to = label_rows(request_ids, t_s, records, horizon_s=0.05)
+    np.testing.assert_array_equal(label, [1, 1, 0, 0, 0, 0, 1])
+    np.testing.assert_allclose(time_to[:3], [0.05, 0.03, math.inf])
+    assert time_to[3] == math.inf  # the only later record kept it running
+    np.testing.assert_allclose(time_to[4:6], 0.0500001)
+    np.testing.assert_allclose(time_to[6], 0.01)
+
+
+def test_labels_match_the_engine_records():
+    columns, engine = _collect(_requests())
+    events = [r for r in engine.scheduler.records if r.action != "none" and r.reason != "reclaim"]
+    assert events
+    for row in np.flatnonzero(columns["label"])[:50]:
+        rid, t = columns["request_id"][row], columns["t_s"][row]
+        assert any(r.request_id == rid and t <= r.time_s <= t + 0.05 + 1e-9 for r in events)
+    # A preemption is decided by the schedule() right after the request's last logged
+    # step, at that row's t_s: its last row before the event has time_to exactly 0.
+    for record in events:
+        rows = np.flatnonzero(
+            (columns["request_id"] == record.request_id) & (columns["t_s"] <= record.time_s)
+        )
+        assert len(rows) and columns["time_to_preemption_s"][rows[-1]] == 0.0
+
+
+def test_collect_writes_a_dataset(tmp_path, capsys):
+    import datasets
+
+    features_dir = tmp_path / "features"
+    args = ["collect", "--config", str(COLLECT_CONFIG), "--out", str(tmp_path / "run")]
+    args += ["--features", str(features_dir), "--duration", "40", "--no-progress"]
+    assert main([*args, "--set", "features.horizon_ms=50"]) == 0
+    summary = json.loads(capsys.readouterr().out.split("\nwrote")[0])
+    assert (tmp_path / "run" / "requests.parquet").is_file() and (tmp_path / "run" / "summary.json").is_file()
+
+    dataset = datasets.load_from_disk(str(features_dir))
+    assert set(dataset.column_names) == {
+        "request_id",
+        "seed",
+        "step",
+        "t_s",
+        "features",
+        "label",
+        "time_to_preemption_s",
+    }
+    assert dataset.features["features"].length == 8
+    assert dataset.features["features"].feature.dtype == "float32"
+    assert len(dataset) == summary["num_rows"] > 0
+    assert summary["num_preemptions"] > 0 and summary["num_positive"] > 0
+    meta = json.loads(dataset.info.description)
+    assert meta["feature_names"] == list(FEATURE_NAMES)
+    assert meta["horizon_ms"] == 50 and meta["seed"] == 0 and meta["trace"] == "azure-conv"
+    assert meta["config"]["scheduler"]["policy"] == "priority_score"
+    table = dataset.with_format("numpy")[:]
+    assert np.all(table["label"] == (table["time_to_preemption_s"] <= 0.05 + 1e-9))
+
+
+def test_collect_rejects_bad_feature_keys(tmp_path, capsys):
+    base = ["collect", "--out", str(tmp_path / "r"), "--features", str(tmp_path / "f"), "--no-progress"]
+    assert main([*base, "--set", "features.every_k=2"]) == 2
+    assert "features.every_k" in capsys.readouterr().err
+    assert main([*base, "--set", "features.every_k_steps=0"]) == 2
+    assert "every_k_steps" in capsys.readouterr().err
+    with pytest.raises(ValueError):
+        FeatureConfig(horizon_ms=0)
