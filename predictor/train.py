@@ -172,6 +172,11 @@ def train(data: str | Path, out_dir: str | Path, config: TrainConfig | None = No
         enable_version_counter=False,
     )
     logger = make_logger(config.wandb, out_dir, config.wandb_project, {**asdict(config), "data": str(data)})
+    # Trainer(deterministic=True) switches torch's deterministic mode on process-wide (in
+    # its constructor) and leaves it on; with it every torch.empty is filled with NaN, so
+    # a 4 GB host pool then costs seconds. Restore the caller's setting after training.
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     trainer = pl.Trainer(
         max_epochs=config.max_epochs,
         accelerator="cpu",
@@ -187,7 +192,10 @@ def train(data: str | Path, out_dir: str | Path, config: TrainConfig | None = No
         default_root_dir=str(out_dir),
     )
     fit_started = time.perf_counter()
-    trainer.fit(model, datamodule=datamodule)
+    try:
+        trainer.fit(model, datamodule=datamodule)
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic, warn_only=was_warn_only)
     fit_s = time.perf_counter() - fit_started
 
     # Threshold on val, then (only now) the test rows, with the best checkpoint.
