@@ -41,21 +41,10 @@ CONTRACT_KEYS = {
     "wall_time_s",
     "config",
 }
-# A short slice of the bundled conversation trace on the small tiny model with a pool
-# small enough that the vLLM baseline preempts.
-SMALL = [
-    "--trace",
-    "azure-conv",
-    "--duration",
-    "4",
-    "--rate-scale",
-    "4",
-    "--no-progress",
-    "--set",
-    "cache.num_blocks=1200",
-    "--set",
-    "model.max_model_len=8192",
-]
+# 15 s of the bundled conversation trace at 4x (24 requests) on the tiny model, one thread.
+SMALL = ["--trace", "azure-conv", "--duration", "15", "--rate-scale", "4", "--no-progress",
+         "--set", "cache.num_blocks=1200", "--set", "model.max_model_len=8192",
+         "--set", "model.num_threads=1"]  # fmt: skip
 
 
 def test_run_writes_contract_files(tmp_path, capsys):
@@ -64,7 +53,7 @@ def test_run_writes_contract_files(tmp_path, capsys):
     assert CONTRACT_COLUMNS <= set(table.column_names)
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     assert CONTRACT_KEYS <= set(summary)
-    assert summary["num_requests"] == table.num_rows > 0
+    assert summary["num_requests"] == table.num_rows == 24
     assert summary["num_finished"] + summary["num_aborted"] == summary["num_requests"]
     assert summary["config"]["cache"]["num_blocks"] == 1200
     assert set(table.column("final_state").to_pylist()) <= {"FINISHED", "ABORTED"}
@@ -81,6 +70,17 @@ def test_same_config_and_seed_give_byte_identical_parquet(tmp_path):
     assert (tmp_path / "a" / "requests.parquet").read_bytes() != (
         tmp_path / "c" / "requests.parquet"
     ).read_bytes()
+
+
+def test_swap_runs_are_reproducible_too(tmp_path):
+    design = ["--set", "scheduler.policy=priority_score", "--set", "preemption.mode=swap_zstd",
+              "--set", "cache.num_blocks=200", "--seed", "5"]  # fmt: skip
+    for name in ("a", "b"):
+        assert main(["run", "--out", str(tmp_path / name), *SMALL, *design]) == 0
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["num_preemptions"] > 0 and summary["kv_saved_bytes_raw"] > 0
+    for file in ("requests.parquet", "preemptions.parquet"):
+        assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes(), file
 
 
 @pytest.mark.parametrize(
