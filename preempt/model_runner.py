@@ -15,6 +15,7 @@ torch is imported only by the `tiny` runner, so the `null` backend starts withou
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -110,7 +111,7 @@ class TinyModelRunner(ModelRunner):
     def execute(self, chunks: Sequence[ScheduledChunk]) -> list[int | None]:
         import torch
 
-        from preempt.model.attention import build_attention_metadata
+        from preempt.model.attention import build_attention_metadata, head_gates_for
 
         if not chunks:
             return []
@@ -132,6 +133,14 @@ class TinyModelRunner(ModelRunner):
             self.block_size,
             kv_bytes_per_token_per_layer=self.kv_cache.bytes_per_token_per_layer,
         )
+        gates = head_gates_for(
+            [chunk.request.dropped_heads for chunk in chunks],
+            num_new,
+            self.model.cfg.num_heads,
+            self.model.dtype,
+        )
+        if gates is not None:
+            meta = dataclasses.replace(meta, head_gates=gates)
         with torch.inference_mode():
             input_ids = torch.tensor(token_ids, dtype=torch.int64)  # (T,)
             logits = self.model(input_ids, meta.positions, self.kv_cache.layers, meta)  # (B, V)

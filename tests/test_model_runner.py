@@ -90,6 +90,29 @@ def test_chunked_batched_greedy_matches_naive(block_size: int) -> None:
         assert request.output_token_ids == expected, request.request_id
 
 
+def test_dropped_heads_are_masked_like_zero_gates() -> None:
+    """A request whose KV heads were dropped by a lossy restore computes as the naive
+    model with those heads' gates at 0 (for every query head of the KV head's group),
+    batched and chunked next to requests with no dropped head."""
+    runner = TinyModelRunner(config(), 128, 4)
+    cfg = runner.model.cfg
+    dropped = np.zeros((cfg.num_layers, cfg.num_kv_heads), dtype=bool)
+    dropped[0, 1] = dropped[1, 0] = True
+    requests = [make_request(i, n, 8) for i, n in enumerate([5, 13, 17])]
+    requests[1].dropped_heads = dropped
+    drive(runner, requests, 4, 128, seed=3)
+    group = cfg.num_heads // cfg.num_kv_heads
+    gates = torch.from_numpy(np.repeat(~dropped, group, axis=1)).to(runner.model.dtype)
+    for request in requests:
+        masked = request.dropped_heads is not None
+        expected = generate_naive(
+            runner.model, request.prompt_token_ids.tolist(), 8, gates if masked else None
+        )
+        assert request.output_token_ids == expected, request.request_id
+    unmasked = generate_naive(runner.model, requests[1].prompt_token_ids.tolist(), 8)
+    assert requests[1].output_token_ids != unmasked  # the mask really changed the computation
+
+
 def test_execute_does_not_mutate_requests() -> None:
     runner = TinyModelRunner(config(), 16, 4)
     request = make_request(0, 6, 3)

@@ -74,6 +74,9 @@ class AttentionMetadata:
     block_size: int
     decode_groups: tuple[DecodeGroup, ...]
     prefill_chunks: tuple[PrefillChunk, ...]
+    # (num_layers, T, Hq) gate per new token and query head, 0 where a lossy restore dropped
+    # the head's KV (`head_gates_for`); None when no sequence of the step has a dropped head.
+    head_gates: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -210,6 +213,29 @@ def _build_decode_groups(
         )
         begin = end
     return groups
+
+
+def head_gates_for(
+    dropped_heads: Sequence[np.ndarray | None],
+    num_new_tokens: Sequence[int],
+    num_heads: int,
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """Per-token head gates (L, T, Hq) from each sequence's dropped KV heads (L, Hkv) bool or
+    None; None if no sequence has one (the common case costs nothing). A dropped KV head
+    masks all query heads of its group, as in Michel et al.'s gates with xi_h = 0."""
+    present = [d for d in dropped_heads if d is not None]
+    if not present:
+        return None
+    num_layers, num_kv_heads = np.asarray(present[0]).shape
+    group = num_heads // num_kv_heads
+    rows = []
+    for dropped, n in zip(dropped_heads, num_new_tokens, strict=True):
+        keep = (
+            np.ones((num_layers, num_heads)) if dropped is None else np.repeat(~np.asarray(dropped), group, 1)
+        )
+        rows.append(np.broadcast_to(keep[:, None, :], (num_layers, n, num_heads)))
+    return torch.from_numpy(np.concatenate(rows, axis=1)).to(dtype)
 
 
 def write_kv(

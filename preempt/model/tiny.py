@@ -137,8 +137,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: TinyConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: TinyConfig, dtype: torch.dtype, layer_idx: int = 0) -> None:
         super().__init__()
+        self.layer_idx = layer_idx  # selects this layer's row of `meta.head_gates`
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, dtype)
@@ -165,11 +166,16 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x, cos, sin)
         write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
+        if meta.head_gates is not None:  # heads dropped by a lossy restore stay masked
+            out = out * meta.head_gates[self.layer_idx].unsqueeze(-1)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
-    def forward_naive(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward_naive(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, gates: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Dense causal attention written out by hand: an implementation independent of SDPA
-        and of the cache, so comparing against it tests both."""
+        and of the cache, so comparing against it tests both. `gates` (Hq,) multiply each
+        query head's output before o_proj (Michel et al.'s xi; differentiable)."""
         q, k, v = self._qkv(x, cos, sin)
         group = self.num_heads // self.num_kv_heads
         k = k.repeat_interleave(group, dim=1)  # (T, Hq, D): slow, fine for a reference
@@ -180,6 +186,8 @@ class Attention(nn.Module):
         scores = scores.masked_fill(~causal, float("-inf"))
         probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(v.dtype)
         out = torch.einsum("hqk,khd->qhd", probs, v)  # (T, Hq, D)
+        if gates is not None:
+            out = out * gates.to(out.dtype)[None, :, None]
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -195,10 +203,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TinyConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: TinyConfig, dtype: torch.dtype, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype)
+        self.self_attn = Attention(cfg, dtype, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype)
         self.mlp = MLP(cfg, dtype)
 
@@ -215,7 +223,7 @@ class TinyLM(nn.Module):
         self.embed_tokens = nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype), requires_grad=False
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.dtype, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, self.dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, self.dtype)
         self._init_weights(seed)
@@ -258,25 +266,30 @@ class TinyLM(nn.Module):
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self._logits(hidden.index_select(0, meta.logits_indices))  # (B, V)
 
-    def forward_naive(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """One sequence from position 0, full causal attention, no cache -> logits (T, V)."""
+    def forward_naive(self, input_ids: torch.Tensor, head_gates: torch.Tensor | None = None) -> torch.Tensor:
+        """One sequence from position 0, full causal attention, no cache -> logits (T, V).
+        `head_gates` (L, Hq): per-head output gates (1 = normal, 0 = masked), e.g. for
+        gradient head importance."""
         positions = torch.arange(input_ids.shape[0], device=input_ids.device)
         hidden = F.embedding(input_ids, self.embed_tokens)  # (T, hidden)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, self.dtype)
-        for layer in self.layers:
-            hidden = hidden + layer.self_attn.forward_naive(layer.input_layernorm(hidden), cos, sin)
+        for i, layer in enumerate(self.layers):
+            gates = None if head_gates is None else head_gates[i]
+            hidden = hidden + layer.self_attn.forward_naive(layer.input_layernorm(hidden), cos, sin, gates)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self._logits(hidden)
 
 
 @torch.inference_mode()
-def generate_naive(model: TinyLM, prompt_ids: list[int], num_tokens: int) -> list[int]:
+def generate_naive(
+    model: TinyLM, prompt_ids: list[int], num_tokens: int, head_gates: torch.Tensor | None = None
+) -> list[int]:
     """Greedy decoding re-running `forward_naive` on the whole context for every token:
     the correctness reference for the paged runner (quadratic, slow by design)."""
     context = list(prompt_ids)
     out: list[int] = []
     for _ in range(num_tokens):
-        logits = model.forward_naive(torch.tensor(context, dtype=torch.int64))  # (T, V)
+        logits = model.forward_naive(torch.tensor(context, dtype=torch.int64), head_gates)  # (T, V)
         token = int(torch.argmax(logits[-1]))
         out.append(token)
         context.append(token)
