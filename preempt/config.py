@@ -24,8 +24,9 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    backend: Literal["tiny", "null"] = "tiny"
-    """`tiny`: real small Llama-style decoder on CPU; `null`: no model compute."""
+    backend: Literal["tiny", "null", "hf"] = "tiny"
+    """`tiny`: real small Llama-style decoder on CPU; `null`: no model compute; `hf`: a
+    Llama/Qwen2-family checkpoint (config.json + safetensors) from `checkpoint`."""
 
     @field_validator("backend", mode="before")
     @classmethod
@@ -43,6 +44,16 @@ class ModelConfig(_Section):
     core taken stall at every barrier (measured by `preempt bench save`)."""
     max_model_len: int = Field(16384, gt=0)
     """Longest prompt + output a request may have; longer ones end ABORTED(prompt_too_long)."""
+    checkpoint: str | None = None
+    """Trained weights. `tiny`: a file written by `preempt lm train` (its architecture
+    replaces `preset`); `hf`: a local directory with config.json + *.safetensors.
+    None with `tiny`: the preset's seeded random weights."""
+
+    @model_validator(mode="after")
+    def _hf_needs_a_checkpoint(self) -> ModelConfig:
+        if self.backend == "hf" and not self.checkpoint:
+            raise ValueError("backend 'hf' needs model.checkpoint: a local checkpoint directory")
+        return self
 
 
 class CacheConfig(_Section):
@@ -164,9 +175,10 @@ class BackoffConfig(_Section):
 class PreemptionConfig(_Section):
     """The SPEC's `preemption` section (serve_config.json), extended."""
 
-    mode: Literal["recompute", "swap", "swap_zstd", "pause"] = "recompute"
+    mode: Literal["recompute", "swap", "swap_zstd", "swap_mixed", "pause"] = "recompute"
     """What happens to a victim's KV: dropped and recomputed (vLLM V1), saved raw to host
-    memory (vLLM V0 swap), saved with zstd, or kept resident until its blocks are needed
+    memory (vLLM V0 swap), saved with zstd, saved mixed-precision by a head plan (FP16 /
+    FP8 / drop per KV head, SPEC §9; lossy), or kept resident until its blocks are needed
     (`pause`, zero-copy; saved with `reclaim_codec` when reclaimed)."""
     time_slice_strategy: Literal["static", "dynamic"] = "dynamic"
     min_time_slice_ms: float = Field(10.0, ge=0)
@@ -198,15 +210,41 @@ class PreemptionConfig(_Section):
     zstd_threads: int = Field(0, ge=0)
     zstd_shuffle: bool = True
     """Byte-shuffle before zstd (high bytes of fp16 together): smaller and faster."""
+    head_plan: str = "random"
+    """`swap_mixed`: which KV heads stay FP16, go FP8 or are dropped. `fp16` / `fp8`
+    (uniform), `random` (seeded by `seed`, shares below: the control), or the path of a
+    JSON plan file (`preempt importance` writes one from gradient head importance)."""
+    head_plan_fp8_share: float = Field(0.5, ge=0, le=1)
+    head_plan_drop_share: float = Field(0.1, ge=0, le=1)
+    """`random` plan shares (SPEC §9: 10% dropped; 50% FP8 + 40% FP16 gives the SPEC's
+    0.65x of FP16 bytes)."""
+    mixed_zstd: bool = False
+    """`swap_mixed`: also zstd the packed payload on the host (costs host CPU time)."""
+    warmup_tokens: int = Field(2, ge=0)
+    """After a lossy restore, recompute the last this-many tokens at full precision
+    (the SPEC's "1-2 tokens of warm-up")."""
     reclaim_codec: Literal["raw", "zstd"] = "raw"
     """How `pause` saves a paused request when its blocks are reclaimed."""
-    codec_encode_mb_s: dict[str, float] = Field(default_factory=lambda: {"raw": 0.0, "zstd": 480.0})
+    codec_encode_mb_s: dict[str, float] = Field(
+        default_factory=lambda: {"raw": 0.0, "zstd": 480.0, "mixed": 0.0}
+    )
     """Virtual clock: host-side encode throughput per codec (0 = free), calibrated with
     `preempt bench save` on this kind of machine (zstd L3 + shuffle, one core)."""
-    codec_decode_mb_s: dict[str, float] = Field(default_factory=lambda: {"raw": 0.0, "zstd": 1000.0})
+    codec_decode_mb_s: dict[str, float] = Field(
+        default_factory=lambda: {"raw": 0.0, "zstd": 1000.0, "mixed": 0.0}
+    )
+    """`mixed` quantizes on the device (Triton) before the PCIe copy, so it costs no host
+    time unless `mixed_zstd`; then zstd's throughput applies to its (smaller) payload."""
     modelled_ratio: dict[str, float] = Field(default_factory=lambda: {"raw": 1.0, "zstd": 1.15})
     """`null` backend (no real KV): compression ratio assumed per codec (measured on the
     tiny model's KV by `preempt bench save`)."""
+
+    @field_validator("head_plan")
+    @classmethod
+    def _plan_name_or_file(cls, value: str) -> str:
+        if value not in ("fp16", "fp8", "random") and not Path(value).is_file():
+            raise ValueError(f"'{value}' is neither fp16, fp8, random nor an existing plan file")
+        return value
 
     @field_validator("host_mem", "slot_size")
     @classmethod
@@ -222,6 +260,46 @@ class PreemptionConfig(_Section):
                 f"slot_size ({self.slot_size} B) exceeds host_mem ({self.host_mem} B): raise "
                 "--preemption-host-mem or lower --preemption-slot-size"
             )
+        return self
+
+
+class EarlySaveConfig(_Section):
+    """Speculative KV saves before a preemption happens (the predictor issue): when the
+    policy expects a running request to be preempted soon, its blocks are copied to the
+    host in the background; the preemption then saves only the blocks written since."""
+
+    policy: Literal["none", "always", "rule", "lstm", "oracle"] = "none"
+    """`always`: every running request (write-through, like SGLang HiCache); `rule`: the
+    lowest-priority running request whose time slice is used up; `lstm`: the trained
+    predictor (`checkpoint`) at p >= threshold; `oracle`: the preemptions of a reference
+    run without early saves (`oracle_log`), within `horizon_ms`."""
+    checkpoint: str | None = None
+    """`lstm`: the predictor checkpoint (`preempt train` writes predictor.ckpt)."""
+    threshold: float | None = Field(None, gt=0, lt=1)
+    """`lstm`: probability that starts an early save (None: the checkpoint's own
+    operating threshold)."""
+    oracle_log: str | None = None
+    """`oracle`: preemptions.parquet of a run with the same config and early_save none."""
+    horizon_ms: float = Field(50.0, gt=0)
+    """`oracle`/`rule`: how far ahead a preemption counts as predicted."""
+    host_budget: int | str = "1GB"
+    """Host bytes that speculative copies may hold at once; demand saves always come first."""
+    max_inflight: int = Field(4, gt=0)
+    """Early saves queued or running at once (the bounded queue)."""
+
+    @field_validator("host_budget")
+    @classmethod
+    def _size(cls, value: int | str) -> int:
+        from preempt.sizes import parse_size
+
+        return parse_size(value)
+
+    @model_validator(mode="after")
+    def _needs(self) -> EarlySaveConfig:
+        if self.policy == "lstm" and not self.checkpoint:
+            raise ValueError("policy 'lstm' needs early_save.checkpoint (a predictor.ckpt)")
+        if self.policy == "oracle" and not self.oracle_log:
+            raise ValueError("policy 'oracle' needs early_save.oracle_log (a reference preemptions.parquet)")
         return self
 
 
@@ -255,6 +333,7 @@ class EngineConfig(_Section):
     clock: ClockConfig = ClockConfig()
     workload: WorkloadConfig = WorkloadConfig()
     preemption: PreemptionConfig = PreemptionConfig()
+    early_save: EarlySaveConfig = EarlySaveConfig()
     slo: SLOConfig = SLOConfig()
 
 

@@ -88,22 +88,37 @@ class ModelRunner(ABC):
     def execute(self, chunks: Sequence[ScheduledChunk]) -> list[int | None]: ...
 
 
+def build_model(config: EngineConfig):
+    """The engine's decoder for `config.model`: a tiny preset with seeded weights, a tiny
+    checkpoint from `preempt lm train`, or a Llama/Qwen2 checkpoint directory (`hf`)."""
+    from preempt.model.tiny import TinyLM, get_preset, resolve_dtype
+
+    dtype = resolve_dtype(config.model.dtype)
+    if config.model.backend == "hf":
+        from preempt.model.hf import load_hf_model
+
+        return load_hf_model(config.model.checkpoint, dtype=dtype)
+    if config.model.checkpoint:
+        from preempt.model.checkpoint import load_tiny_lm
+
+        return load_tiny_lm(config.model.checkpoint, dtype=dtype)
+    return TinyLM(get_preset(config.model.preset), seed=config.seed, dtype=dtype)
+
+
 class TinyModelRunner(ModelRunner):
-    """Real compute with the `tiny` backend on a paged KV cache."""
+    """Real compute with the `tiny` (or `hf`) backend on a paged KV cache."""
 
     def __init__(self, config: EngineConfig, num_blocks: int, block_size: int) -> None:
         import torch
 
         from preempt.kv_cache import KVCache
-        from preempt.model.tiny import TinyLM, get_preset, resolve_dtype
 
         if config.model.num_threads is not None:
             torch.set_num_threads(config.model.num_threads)  # process-wide: asked for explicitly
         self.seed = config.seed
         self.block_size = block_size
-        dtype = resolve_dtype(config.model.dtype)
-        cfg = get_preset(config.model.preset)
-        self.model = TinyLM(cfg, seed=config.seed, dtype=dtype)
+        self.model = build_model(config)
+        cfg, dtype = self.model.cfg, self.model.dtype
         self.kv_cache = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
         self.vocab_size = cfg.vocab_size
         self.kv_bytes_per_token = self.kv_cache.bytes_per_token
@@ -192,7 +207,7 @@ class NullModelRunner(ModelRunner):
 def create_model_runner(config: EngineConfig, num_blocks: int, block_size: int) -> ModelRunner:
     """The runner of `config.model.backend`."""
     backend = config.model.backend
-    if backend == "tiny":
+    if backend in ("tiny", "hf"):
         return TinyModelRunner(config, num_blocks, block_size)
     if backend == "null":
         return NullModelRunner(config, num_blocks, block_size)
