@@ -64,6 +64,9 @@ REQUESTS_SCHEMA = pa.schema(
         ("output_digest", pa.string()),
         ("abort_reason", pa.string()),
         ("preemption_failed", pa.bool_()),
+        # The tokens themselves, so lossy modes can be scored (greedy agreement with a
+        # lossless run) and not only detected by the digest.
+        ("output_token_ids", pa.list_(pa.int32())),
     ]
 )
 
@@ -85,6 +88,7 @@ def _request_row(r: Request) -> dict[str, Any]:
         "output_digest": output_digest(r.output_token_ids),
         "abort_reason": r.abort_reason,
         "preemption_failed": r.preemption_failed,
+        "output_token_ids": list(r.output_token_ids),
     }
 
 
