@@ -1,9 +1,10 @@
 """KV codecs: turn a gathered KV tensor into a self-describing blob and back.
 
 Owns: the blob format shared by every codec (a fixed little-endian header, then the payload),
-its validation, and the codecs themselves (`raw`, `zstd`; a lossy `swap_mixed` will join the
-registry under its own codec id). A KV tensor here is one request's cache in logical order,
-`(num_layers, 2, num_tokens, num_kv_heads, head_dim)`, contiguous, on the CPU.
+its validation, and the codecs themselves (`raw`, `zstd`, and the lossy `mixed` of mode
+`swap_mixed`: FP16 / FP8 / drop per KV head by a head plan). A KV tensor here is one
+request's cache in logical order, `(num_layers, 2, num_tokens, num_kv_heads, head_dim)`,
+contiguous, on the CPU.
 
 It must never: touch devices or block tables (the saver gathers and moves tensors), hold state
 between blobs (every blob decodes on its own, with any instance of its codec), or trust a
@@ -15,7 +16,7 @@ Blob layout (version 1, little-endian):
     offset size field
     0      4    magic b"PKV1"
     4      2    version (u16) = 1
-    6      1    codec id (u8): 0 raw, 1 zstd, 2 reserved for swap_mixed
+    6      1    codec id (u8): 0 raw, 1 zstd, 2 mixed
     7      1    dtype code (u8), see _DTYPES
     8      1    flags (u8), codec-specific (zstd: bit 0 = byte-shuffled)
     9      1    ndim (u8)
@@ -50,6 +51,7 @@ _FIXED = struct.Struct("<4sHBBBBxxQQI")  # magic .. payload crc; dims and header
 _DIM = struct.Struct("<Q")
 _CRC = struct.Struct("<I")
 FLAG_SHUFFLED = 0x01
+FLAG_ZSTD = 0x02  # mixed: the packed payload is zstd-compressed (kept section byte-shuffled)
 
 # dtype code -> torch dtype. Codes are part of the format: never renumber, only append.
 _DTYPES: dict[int, torch.dtype] = {
@@ -306,6 +308,116 @@ class ZstdCodec(Codec):
         return _bytes_to_tensor(out, header)
 
 
+class MixedCodec(Codec):
+    """Mixed precision per KV head (SPEC §9), lossy: a head plan keeps each (layer, KV head)
+    at the cache's dtype (bit-exact), as float8 E4M3 with one scale per (head, K or V), or
+    drops it (restored as zeros; attention masks it for the rest of the request).
+
+    The quantization itself runs where the KV lives (`kernels.quantize_heads`: Triton on
+    CUDA, fused with the block gather, before the PCIe copy; the torch reference on CPU);
+    this codec only packs a `QuantizedKV` into a blob and back (`encode_quantized`,
+    `decode_quantized`). `encode`/`decode` of a dense tensor are there for the Codec
+    interface: they quantize with this instance's plan and dequantize (dropped heads 0).
+
+    Payload (after the common header, whose shape/dtype are the dense KV's
+    (L, 2, T, H, D)): plan codes (L*H int8), scales (n_fp8*2 float32), kept heads
+    (n_fp16, 2, T, D) in the cache dtype, FP8 heads (n_fp8, 2, T, D) as bytes. The plan
+    codes fix every section's size, so a payload of any other length is refused. With
+    `zstd=True` the payload is zstd-compressed, the kept section byte-shuffled first.
+    """
+
+    name = "mixed"
+    codec_id = 2
+    is_lossless = False
+
+    def __init__(self, plan: Any = None, zstd: bool = False, level: int = 3) -> None:
+        self.plan = plan  # kernels.plan.HeadPlan; only `encode` of a dense tensor needs it
+        self.zstd = bool(zstd)
+        self._zstd = ZstdCodec(level=level)
+
+    def __repr__(self) -> str:
+        return f"MixedCodec(plan={self.plan.source if self.plan else None!r}, zstd={self.zstd})"
+
+    def encode_parts(self, kv: torch.Tensor) -> list[bytes | np.ndarray]:
+        from kernels.quantize_heads import quantize_heads
+
+        if self.plan is None:
+            raise ValueError("MixedCodec.encode needs a head plan: MixedCodec(plan=...)")
+        return self.encode_quantized(quantize_heads(kv, self.plan))
+
+    def encode_quantized(self, quantized: Any) -> list[bytes | np.ndarray]:
+        """A `QuantizedKV` on the CPU -> blob parts (header first)."""
+        plan = quantized.plan
+        shape = (plan.num_layers, 2, quantized.num_tokens, plan.num_kv_heads, quantized.head_dim)
+        kept = _tensor_bytes(quantized.kept)
+        sections = [
+            plan.codes().reshape(-1).view(np.uint8),
+            _tensor_bytes(quantized.scales),
+            byte_shuffle(kept, quantized.dtype.itemsize) if self.zstd else kept,
+            _tensor_bytes(quantized.fp8),
+        ]
+        flags = 0
+        if self.zstd:
+            payload: bytes | np.ndarray = self._zstd._compressor().compress(
+                b"".join(memoryview(section) for section in sections)
+            )
+            flags = FLAG_ZSTD
+            return [pack_header(self.codec_id, flags, quantized.dtype, shape, payload), payload]
+        payload_view = np.concatenate(sections) if any(s.size for s in sections) else np.empty(0, np.uint8)
+        return [pack_header(self.codec_id, flags, quantized.dtype, shape, payload_view), payload_view]
+
+    def decode_quantized(self, blob: bytes | bytearray | memoryview | np.ndarray) -> Any:
+        """Blob -> `QuantizedKV` on the CPU (the plan comes from the blob). Raises
+        CorruptBlobError on any inconsistency."""
+        from kernels.plan import HeadPlan
+        from kernels.quantize_heads import QuantizedKV
+
+        header, payload = unpack_blob(blob, self.codec_id)
+        if header.flags & ~FLAG_ZSTD:
+            raise CorruptBlobError(f"unknown flags {header.flags:#x} for codec 'mixed'")
+        if len(header.shape) != 5 or header.shape[1] != 2:
+            raise CorruptBlobError(
+                f"shape mismatch: mixed KV must be (L, 2, T, H, D), header says {header.shape}"
+            )
+        num_layers, _, num_tokens, num_heads, head_dim = header.shape
+        data = np.frombuffer(payload, dtype=np.uint8)
+        if header.flags & FLAG_ZSTD:
+            try:
+                data = np.frombuffer(self._zstd._decompressor().decompress(bytes(payload)), dtype=np.uint8)
+            except zstandard.ZstdError as exc:
+                raise CorruptBlobError(f"zstd payload does not decompress: {exc}") from exc
+        num_codes = num_layers * num_heads
+        if data.size < num_codes:
+            raise CorruptBlobError(f"truncated mixed payload: {data.size} bytes, the plan needs {num_codes}")
+        try:
+            plan = HeadPlan.from_codes(data[:num_codes].view(np.int8).reshape(num_layers, num_heads))
+        except ValueError as exc:
+            raise CorruptBlobError(f"bad head plan in mixed blob: {exc}") from None
+        itemsize = header.dtype.itemsize
+        row = 2 * num_tokens * head_dim
+        sizes = (plan.num_fp8 * 2 * 4, plan.num_fp16 * row * itemsize, plan.num_fp8 * row)
+        if data.size != num_codes + sum(sizes):
+            raise CorruptBlobError(
+                f"shape/length mismatch: mixed payload is {data.size} bytes, plan and shape need "
+                f"{num_codes + sum(sizes)}"
+            )
+        offsets = np.cumsum([num_codes, *sizes])
+        scales_bytes, kept_bytes, fp8_bytes = (
+            data[offsets[i] : offsets[i + 1]].copy() for i in range(3)
+        )  # copies: the tensors must not alias a host slot that is about to be freed
+        if header.flags & FLAG_ZSTD:
+            kept_bytes = byte_unshuffle(kept_bytes, itemsize)
+        kept = _bytes_as(kept_bytes, header.dtype, (plan.num_fp16, 2, num_tokens, head_dim))
+        fp8 = _bytes_as(fp8_bytes, torch.float8_e4m3fn, (plan.num_fp8, 2, num_tokens, head_dim))
+        scales = _bytes_as(scales_bytes, torch.float32, (plan.num_fp8, 2))
+        return QuantizedKV(plan, num_tokens, head_dim, header.dtype, kept, fp8, scales)
+
+    def decode(self, blob: bytes | bytearray | memoryview | np.ndarray) -> torch.Tensor:
+        from kernels.restore_blocks import dequantize_heads_ref
+
+        return dequantize_heads_ref(self.decode_quantized(blob))
+
+
 def byte_shuffle(data: np.ndarray, itemsize: int) -> np.ndarray:
     """(n * itemsize,) uint8 -> byte planes: all bytes 0, then all bytes 1, ... (a new array)."""
     return data.reshape(-1, itemsize).T.copy().reshape(-1)
@@ -321,9 +433,13 @@ def byte_unshuffle(planes: np.ndarray, itemsize: int) -> np.ndarray:
     return out.reshape(-1)
 
 
-# Registry: name -> codec class; options are the class's keyword arguments. A codec added
-# later (the lossy "swap_mixed", codec id 2) registers here with an unused codec id.
-CODECS: dict[str, type[Codec]] = {RawCodec.name: RawCodec, ZstdCodec.name: ZstdCodec}
+# Registry: name -> codec class; options are the class's keyword arguments. A new codec
+# registers here with an unused codec id.
+CODECS: dict[str, type[Codec]] = {
+    RawCodec.name: RawCodec,
+    ZstdCodec.name: ZstdCodec,
+    MixedCodec.name: MixedCodec,
+}
 
 
 def make_codec(name: str, **options: Any) -> Codec:
@@ -367,9 +483,13 @@ def _tensor_bytes(kv: torch.Tensor) -> np.ndarray:
 
 def _bytes_to_tensor(data: np.ndarray, header: BlobHeader) -> torch.Tensor:
     """Reinterpret a writable (raw_nbytes,) uint8 array, which the tensor then owns."""
+    return _bytes_as(data, header.dtype, header.shape)
+
+
+def _bytes_as(data: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     if data.size == 0:  # torch refuses to view a zero-size array with stride 0 as a wider dtype
-        return torch.empty(header.shape, dtype=header.dtype)
-    return torch.from_numpy(data).view(header.dtype).reshape(header.shape)
+        return torch.empty(shape, dtype=dtype)
+    return torch.from_numpy(data).view(dtype).reshape(shape)
 
 
 def _readinto_full(reader: Any, out: memoryview) -> int:

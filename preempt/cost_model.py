@@ -140,3 +140,8 @@ class CostModel:
     def pcie_time_s(self, num_bytes: float) -> float:
         """Device<->host copy time of a request's KV (all GPUs copy their shard at once)."""
         return num_bytes / (self.target.num_gpus * self.target.pcie_bytes_per_s)
+
+    def hbm_pass_time_s(self, num_bytes: float) -> float:
+        """A memory-bound kernel that reads and writes `num_bytes` in all (e.g. the save
+        path's gather + quantize: raw in, packed out), at the step's HBM efficiency."""
+        return num_bytes / self._bytes_per_s

@@ -14,28 +14,65 @@ semantics). Data still moves for real on the `tiny` backend (bit-exact round tri
 tested), but instantly in virtual time. On the wall clock, the gather runs on the engine
 thread and encode + store on a worker thread, so compression overlaps the next steps.
 
+Mixed precision (`swap_mixed`, SPEC §9). The save quantizes on the device, fused with
+the block gather (`kernels.quantize_heads`: Triton on CUDA, its torch reference on CPU),
+so only the packed bytes cross PCIe; the restore dequantizes into the new blocks
+(`kernels.restore_blocks`), marks the plan's dropped heads on the request (attention
+masks them for the rest of its life) and reports `warmup_tokens` for the scheduler to
+recompute at full precision. Virtual time: one HBM pass (raw in, packed out), PCIe of the
+packed bytes (the target's KV times the plan's size ratio at 16 bits), host zstd only with
+`mixed_zstd`.
+
 Sizes. Host-pool bytes are the bytes of the backend that stores them: the tiny model's
 real KV, or, with the `null` backend (no KV data), the target's modelled KV divided by
-the codec's assumed ratio (`preemption.modelled_ratio`).
+the codec's assumed ratio (`preemption.modelled_ratio`; for `mixed`, the plan's ratio).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from preempt.block_pool import blocks_needed
-from preempt.codec import CorruptBlobError, make_codec
-from preempt.config import EngineConfig
+from preempt.codec import CorruptBlobError, MixedCodec, make_codec
+from preempt.config import EngineConfig, PreemptionConfig
 from preempt.cost_model import CostModel
 from preempt.host_pool import HostPool, PreemptionHandlerOOM, SlotHandle
 from preempt.kv_cache import KVCache
 from preempt.request import Request
 from preempt.scheduler import KVMover, PreemptionRecord
+
+
+def head_plan_for(config: PreemptionConfig, num_layers: int, num_kv_heads: int, seed: int):
+    """The `swap_mixed` head plan of a model with this many layers and KV heads."""
+    from kernels.plan import HeadPlan
+
+    name = config.head_plan
+    if name == "fp16":
+        return HeadPlan.all_fp16(num_layers, num_kv_heads)
+    if name == "fp8":
+        return HeadPlan.all_fp8(num_layers, num_kv_heads)
+    if name == "random":
+        return HeadPlan.random(
+            num_layers,
+            num_kv_heads,
+            fp8_share=config.head_plan_fp8_share,
+            drop_share=config.head_plan_drop_share,
+            seed=seed,
+        )
+    return HeadPlan.load(name)
+
+
+def plan_size_ratio(plan) -> float:
+    """Stored bytes of KV under `plan` over 16-bit KV: what the plan saves on a 16-bit
+    deployment (per-request scales excluded: they do not grow with tokens)."""
+    total = plan.num_layers * plan.num_kv_heads
+    return (2 * plan.num_fp16 + plan.num_fp8) / (2 * total)
 
 
 @dataclass
@@ -57,6 +94,23 @@ class Saver(KVMover):
             "raw": make_codec("raw"),
             "zstd": make_codec("zstd", level=p.zstd_level, threads=p.zstd_threads, shuffle=p.zstd_shuffle),
         }
+        self.plan = None  # swap_mixed: the head plan, shaped like the KV this saver moves
+        self.mixed_ratio = 1.0  # the plan's stored bytes over 16-bit KV (virtual timing)
+        if p.mode == "swap_mixed":
+            target = cost_model.target
+            shape = (
+                (kv_cache.num_layers, kv_cache.num_kv_heads)
+                if kv_cache is not None
+                else (target.num_layers, target.num_kv_heads)
+            )
+            try:
+                self.plan = head_plan_for(p, *shape, seed=config.seed)
+                if kv_cache is not None:
+                    self.plan.check_shape(*shape)
+            except ValueError as err:
+                raise ValueError(f"config key 'preemption.head_plan': {err}") from None
+            self.mixed_ratio = plan_size_ratio(self.plan)
+            self.codecs["mixed"] = MixedCodec(self.plan, zstd=p.mixed_zstd, level=p.zstd_level)
         self.kv_cache = kv_cache
         self.cost_model = cost_model
         self.block_size = block_size
@@ -80,10 +134,11 @@ class Saver(KVMover):
         if self.kv_cache is None:
             handle_or_failure = self._reserve_modelled(num_tokens, codec, record)
         else:
-            kv = self._gather(request.block_ids, num_tokens)  # (L, 2, n, bs, H, D), a copy
-            record.bytes_raw = kv.numel() * kv.element_size()
+            make_parts, bound = self._prepare(request.block_ids, num_tokens, codec, record)
             handle_or_failure = (
-                self._store_async(kv, codec, record) if self._worker else self._store(kv, codec, record)
+                self._store_async(make_parts, bound, record)
+                if self._worker
+                else self._store(make_parts, record)
             )
         if isinstance(handle_or_failure, str):
             return handle_or_failure
@@ -100,26 +155,42 @@ class Saver(KVMover):
             self.bytes_stored += record.bytes_stored
         return None
 
-    def _gather(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        """The request's blocks in logical order, (L, 2, n, bs, H, D), in one copy. Whole
-        blocks: copying block-sized runs is faster than token-sized ones, and the last
-        block's unused slots (under one block per request) ride along."""
-        return self.kv_cache.read_blocks(block_ids[: blocks_needed(num_tokens, self.block_size)])
+    def _prepare(
+        self, block_ids: list[int], num_tokens: int, codec: str, record: PreemptionRecord
+    ) -> tuple[Callable[[], list], int]:
+        """Copy the request's KV out of its blocks now (they are freed right after) and
+        return (the encoder of the blob's parts, an upper bound of the blob's size).
 
-    def _store(self, kv: torch.Tensor, codec: str, record: PreemptionRecord) -> SlotHandle | str:
-        parts = self.codecs[codec].encode_parts(kv)
+        Whole blocks for the lossless codecs: copying block-sized runs is faster than
+        token-sized ones, and the last block's unused slots ride along. `mixed` gathers and
+        quantizes in one pass over exactly `num_tokens` tokens."""
+        num_blocks = blocks_needed(num_tokens, self.block_size)
+        record.bytes_raw = num_blocks * self.block_size * self.kv_cache.bytes_per_token
+        if codec == "mixed":
+            from kernels.quantize_heads import gather_quantize_heads
+
+            quantized = gather_quantize_heads(self.kv_cache.kv, block_ids[:num_blocks], num_tokens, self.plan)
+            quantized = quantized.to("cpu")
+            mixed = self.codecs["mixed"]
+            return (lambda: mixed.encode_quantized(quantized)), quantized.nbytes + _HEADER_SLACK
+        kv = self.kv_cache.read_blocks(block_ids[:num_blocks])  # (L, 2, n, bs, H, D), a copy
+        return (lambda: self.codecs[codec].encode_parts(kv)), record.bytes_raw + _HEADER_SLACK
+
+    def _store(self, make_parts: Callable[[], list], record: PreemptionRecord) -> SlotHandle | str:
         try:
-            handle = self.host_pool.store(parts)
+            handle = self.host_pool.store(make_parts())
         except PreemptionHandlerOOM as err:
             return err.reason
         record.bytes_stored = handle.nbytes
         return handle
 
-    def _store_async(self, kv: torch.Tensor, codec: str, record: PreemptionRecord) -> Future | str:
+    def _store_async(
+        self, make_parts: Callable[[], list], bound: int, record: PreemptionRecord
+    ) -> Future | str:
         # Failures must be known now (the scheduler decides on them), so check before
-        # queueing: the raw size bounds the blob (plus the small header/zstd framing),
-        # and every queued save holds the promise of one free slot.
-        if record.bytes_raw > self.host_pool.slot_bytes:
+        # queueing: `bound` bounds the blob (the packed or raw size plus header/zstd
+        # framing), and every queued save holds the promise of one free slot.
+        if bound > self.host_pool.slot_bytes:
             return "slot_too_small"
         with self._pending_lock:
             if self.host_pool.num_free_slots - self._num_pending <= 0:
@@ -128,7 +199,7 @@ class Saver(KVMover):
 
         def work() -> SlotHandle | None:
             try:
-                result = self._store(kv, codec, record)
+                result = self._store(make_parts, record)
             finally:
                 with self._pending_lock:
                     self._num_pending -= 1
@@ -139,19 +210,36 @@ class Saver(KVMover):
 
     def _reserve_modelled(self, num_tokens: int, codec: str, record: PreemptionRecord) -> SlotHandle | str:
         record.bytes_raw = num_tokens * self.cost_model.target.kv_bytes_per_token
+        ratio = 1 / self.mixed_ratio if codec == "mixed" else self.config.modelled_ratio[codec]
         try:
-            handle = self.host_pool.reserve(int(record.bytes_raw / self.config.modelled_ratio[codec]))
+            handle = self.host_pool.reserve(int(record.bytes_raw / ratio))
         except PreemptionHandlerOOM as err:
             return err.reason
         record.bytes_stored = handle.nbytes
         return handle
 
     def _model_save_time(self, num_tokens: int, codec: str, now: float) -> float:
-        nbytes = num_tokens * self.cost_model.target.kv_bytes_per_token  # the deployment's KV
+        device_s, copy_bytes = self._modelled_device_side(num_tokens, codec)
         start = max(now, self._d2h_free_at)
-        self._d2h_free_at = start + self.cost_model.pcie_time_s(nbytes)
+        self._d2h_free_at = start + device_s + self.cost_model.pcie_time_s(copy_bytes)
         self.save_copy_end_s = max(self.save_copy_end_s, self._d2h_free_at)
-        return self._d2h_free_at + _codec_time_s(nbytes, self.config.codec_encode_mb_s[codec])
+        return self._d2h_free_at + self._modelled_host_s(copy_bytes, codec, self.config.codec_encode_mb_s)
+
+    def _modelled_device_side(self, num_tokens: int, codec: str) -> tuple[float, float]:
+        """(device kernel seconds, bytes over PCIe) of moving `num_tokens` of the
+        deployment's KV: `mixed` packs on the device first (one HBM pass reading the raw
+        and writing the packed bytes), the others copy raw bytes."""
+        nbytes = num_tokens * self.cost_model.target.kv_bytes_per_token
+        if codec != "mixed":
+            return 0.0, nbytes
+        packed = nbytes * self.mixed_ratio
+        return self.cost_model.hbm_pass_time_s(nbytes + packed), packed
+
+    def _modelled_host_s(self, nbytes: float, codec: str, mb_s: dict[str, float]) -> float:
+        host_s = _codec_time_s(nbytes, mb_s.get(codec, 0.0))
+        if codec == "mixed" and self.config.mixed_zstd:
+            host_s += _codec_time_s(nbytes, mb_s["zstd"])
+        return host_s
 
     # ----------------------------------------------------------------- restore
     def restore(self, request: Request, now: float, record: PreemptionRecord) -> bool:
@@ -162,11 +250,13 @@ class Saver(KVMover):
         if handle is not None:
             self.host_pool.free(handle)
         record.restored = ok
+        if ok and self.plan is not None and saved.codec == "mixed" and self.plan_is_lossy:
+            record.warmup_tokens = min(self.config.warmup_tokens, saved.num_tokens)
         if self.is_virtual:
-            nbytes = saved.num_tokens * self.cost_model.target.kv_bytes_per_token
+            device_s, copy_bytes = self._modelled_device_side(saved.num_tokens, saved.codec)
             start = max(now, saved.ready_at_s, self._h2d_free_at)
-            end = start + _codec_time_s(nbytes, self.config.codec_decode_mb_s[saved.codec])
-            end += self.cost_model.pcie_time_s(nbytes)
+            end = start + self._modelled_host_s(copy_bytes, saved.codec, self.config.codec_decode_mb_s)
+            end += self.cost_model.pcie_time_s(copy_bytes) + device_s
             self._h2d_free_at = end
             self.restore_end_s = max(self.restore_end_s, end)
             record.restore_s = end - now
@@ -175,7 +265,13 @@ class Saver(KVMover):
             self.engine_thread_s += record.restore_s
         return ok
 
+    @property
+    def plan_is_lossy(self) -> bool:
+        return self.plan is not None and self.plan.num_fp16 < self.plan.num_layers * self.plan.num_kv_heads
+
     def _load_into(self, request: Request, handle: SlotHandle, saved: _Saved) -> bool:
+        if saved.codec == "mixed":
+            return self._load_mixed(request, handle, saved)
         kv_cache = self.kv_cache
         try:
             kv = self.codecs[saved.codec].decode(self.host_pool.load(handle))  # (L, 2, n, bs, H, D)
@@ -195,6 +291,31 @@ class Saver(KVMover):
         kv_cache.write_blocks(request.block_ids[:num_blocks], kv)
         return True
 
+    def _load_mixed(self, request: Request, handle: SlotHandle, saved: _Saved) -> bool:
+        from kernels.restore_blocks import restore_blocks
+
+        kv_cache = self.kv_cache
+        try:
+            quantized = self.codecs["mixed"].decode_quantized(self.host_pool.load(handle))
+        except CorruptBlobError:
+            return False
+        if (
+            quantized.num_tokens != saved.num_tokens
+            or quantized.dtype != kv_cache.dtype
+            or quantized.head_dim != kv_cache.head_dim
+            or (quantized.plan.num_layers, quantized.plan.num_kv_heads)
+            != (kv_cache.num_layers, kv_cache.num_kv_heads)
+        ):
+            return False  # a valid blob, but not this request's KV
+        num_blocks = blocks_needed(saved.num_tokens, self.block_size)
+        device = kv_cache.kv.device
+        dropped = restore_blocks(quantized.to(device), kv_cache.kv, request.block_ids[:num_blocks])
+        dropped = dropped.cpu().numpy()
+        if dropped.any():  # masked for the rest of the request's life, also across later restores
+            previous = request.dropped_heads
+            request.dropped_heads = dropped if previous is None else np.logical_or(previous, dropped)
+        return True
+
     def discard(self, request: Request) -> None:
         saved = self._saved.pop(id(request), None)
         if saved is None:
@@ -206,6 +327,11 @@ class Saver(KVMover):
     def close(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+
+
+# Header and zstd framing above the payload: the header is 36 + 8 * ndim bytes, zstd adds
+# a few bytes per 128 KB block of incompressible data.
+_HEADER_SLACK = 4096
 
 
 def _codec_time_s(nbytes: float, mb_per_s: float) -> float:

@@ -45,7 +45,7 @@ from preempt.priority import time_slice_s
 from preempt.request import Request, RequestState, ScheduledChunk
 
 RATE_WINDOW_S = 60.0
-_MODE_CODEC = {"swap": "raw", "swap_zstd": "zstd"}
+_MODE_CODEC = {"swap": "raw", "swap_zstd": "zstd", "swap_mixed": "mixed"}
 
 
 @dataclass
@@ -70,6 +70,7 @@ class PreemptionRecord:
     save_s: float = 0.0
     restore_s: float = 0.0
     restored: bool | None = None  # None: not (yet) restored; False: fell back to recompute
+    warmup_tokens: int = 0  # lossy restore: last tokens recomputed at full precision
 
 
 class KVMover(ABC):
@@ -79,7 +80,9 @@ class KVMover(ABC):
     `request.block_ids` into host memory and fills the record's byte counts and timing;
     it must not touch the blocks' ownership (the scheduler frees them right after).
     `restore` is called once the request's blocks cover `num_computed_tokens` again; it
-    writes the saved KV into them and frees the host copy. Neither raises on load
+    writes the saved KV into them and frees the host copy; a lossy restore also marks the
+    request's dropped heads and sets `record.warmup_tokens` (the scheduler recomputes
+    that many last tokens). Neither raises on load
     conditions: they return what went wrong.
     """
 
@@ -224,8 +227,9 @@ class Scheduler:
             if not self._allocate_for(request, num_new):
                 break  # never skip the head
             heapq.heappop(self._waiting)
-            if request.kv_location == "host" and not self._restore(request, now):
-                num_new = min(request.num_tokens, budget)  # KV lost: recompute from tokens
+            if request.kv_location == "host":
+                self._restore(request, now)  # may lower num_computed_tokens (fallback, warm-up)
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             elif request.kv_location == "device":
                 self.paused.remove(request)  # zero copy: its blocks never left
             request.kv_location = None
@@ -249,6 +253,8 @@ class Scheduler:
         if not ok:
             self.num_restore_fallbacks += 1
             request.num_computed_tokens = 0
+        else:  # a lossy restore's last tokens are recomputed at full precision (SPEC §9)
+            request.num_computed_tokens -= record.warmup_tokens
         return ok
 
     # ----------------------------------------------------------------- blocks

@@ -15,12 +15,14 @@ from preempt.codec import (
     MAGIC,
     Codec,
     CorruptBlobError,
+    MixedCodec,
     RawCodec,
     ZstdCodec,
     byte_shuffle,
     byte_unshuffle,
     decode_blob,
     make_codec,
+    pack_header,
     read_header,
 )
 from preempt.host_pool import HostPool
@@ -79,7 +81,7 @@ def test_lossless_round_trip_is_bit_exact(name, options, dtype, shape):
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 def test_one_byte_dtypes_round_trip(dtype):
     kv = random_bits((2, 2, 9, 2, 4), dtype)
-    for name in CODECS:
+    for name in (n for n, cls in CODECS.items() if cls.is_lossless):
         assert same_bits(make_codec(name).decode(make_codec(name).encode(kv)), kv)
 
 
@@ -171,7 +173,7 @@ def test_registry_and_options():
     assert isinstance(make_codec("raw"), RawCodec)
     codec = make_codec("zstd", level=5, threads=2, shuffle=False)
     assert isinstance(codec, Codec) and (codec.level, codec.threads, codec.shuffle) == (5, 2, False)
-    with pytest.raises(ValueError, match="unknown codec 'lz4'.*raw, zstd"):
+    with pytest.raises(ValueError, match="unknown codec 'lz4'.*mixed, raw, zstd"):
         make_codec("lz4")
     with pytest.raises(ValueError, match="bad options"):
         make_codec("raw", level=3)
@@ -195,8 +197,16 @@ def blob_for(codec: Codec) -> bytes:
     return codec.encode(kv_like((2, 2, 40, 2, 16), torch.float16))
 
 
-@pytest.fixture(params=["raw", "zstd"])
+def mixed_plan():
+    from kernels.plan import HeadPlan
+
+    return HeadPlan.from_codes([[0, 1], [2, 1]])  # FP16, FP8 / DROP, FP8 for blob_for's shape
+
+
+@pytest.fixture(params=["raw", "zstd", "mixed", "mixed_zstd"])
 def codec(request) -> Codec:
+    if request.param.startswith("mixed"):
+        return make_codec("mixed", plan=mixed_plan(), zstd=request.param.endswith("zstd"))
     return make_codec(request.param)
 
 
@@ -275,7 +285,11 @@ def test_shape_length_mismatch(codec):
         codec.decode(rewrite_header(blob, dtype_code=3))  # float32 needs twice the bytes
 
 
-@pytest.mark.parametrize("codec", [RawCodec(), ZstdCodec()], ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "codec",
+    [RawCodec(), ZstdCodec(), MixedCodec(mixed_plan()), MixedCodec(mixed_plan(), zstd=True)],
+    ids=["raw", "zstd", "mixed", "mixed_zstd"],
+)
 def test_consistent_header_that_lies_about_payload(codec):
     kv = kv_like((2, 2, 40, 2, 16), torch.float16)
     blob = codec.encode(kv)
@@ -312,3 +326,60 @@ def test_encode_parts_stored_in_pool_equal_encode(name):
     handle = pool.store(parts)
     assert bytes(pool.load(handle)) == codec.encode(kv)
     assert same_bits(codec.decode(pool.load(handle)), kv)
+
+
+# ---- mixed precision (swap_mixed) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("zstd", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_mixed_packs_and_unpacks_the_quantized_kv_bit_exactly(zstd, dtype):
+    from kernels.plan import HeadPlan
+    from kernels.quantize_heads import quantize_heads
+
+    kv = kv_like((3, 2, 29, 4, 8), dtype)
+    plan = HeadPlan.random(3, 4, fp8_share=0.5, drop_share=0.25, seed=1)
+    codec = MixedCodec(plan, zstd=zstd)
+    quantized = quantize_heads(kv, plan)
+    blob = b"".join(bytes(memoryview(p)) for p in codec.encode_quantized(quantized))
+    assert blob == codec.encode(kv)
+    back = MixedCodec().decode_quantized(blob)  # any instance: the plan travels in the blob
+    assert back.plan.classes == plan.classes and back.num_tokens == 29 and back.dtype == dtype
+    for name in ("kept", "fp8", "scales"):
+        assert same_bits(getattr(back, name), getattr(quantized, name)), name
+    # Size: kept heads at the dtype's width, FP8 heads at one byte, dropped heads nothing.
+    expected = 29 * 2 * 8 * (plan.num_fp16 * dtype.itemsize + plan.num_fp8)
+    if not zstd:
+        assert read_header(blob).payload_nbytes == 12 + 8 * plan.num_fp8 + expected
+    assert decode_blob(blob).shape == kv.shape
+
+
+def test_mixed_with_every_head_kept_is_lossless():
+    from kernels.plan import HeadPlan
+
+    kv = random_bits((2, 2, 13, 3, 4), torch.float16)
+    codec = MixedCodec(HeadPlan.all_fp16(2, 3), zstd=True)
+    assert same_bits(codec.decode(codec.encode(kv)), kv)
+
+
+def test_mixed_payload_with_a_bad_plan_or_length_is_refused():
+    codec = MixedCodec(mixed_plan())
+    blob = codec.encode(kv_like((2, 2, 40, 2, 16), torch.float16))
+    header = read_header(blob)
+    payload = bytearray(blob[header.header_nbytes :])
+
+    def reblob(new_payload: bytes) -> bytes:  # a valid header and CRC over a lying payload
+        return pack_header(2, 0, header.dtype, header.shape, new_payload) + new_payload
+
+    bad_plan = bytearray(payload)
+    bad_plan[0] = 7  # no head class 7
+    with pytest.raises(CorruptBlobError, match="bad head plan.*unknown head class code 7"):
+        codec.decode(reblob(bytes(bad_plan)))
+    other_plan = bytearray(payload)
+    other_plan[0] = 1  # FP16 -> FP8: every section size changes
+    with pytest.raises(CorruptBlobError, match="shape/length mismatch: mixed payload"):
+        codec.decode(reblob(bytes(other_plan)))
+    with pytest.raises(CorruptBlobError, match="shape/length mismatch: mixed payload"):
+        codec.decode(reblob(bytes(payload[:-1])))
+    with pytest.raises(ValueError, match="needs a head plan"):
+        MixedCodec().encode(kv_like((2, 2, 4, 2, 16), torch.float16))

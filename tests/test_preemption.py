@@ -60,9 +60,18 @@ def unpreempted():
     return _digests(requests)
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap", "swap_zstd", "pause"])
-def test_lossless_modes_change_no_output(mode, unpreempted):
-    engine, requests = _run(mode)
+LOSSLESS_MODES = [
+    ("recompute", {}),
+    ("swap", {}),
+    ("swap_zstd", {}),
+    ("pause", {}),
+    ("swap_mixed", {"head_plan": "fp16"}),  # all heads kept: lossless, no warm-up needed
+]
+
+
+@pytest.mark.parametrize(("mode", "options"), LOSSLESS_MODES, ids=[m for m, _ in LOSSLESS_MODES])
+def test_lossless_modes_change_no_output(mode, options, unpreempted):
+    engine, requests = _run(mode, **options)
     assert engine.scheduler.num_preemptions >= 10, "the workload must actually preempt"
     assert all(r.state is RequestState.FINISHED for r in requests)
     assert _digests(requests) == unpreempted
@@ -104,7 +113,7 @@ def test_save_then_restore_gives_bit_identical_kv():
     bs = engine.block_size
 
     def logical_kv():  # (L, 2, T, H, D): the request's tokens, in order
-        blocks = saver._gather(request.block_ids, num_tokens)
+        blocks = kv_cache.read_blocks(request.block_ids[: -(-num_tokens // bs)])
         return blocks.flatten(2, 3)[:, :, :num_tokens]
 
     before = logical_kv().clone()
@@ -200,6 +209,97 @@ def test_corrupted_blob_falls_back_to_recompute(unpreempted):
     )
     assert _digests(requests) == unpreempted
     assert saver.host_pool.num_used_slots == 0
+
+
+def test_lossy_mixed_mode_ends_every_request_and_masks_dropped_heads():
+    engine, requests = _run(
+        "swap_mixed", head_plan="random", head_plan_fp8_share=0.5, head_plan_drop_share=0.25
+    )
+    plan = engine.saver.plan
+    assert plan.num_drop == 1 and plan.num_fp8 == 2  # 2 layers x 2 KV heads
+    saves = [r for r in engine.scheduler.records if r.action == "save"]
+    assert len(saves) >= 10 and all(r.restored and r.codec == "mixed" for r in saves)
+    assert all(r.warmup_tokens == 2 for r in saves)
+    assert all(r.bytes_stored < r.bytes_raw for r in saves)
+    assert all(r.state is RequestState.FINISHED for r in requests)
+    restored_ids = {r.request_id for r in saves}
+    for request in requests:
+        if request.request_id in restored_ids:
+            assert request.dropped_heads is not None
+            assert (request.dropped_heads == plan.dropped_mask().numpy()).all()
+        else:
+            assert request.dropped_heads is None
+    assert engine.block_pool.num_free == engine.block_pool.num_blocks
+    assert engine.saver.host_pool.num_used_slots == 0
+    engine.saver.host_pool.check()
+
+
+def test_mixed_restore_dequantizes_into_new_blocks_and_asks_for_warmup():
+    from kernels.plan import HeadClass, HeadPlan
+    from kernels.restore_blocks import dequantize_fp8_ref
+    from preempt.scheduler import PreemptionRecord
+
+    engine = Engine(small_config(preemption={"mode": "swap_mixed", "head_plan": "fp8"}))
+    saver = engine.saver
+    saver.plan = HeadPlan.from_codes([[HeadClass.FP16, HeadClass.FP8], [HeadClass.DROP, HeadClass.FP16]])
+    saver.codecs["mixed"].plan = saver.plan
+    request = make_request(0, 37, 50)
+    engine.add_request(request)
+    for _ in range(5):
+        engine.step()
+    kv_cache, pool, bs = engine.runner.kv_cache, engine.block_pool, engine.block_size
+    num_tokens = request.num_computed_tokens
+
+    def logical_kv():  # (L, 2, T, H, D)
+        return kv_cache.read_blocks(request.block_ids[: -(-num_tokens // bs)]).flatten(2, 3)[
+            :, :, :num_tokens
+        ]
+
+    before = logical_kv().clone()
+    record = PreemptionRecord(0.0, 0, "memory", "save", num_tokens)
+    assert saver.save(request, "mixed", 0.0, record) is None
+    itemsize = before.element_size()
+    per_token_kv = 2 * 32  # K and V, head_dim 32: FP16 heads keep the cache's float64 bytes
+    assert record.bytes_stored < 2 * num_tokens * per_token_kv * itemsize + 2 * num_tokens * per_token_kv
+    old_blocks = request.block_ids
+    kv_cache.kv[:, :, old_blocks] = float("nan")
+    pool.free(old_blocks)
+    request.block_ids = pool.allocate(len(old_blocks))
+    assert saver.restore(request, 0.0, record)
+    after = logical_kv()
+    assert torch.equal(after[0, :, :, 0], before[0, :, :, 0]) and torch.equal(
+        after[1, :, :, 1], before[1, :, :, 1]
+    )
+    assert (after[1, :, :, 0] == 0).all()  # dropped: zeros, and masked from now on
+    # FP8: relative error of E4M3 (3 mantissa bits) is at most 2^-4 of the value, plus half
+    # the smallest subnormal step times the scale for values near zero.
+    fp8_head = before[0, :, :, 1]
+    scale = fp8_head.abs().amax(dim=(1, 2), keepdim=True) / 448
+    bound = fp8_head.abs() * 2**-4 + scale * 2**-10
+    assert ((after[0, :, :, 1] - fp8_head).abs() <= bound).all()
+    assert dequantize_fp8_ref is not None
+    assert request.dropped_heads.tolist() == [[False, False], [True, False]]
+    assert record.warmup_tokens == 2
+    assert saver.host_pool.num_used_slots == 0
+
+
+def test_mixed_mode_on_the_null_backend_stores_the_plans_share():
+    config = small_config(
+        model={"backend": "null"},
+        preemption={"mode": "swap_mixed", "head_plan": "random", "head_plan_drop_share": 0.1},
+    )
+    engine = Engine(config)
+    plan = engine.saver.plan
+    target = engine.cost_model.target
+    assert (plan.num_layers, plan.num_kv_heads) == (target.num_layers, target.num_kv_heads)
+    assert engine.saver.mixed_ratio == pytest.approx(0.65, abs=0.01)  # SPEC §9: 35% smaller than FP16
+    from preempt.scheduler import PreemptionRecord
+
+    request = make_request(0, 100, 5)
+    request.num_computed_tokens = 100
+    record = PreemptionRecord(0.0, 0, "memory", "save", 100)
+    assert engine.saver.save(request, "mixed", 0.0, record) is None
+    assert record.bytes_stored == int(100 * target.kv_bytes_per_token * engine.saver.mixed_ratio)
 
 
 def test_aborting_a_saved_request_frees_its_slot():

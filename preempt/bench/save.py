@@ -70,7 +70,7 @@ def _codec_throughput(num_tokens: int, repeats: int, dtype: str) -> dict[str, An
     request = _long_request(0, num_tokens)
     _prefill(engine, [request])
     kv_cache, pool = engine.runner.kv_cache, engine.block_pool
-    kv = engine.saver._gather(request.block_ids, request.num_computed_tokens)
+    kv = kv_cache.read_blocks(request.block_ids[: -(-request.num_computed_tokens // engine.block_size)])
     nbytes = kv.numel() * kv.element_size()
     clone_s = _median_s(lambda: kv.clone(), repeats)
     result: dict[str, Any] = {
