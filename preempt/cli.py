@@ -211,7 +211,15 @@ def cmd_eval_predictor(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from preempt.bench import BENCHMARKS
 
-    result: dict[str, Any] = BENCHMARKS[args.name](args.quick)
+    options = {key: getattr(args, key) for key in ("model", "plan") if getattr(args, key) is not None}
+    if options and args.name != "codec":
+        print(f"preempt: error: --{next(iter(options))} applies to `bench codec` only", file=sys.stderr)
+        return 2
+    for key, value in options.items():
+        if not Path(value).is_file():
+            print(f"preempt: error: --{key}: no such file: {value}", file=sys.stderr)
+            return 2
+    result: dict[str, Any] = BENCHMARKS[args.name](args.quick, **options)
     if args.json:
         print(json.dumps(result))
     else:
@@ -283,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("--json", action="store_true", help="compact JSON on one line")
     bench.add_argument("--quick", action="store_true", help="smaller sizes (seconds, for smoke checks)")
+    bench.add_argument("--model", help="codec: a trained tiny LM checkpoint (preempt lm train writes lm.pt)")
+    bench.add_argument("--plan", help="codec: a head plan file (preempt importance writes one)")
     bench.set_defaults(func=cmd_bench)
     return parser
 

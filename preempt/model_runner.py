@@ -124,23 +124,29 @@ class TinyModelRunner(ModelRunner):
         self.kv_bytes_per_token = self.kv_cache.bytes_per_token
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> list[int | None]:
+        if not chunks:
+            return []
+        sample_rows = [  # chunks that end at the last known token
+            i for i, chunk in enumerate(chunks) if _chunk_bounds(chunk)[1] == chunk.request.num_tokens
+        ]
+        return self._sample(chunks, self.compute_logits(chunks), sample_rows)
+
+    def compute_logits(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """Run the chunks (writing their KV) -> logits (B, V) at each chunk's last new
+        token, whether or not it ends the request's known tokens (quality benchmarks read
+        distributions, not only samples)."""
         import torch
 
         from preempt.model.attention import build_attention_metadata, head_gates_for
 
-        if not chunks:
-            return []
         starts: list[int] = []
         num_new: list[int] = []
         token_ids: list[int] = []
-        sample_rows: list[int] = []  # chunks that end at the last known token
-        for i, chunk in enumerate(chunks):
+        for chunk in chunks:
             start, end = _chunk_bounds(chunk)
             starts.append(start)
             num_new.append(end - start)
             token_ids.extend(chunk.request.token_ids(start, end))
-            if end == chunk.request.num_tokens:
-                sample_rows.append(i)
         meta = build_attention_metadata(
             starts,
             num_new,
@@ -158,8 +164,7 @@ class TinyModelRunner(ModelRunner):
             meta = dataclasses.replace(meta, head_gates=gates)
         with torch.inference_mode():
             input_ids = torch.tensor(token_ids, dtype=torch.int64)  # (T,)
-            logits = self.model(input_ids, meta.positions, self.kv_cache.layers, meta)  # (B, V)
-            return self._sample(chunks, logits, sample_rows)
+            return self.model(input_ids, meta.positions, self.kv_cache.layers, meta)  # (B, V)
 
     def _sample(
         self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor, rows: list[int]

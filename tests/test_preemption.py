@@ -188,8 +188,11 @@ def test_consecutive_preemption_limit():
     assert all(r.state is RequestState.FINISHED for r in requests)
 
 
-def test_corrupted_blob_falls_back_to_recompute(unpreempted):
-    engine = _swap_engine()
+@pytest.mark.parametrize(
+    "preemption", [{}, {"mode": "swap_mixed", "head_plan": "fp16"}], ids=["raw", "mixed"]
+)
+def test_corrupted_blob_falls_back_to_recompute(preemption, unpreempted):
+    engine = _swap_engine(**preemption)
     saver = engine.saver
     original_save = saver.save
 

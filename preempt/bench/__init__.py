@@ -29,4 +29,16 @@ def _serve(quick: bool) -> dict[str, Any]:
     return bench_serve(quick)
 
 
-BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {"engine": _engine, "save": _save, "serve": _serve}
+def _codec(quick: bool, model: str | None = None, plan: str | None = None) -> dict[str, Any]:
+    from preempt.bench.codec import bench_codec
+
+    return bench_codec(quick, model=model, plan=plan)
+
+
+BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
+    "engine": _engine,
+    "save": _save,
+    "serve": _serve,
+    "codec": _codec,
+}
+"""name -> fn(quick, **options); options (`--model`, `--plan`) only for those that take them."""

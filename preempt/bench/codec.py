@@ -1,0 +1,268 @@
+"""`preempt bench codec`: the mixed-precision KV codec (`swap_mixed`), plan by plan.
+
+For each head plan (uniform FP16, uniform FP8, a seeded random plan with the SPEC's
+shares, and an importance plan when one is given), on real KV from the model:
+
+- Size: stored bytes per token relative to FP16 (`size_vs_fp16`: the plan's bytes at a
+  16-bit cache dtype, what a GPU deployment stores) and the blob's measured bytes over
+  the raw KV of this run's cache dtype (`blob_vs_raw`, header and scales included).
+- Quality after a save/restore at the end of the prompt, against the same request never
+  preempted: `greedy_agreement` (share of the next 64 greedy tokens equal to the
+  unpreempted run's, position by position, generating freely), `prefix_match` (tokens
+  until the first difference / 64), and teacher-forced on the unpreempted continuation,
+  `kl_mean` (mean KL(p_ref || p_restored) of next-token distributions, nats) and
+  `top1_agreement`. The restore follows the engine: dropped heads masked for the rest of
+  the request, the last `warmup_tokens` recomputed at full precision.
+- CPU speed: encode (quantize + pack) and decode (unpack + dequantize into blocks) MB/s
+  of raw KV, against `torch.clone` of the same bytes in the same run.
+
+Prompts are held-out text (the LM corpus's test split: Python stdlib sources). Quality
+numbers mean something only for a trained model (`--model runs/lm/lm.pt`); with the
+seeded random preset the JSON says so.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from kernels.plan import HeadPlan, bytes_per_token
+from kernels.quantize_heads import quantize_heads
+from kernels.restore_blocks import restore_blocks
+from preempt.codec import MixedCodec
+from preempt.config import build_config
+from preempt.model_runner import TinyModelRunner
+from preempt.request import Request, ScheduledChunk
+from preempt.saver import plan_size_ratio
+
+MB = 1e6
+BLOCK_SIZE = 16
+
+
+def bench_codec(
+    quick: bool, model: str | None = None, plan: str | None = None, warmup_tokens: int = 2
+) -> dict[str, Any]:
+    torch.set_num_threads(1)  # comparable across machines; quality does not depend on it
+    num_prompts, prompt_len, num_gen = (4, 256, 32) if quick else (16, 512, 64)
+    runner = _runner(model, num_blocks=4 * (prompt_len + num_gen + BLOCK_SIZE) // BLOCK_SIZE)
+    cfg = runner.model.cfg
+    plans = _plans(cfg.num_layers, cfg.num_kv_heads, plan)
+    prompts = _prompts(num_prompts, prompt_len)
+    references = [_reference(runner, prompt, num_gen) for prompt in prompts]
+    result: dict[str, Any] = {
+        "model": model
+        or f"random {build_config({}).model.preset} (untrained: quality numbers are meaningless)",
+        "model_dtype": str(runner.model.dtype).removeprefix("torch."),
+        "num_layers": cfg.num_layers,
+        "num_kv_heads": cfg.num_kv_heads,
+        "prompts": f"{num_prompts} x {prompt_len} bytes of held-out text (LM corpus test split)",
+        "num_generated": num_gen,
+        "warmup_tokens": warmup_tokens,
+        "plans": {},
+    }
+    speed_kv = _speed_kv(runner, references[0]["kv"])
+    clone_s = _median_s(lambda: speed_kv.clone(), 5)
+    result["clone_mb_s"] = round(speed_kv.nbytes / clone_s / MB, 1)
+    for name, head_plan in plans.items():
+        quality = [_quality(runner, head_plan, ref, warmup_tokens) for ref in references]
+        row: dict[str, Any] = {
+            "source": head_plan.source or name,
+            "fp16_heads": head_plan.num_fp16,
+            "fp8_heads": head_plan.num_fp8,
+            "dropped_heads": head_plan.num_drop,
+            "size_vs_fp16": round(plan_size_ratio(head_plan), 4),
+            "bytes_per_token_fp16_cache": bytes_per_token(head_plan, cfg.head_dim, torch.float16),
+            "blob_vs_raw": round(float(np.mean([q["blob_vs_raw"] for q in quality])), 4),
+        }
+        for key in ("greedy_agreement", "prefix_match", "top1_agreement", "kl_mean"):
+            row[key] = float(f"{np.mean([q[key] for q in quality]):.4g}")
+        row.update(_speed(speed_kv, head_plan, clone_s))
+        result["plans"][name] = row
+    return result
+
+
+# ---------------------------------------------------------------- setup
+
+
+def _runner(model: str | None, num_blocks: int) -> TinyModelRunner:
+    model_section: dict[str, Any] = {"backend": "tiny", "dtype": "float32", "num_threads": 1}
+    if model:
+        model_section["checkpoint"] = model
+    return TinyModelRunner(build_config({"model": model_section}), num_blocks, BLOCK_SIZE)
+
+
+def _plans(num_layers: int, num_kv_heads: int, plan_file: str | None) -> dict[str, HeadPlan]:
+    plans = {
+        "fp16": HeadPlan.all_fp16(num_layers, num_kv_heads),
+        "fp8": HeadPlan.all_fp8(num_layers, num_kv_heads),
+        # The SPEC's shares (10% dropped, 50% FP8): the control for an importance plan.
+        "random": HeadPlan.random(num_layers, num_kv_heads, fp8_share=0.5, drop_share=0.1, seed=0),
+    }
+    if plan_file:
+        plans["importance"] = HeadPlan.load(plan_file)
+        plans["importance"].check_shape(num_layers, num_kv_heads)
+        # The same class counts as the importance plan, placed at random: isolates what
+        # the scores buy from what the shares buy.
+        counts = plans["importance"]
+        total = num_layers * num_kv_heads
+        plans["random_same_shares"] = HeadPlan.random(
+            num_layers,
+            num_kv_heads,
+            fp8_share=counts.num_fp8 / total,
+            drop_share=counts.num_drop / total,
+            seed=0,
+        )
+    return plans
+
+
+def _prompts(num_prompts: int, length: int) -> list[np.ndarray]:
+    from preempt.lm.corpus import Corpus, sample_windows
+
+    windows = sample_windows(Corpus().stream("test"), num_prompts, length, seed=0)
+    return [w.astype(np.int32) for w in windows]
+
+
+class _Blocks:
+    """A trivial allocator over the runner's cache: fresh block ids for each sequence."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.free = list(range(num_blocks))
+
+    def take(self, num_tokens: int) -> list[int]:
+        count = -(-num_tokens // BLOCK_SIZE)
+        taken, self.free = self.free[:count], self.free[count:]
+        return taken
+
+    def give_back(self, ids: list[int]) -> None:
+        self.free.extend(ids)
+
+
+def _request(prompt: np.ndarray, num_gen: int) -> Request:
+    return Request(0, 0.0, prompt, max_tokens=num_gen + 1, target_output_tokens=num_gen + 1)
+
+
+def _step(runner: TinyModelRunner, request: Request, num_new: int) -> torch.Tensor:
+    """Compute `num_new` tokens of `request` -> log-probs (V,) of the next token."""
+    logits = runner.compute_logits([ScheduledChunk(request, num_new)])[0]
+    request.num_computed_tokens += num_new
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+# ---------------------------------------------------------------- quality
+
+
+def _reference(runner: TinyModelRunner, prompt: np.ndarray, num_gen: int) -> dict[str, Any]:
+    """The unpreempted run: prefill, then greedy tokens t0..t_num_gen with the distribution
+    each was drawn from; also the prompt's KV (L, 2, P, H, D): what a preemption right
+    after t0 was sampled saves (in the engine, a decoding request's newest token has no
+    KV yet, so the restore recomputes at least that one)."""
+    request = _request(prompt, num_gen)
+    request.block_ids = _Blocks(runner.kv_cache.num_blocks).take(len(prompt) + num_gen + 1)
+    logprobs = [_step(runner, request, len(prompt))]
+    kv = runner.kv_cache.read_blocks(request.block_ids[: -(-len(prompt) // BLOCK_SIZE)])
+    kv = kv.flatten(2, 3)[:, :, : len(prompt)].clone()
+    tokens = []
+    for i in range(num_gen + 1):
+        tokens.append(int(logprobs[-1].argmax()))
+        request.output_token_ids.append(tokens[-1])
+        if i < num_gen:
+            logprobs.append(_step(runner, request, 1))
+    return {"prompt": prompt, "tokens": tokens, "logprobs": logprobs, "kv": kv, "num_gen": num_gen}
+
+
+def _restored(
+    runner: TinyModelRunner, plan: HeadPlan, ref: dict[str, Any], warmup: int
+) -> tuple[Request, torch.Tensor, float]:
+    """The request preempted after sampling t0, restored through the mixed codec into
+    fresh blocks as the engine does (dropped heads masked, the last `warmup` saved tokens
+    recomputed with t0) -> (request, log-probs of t1, blob bytes / raw bytes)."""
+    prompt, kv = ref["prompt"], ref["kv"]
+    codec = MixedCodec(plan)
+    blob = codec.encode(kv)
+    quantized = codec.decode_quantized(blob)
+    request = _request(prompt, ref["num_gen"])
+    request.block_ids = _Blocks(runner.kv_cache.num_blocks).take(len(prompt) + ref["num_gen"] + 1)
+    dropped = restore_blocks(quantized, runner.kv_cache.kv, request.block_ids).numpy()
+    request.dropped_heads = dropped if dropped.any() else None
+    request.output_token_ids.append(ref["tokens"][0])
+    request.num_computed_tokens = len(prompt) - min(warmup, len(prompt))
+    logprobs = _step(runner, request, request.num_tokens - request.num_computed_tokens)
+    return request, logprobs, len(blob) / kv.nbytes
+
+
+def _quality(runner: TinyModelRunner, plan: HeadPlan, ref: dict[str, Any], warmup: int) -> dict[str, float]:
+    num_gen, ref_tokens, ref_logprobs = ref["num_gen"], ref["tokens"], ref["logprobs"]
+    # Teacher-forced on the reference continuation: the distribution shift token by token.
+    request, logprobs, blob_vs_raw = _restored(runner, plan, ref, warmup)
+    kls, top1 = [], []
+    for i in range(1, num_gen + 1):
+        kls.append(float((ref_logprobs[i].exp() * (ref_logprobs[i] - logprobs)).sum()))
+        top1.append(int(logprobs.argmax()) == ref_tokens[i])
+        if i < num_gen:
+            request.output_token_ids.append(ref_tokens[i])
+            logprobs = _step(runner, request, 1)
+    # Free-running greedy generation: what a user would see.
+    request, logprobs, _ = _restored(runner, plan, ref, warmup)
+    generated = []
+    for i in range(1, num_gen + 1):
+        generated.append(int(logprobs.argmax()))
+        if i < num_gen:
+            request.output_token_ids.append(generated[-1])
+            logprobs = _step(runner, request, 1)
+    same = [a == b for a, b in zip(generated, ref_tokens[1:], strict=True)]
+    prefix = next((i for i, ok in enumerate(same) if not ok), num_gen)
+    return {
+        "blob_vs_raw": blob_vs_raw,
+        "kl_mean": float(np.mean(kls)),
+        "top1_agreement": float(np.mean(top1)),
+        "greedy_agreement": float(np.mean(same)),
+        "prefix_match": prefix / num_gen,
+    }
+
+
+# ---------------------------------------------------------------- speed
+
+
+def _speed_kv(runner: TinyModelRunner, kv: torch.Tensor) -> torch.Tensor:
+    """A longer KV for timing (the prompt's KV tiled to >= 2048 tokens): per-call overheads
+    would dominate a few hundred tokens."""
+    reps = -(-2048 // kv.shape[2])
+    return kv.repeat(1, 1, reps, 1, 1).contiguous()
+
+
+def _speed(kv: torch.Tensor, plan: HeadPlan, clone_s: float) -> dict[str, float]:
+    codec = MixedCodec(plan)
+    num_layers, _, num_tokens, num_heads, head_dim = kv.shape
+    cache = torch.zeros(
+        num_layers, 2, -(-num_tokens // BLOCK_SIZE), BLOCK_SIZE, num_heads, head_dim, dtype=kv.dtype
+    )
+    block_ids = list(range(cache.shape[2]))
+
+    def encode() -> bytes:
+        return codec.encode_quantized(quantize_heads(kv, plan))
+
+    parts = encode()
+    blob = b"".join(bytes(memoryview(p)) for p in parts)
+
+    def decode() -> None:
+        restore_blocks(codec.decode_quantized(blob), cache, block_ids)
+
+    encode_s, decode_s = _median_s(encode, 5), _median_s(decode, 5)
+    return {
+        "encode_mb_s": round(kv.nbytes / encode_s / MB, 1),
+        "decode_mb_s": round(kv.nbytes / decode_s / MB, 1),
+        "encode_vs_clone": round(clone_s / encode_s, 3),
+        "decode_vs_clone": round(clone_s / decode_s, 3),
+    }
+
+
+def _median_s(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return float(np.median(times))

@@ -1,0 +1,21 @@
+"""`preempt bench codec`: the quality protocol itself is sound: a lossless plan through
+save -> codec -> restore -> warm-up reproduces the unpreempted generation exactly, and the
+lossy plans report sizes that follow from their plans."""
+
+from __future__ import annotations
+
+from preempt.bench.codec import bench_codec
+
+
+def test_codec_bench_reports_every_plan_and_lossless_fp16_changes_nothing():
+    result = bench_codec(quick=True)
+    plans = result["plans"]
+    assert set(plans) == {"fp16", "fp8", "random"}
+    fp16 = plans["fp16"]
+    assert fp16["greedy_agreement"] == fp16["prefix_match"] == fp16["top1_agreement"] == 1.0
+    assert fp16["kl_mean"] == 0.0
+    assert plans["fp8"]["size_vs_fp16"] == 0.5 and plans["fp8"]["blob_vs_raw"] < 0.26  # float32 cache
+    assert plans["fp8"]["kl_mean"] > 0.0  # lossy: the distributions moved, however little
+    for row in plans.values():
+        assert row["encode_mb_s"] > 0 and row["decode_mb_s"] > 0
+    assert "meaningless" in result["model"]  # an untrained model says so
