@@ -13,9 +13,11 @@ def test_codec_bench_reports_every_plan_and_lossless_fp16_changes_nothing():
     assert set(plans) == {"fp16", "fp8", "random"}
     fp16 = plans["fp16"]
     assert fp16["greedy_agreement"] == fp16["prefix_match"] == fp16["top1_agreement"] == 1.0
-    assert fp16["kl_mean"] == 0.0
+    # Not exactly 0: the warm-up recomputes 3 tokens as one chunk where the reference ran
+    # them one by one, and float32 sums in another order.
+    assert fp16["kl_mean"] < 1e-9
     assert plans["fp8"]["size_vs_fp16"] == 0.5 and plans["fp8"]["blob_vs_raw"] < 0.26  # float32 cache
-    assert plans["fp8"]["kl_mean"] > 0.0  # lossy: the distributions moved, however little
+    assert plans["fp8"]["kl_mean"] > 1e-6  # lossy: the distributions moved, however little
     for row in plans.values():
         assert row["encode_mb_s"] > 0 and row["decode_mb_s"] > 0
     assert "meaningless" in result["model"]  # an untrained model says so
