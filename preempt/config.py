@@ -282,7 +282,7 @@ class EarlySaveConfig(_Section):
     """`oracle`: preemptions.parquet of a run with the same config and early_save none."""
     horizon_ms: float = Field(50.0, gt=0)
     """`oracle`/`rule`: how far ahead a preemption counts as predicted."""
-    host_budget: int | str = "1GB"
+    host_budget: int | str = Field("1GB", validate_default=True)
     """Host bytes that speculative copies may hold at once; demand saves always come first."""
     max_inflight: int = Field(4, gt=0)
     """Early saves queued or running at once (the bounded queue)."""
@@ -335,6 +335,15 @@ class EngineConfig(_Section):
     preemption: PreemptionConfig = PreemptionConfig()
     early_save: EarlySaveConfig = EarlySaveConfig()
     slo: SLOConfig = SLOConfig()
+
+    @model_validator(mode="after")
+    def _early_saves_need_a_save_path(self) -> EngineConfig:
+        if self.early_save.policy != "none" and self.preemption.mode == "recompute":
+            raise ValueError(
+                f"early_save.policy '{self.early_save.policy}' needs a preemption.mode that saves KV "
+                "(swap, swap_zstd, swap_mixed or pause), not recompute"
+            )
+        return self
 
 
 def _format_validation_error(err: ValidationError) -> str:

@@ -57,9 +57,15 @@ class Engine:
             preemption=config.preemption,
             mover=self.saver,
         )
+        self.early_saver = None
+        if config.early_save.policy != "none":
+            from preempt.early_save import EarlySaver, make_policy
+
+            self.early_saver = EarlySaver(make_policy(config.early_save), config.preemption)
         self.clock = make_clock(config.clock.kind)
         self.num_steps = 0
         self.stall_s = 0.0  # compute waiting for KV moves (saves' copy-out, restores)
+        self.stall_restore_s = 0.0  # the part that waited for restores only
         self._saver_thread_s_seen = 0.0
 
     # ----------------------------------------------------------------- requests
@@ -121,7 +127,10 @@ class Engine:
                 request.finish_s = now
                 finished.append(request)
         self.scheduler.remove_finished(finished)
-        return StepOutput(scheduled, finished, step_s, stall_s)
+        output = StepOutput(scheduled, finished, step_s, stall_s)
+        if self.early_saver is not None:
+            self.early_saver(self, output)
+        return output
 
     def _stall(self, scheduled: SchedulerOutput) -> float:
         """Compute waits for KV moves it depends on: on the virtual clock, until restores
@@ -131,10 +140,12 @@ class Engine:
             return 0.0
         if self.config.clock.kind == "virtual":
             now = self.clock.now()
+            restore_stall_s = max(0.0, self.saver.restore_end_s - now)
             until = self.saver.restore_end_s
             if scheduled.uses_saved_blocks:
                 until = max(until, self.saver.save_copy_end_s)
             stall_s = max(0.0, until - now)
+            self.stall_restore_s += restore_stall_s
             self.clock.advance(stall_s)
         else:  # the engine thread's share of this step's saves and restores
             stall_s = self.saver.engine_thread_s - self._saver_thread_s_seen
@@ -157,9 +168,12 @@ class Engine:
             "num_preemption_failed": self.scheduler.num_preemption_failed,
             "num_restore_fallbacks": self.scheduler.num_restore_fallbacks,
             "preemption_stall_s": self.stall_s,
-            "kv_saved_bytes_raw": saver.bytes_raw if saver else 0,
-            "kv_saved_bytes_stored": saver.bytes_stored if saver else 0,
-            "host_pool_peak_bytes": saver.host_pool.peak_bytes_used if saver else 0,
+            # Virtual clock: the stall split by cause. Saves' copy-out (what early saves
+            # hide) is the rest; a restore is never hidden by an early save.
+            "preemption_stall_restore_s": self.stall_restore_s,
+            "preemption_stall_save_s": self.stall_s - self.stall_restore_s,
+            **(saver.stats() if saver else {"kv_saved_bytes_raw": 0, "kv_saved_bytes_stored": 0}),
+            **(self.early_saver.stats() if self.early_saver else {}),
         }
 
     @staticmethod

@@ -121,10 +121,12 @@ def write_preemptions_parquet(records: Sequence[PreemptionRecord], path: Path) -
             ("failure", pa.string()),
             ("codec", pa.string()),
             ("bytes_raw", pa.int64()),
+            ("bytes_early", pa.int64()),
             ("bytes_stored", pa.int64()),
             ("save_s", pa.float64()),
             ("restore_s", pa.float64()),
             ("restored", pa.bool_()),
+            ("warmup_tokens", pa.int64()),
         ]
     )
     pq.write_table(pa.table(columns, schema=schema), path, compression="zstd", write_statistics=False)

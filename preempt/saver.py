@@ -76,11 +76,25 @@ def plan_size_ratio(plan) -> float:
 
 
 @dataclass
-class _Saved:
+class _Segment:
+    """One blob on the host: tokens [start, start + num_tokens) of a request's KV. A save is
+    one segment, or, after early saves, the early segments plus the tail written since."""
+
     handle: SlotHandle | Future | None  # a Future while the worker is still encoding
     codec: str
+    start: int  # first token; block-aligned
     num_tokens: int
+    nbytes_raw: int
     ready_at_s: float  # virtual: when the host copy is complete
+    speculative: bool = False  # an early save not (yet) claimed by a preemption
+    nbytes_stored: int = 0  # set when the blob is stored (by the worker on the wall clock)
+    record: PreemptionRecord | None = None  # the preemption whose bytes_stored it counts in
+
+
+@dataclass
+class _Saved:
+    segments: list[_Segment]
+    num_tokens: int
 
 
 class Saver(KVMover):
@@ -89,6 +103,7 @@ class Saver(KVMover):
     ):
         p = config.preemption
         self.config = p
+        self.early_config = config.early_save
         self.host_pool = HostPool(p.host_mem, p.slot_size)
         self.codecs = {
             "raw": make_codec("raw"),
@@ -115,10 +130,14 @@ class Saver(KVMover):
         self.cost_model = cost_model
         self.block_size = block_size
         self.is_virtual = config.clock.kind == "virtual"
+        # Wall clock: demand saves and early saves encode on separate threads, so a queue of
+        # speculative work never delays a preemption's save.
         self._worker = None if self.is_virtual else ThreadPoolExecutor(1, thread_name_prefix="kv-saver")
-        self._num_pending = 0  # saves queued on the worker, each promised a slot
+        self._early_worker = None if self.is_virtual else ThreadPoolExecutor(1, thread_name_prefix="kv-early")
+        self._num_pending = 0  # saves queued on the workers, each promised a slot
         self._pending_lock = threading.Lock()
-        self._saved: dict[int, _Saved] = {}  # id(request) -> its host copy
+        self._saved: dict[int, _Saved] = {}  # id(request) -> host copy of a preempted request
+        self._early: dict[int, list[_Segment]] = {}  # id(request) -> early segments of a running one
         self._d2h_free_at = 0.0
         self._h2d_free_at = 0.0
         self.save_copy_end_s = 0.0  # virtual: when the latest save's copy-out ends
@@ -126,47 +145,145 @@ class Saver(KVMover):
         self.bytes_raw = 0
         self.bytes_stored = 0
         self.engine_thread_s = 0.0  # wall clock: time the engine thread spent saving/restoring
+        self.early_thread_s = 0.0  # wall clock: the engine thread's share of early saves
+        # Early saves: how many, their raw bytes, and what became of them.
+        self.num_early_saves = 0
+        self.early_bytes_raw = 0
+        self.early_bytes_used = 0  # claimed by a preemption: that much less to copy then
+        self.early_bytes_wasted = 0  # freed unused: the request finished, or evicted for space
+        self.speculative_bytes = 0  # raw bytes of unclaimed early segments held now
 
     # ----------------------------------------------------------------- save
     def save(self, request: Request, codec: str, now: float, record: PreemptionRecord) -> str | None:
         started = time.perf_counter()
         num_tokens = request.num_computed_tokens
-        if self.kv_cache is None:
-            handle_or_failure = self._reserve_modelled(num_tokens, codec, record)
-        else:
-            make_parts, bound = self._prepare(request.block_ids, num_tokens, codec, record)
-            handle_or_failure = (
-                self._store_async(make_parts, bound, record)
-                if self._worker
-                else self._store(make_parts, record)
-            )
-        if isinstance(handle_or_failure, str):
-            return handle_or_failure
+        early = self._early.pop(id(request), [])
+        covered = sum(segment.num_tokens for segment in early)
+        if covered > num_tokens:  # cannot happen while KV only grows; never trust a stale copy
+            self._free_segments(early, wasted=True)
+            early, covered = [], 0
+        tail = self._save_segment(request, covered, num_tokens, codec, now, record)
+        if tail == "pool_full" and self._evict_speculative():  # demand saves come first
+            tail = self._save_segment(request, covered, num_tokens, codec, now, record)
+        if isinstance(tail, str):
+            self._free_segments(early, wasted=True)
+            return tail
+        for segment in early:  # claimed: no longer speculation
+            segment.speculative = False
+            self.speculative_bytes -= segment.nbytes_raw
+            self.early_bytes_used += segment.nbytes_raw
+            with self._pending_lock:  # its size may still be on the early worker
+                segment.record = record
+                record.bytes_stored += segment.nbytes_stored
+        segments = [*early, tail] if tail.num_tokens else early
+        record.bytes_raw = tail.nbytes_raw
+        record.bytes_early = sum(segment.nbytes_raw for segment in early)
         if self.is_virtual:
-            ready = self._model_save_time(num_tokens, codec, now)
-            record.save_s = ready - now
+            record.save_s = max([now, *(segment.ready_at_s for segment in segments)]) - now
         else:
-            ready = now
             record.save_s = time.perf_counter() - started  # the engine thread's share
             self.engine_thread_s += record.save_s
-        self._saved[id(request)] = _Saved(handle_or_failure, codec, num_tokens, ready)
-        self.bytes_raw += record.bytes_raw
-        if not isinstance(handle_or_failure, Future):  # the worker counts its own when done
-            self.bytes_stored += record.bytes_stored
+        self._saved[id(request)] = _Saved(segments, num_tokens)
+        self.bytes_raw += tail.nbytes_raw
         return None
 
-    def _prepare(
-        self, block_ids: list[int], num_tokens: int, codec: str, record: PreemptionRecord
-    ) -> tuple[Callable[[], list], int]:
-        """Copy the request's KV out of its blocks now (they are freed right after) and
+    def early_save(self, request: Request, now: float) -> bool:
+        """Copy the request's full blocks not yet on the host, speculatively, while it keeps
+        running. False (nothing done) when there is nothing new, the speculation budget or
+        the in-flight bound is reached, or the host pool has no slot to spare."""
+        started = time.perf_counter()
+        segments = self._early.setdefault(id(request), [])
+        covered = sum(segment.num_tokens for segment in segments)
+        end = request.num_computed_tokens // self.block_size * self.block_size  # full blocks only
+        if end <= covered or not self._early_allowed(end - covered, now):
+            return False
+        segment = self._save_segment(request, covered, end, self._early_codec(), now, record=None)
+        if isinstance(segment, str):
+            return False
+        segments.append(segment)
+        self.num_early_saves += 1
+        self.early_bytes_raw += segment.nbytes_raw
+        self.speculative_bytes += segment.nbytes_raw
+        self.bytes_raw += segment.nbytes_raw
+        if not self.is_virtual:
+            self.early_thread_s += time.perf_counter() - started
+        return True
+
+    def discard_early(self, request: Request) -> None:
+        """The request finished (or left the batch for good): its early copies were wasted."""
+        self._free_segments(self._early.pop(id(request), []), wasted=True)
+
+    def _early_codec(self) -> str:
+        from preempt.scheduler import _MODE_CODEC
+
+        return _MODE_CODEC.get(self.config.mode, self.config.reclaim_codec)
+
+    def _early_allowed(self, num_tokens: int, now: float) -> bool:
+        cfg = self.early_config
+        if self.speculative_bytes + self._raw_bytes(num_tokens) > cfg.host_budget:
+            return False
+        in_flight = sum(
+            1
+            for segments in self._early.values()
+            for segment in segments
+            if (not segment.handle.done() if isinstance(segment.handle, Future) else segment.ready_at_s > now)
+        )
+        if in_flight >= cfg.max_inflight:
+            return False
+        with self._pending_lock:  # keep a slot free for the next demand save
+            return self.host_pool.num_free_slots - self._num_pending > 1
+
+    def _evict_speculative(self) -> bool:
+        """Free every unclaimed early copy (of running requests) to make room for a demand
+        save; True if anything was freed."""
+        victims = [segments for segments in self._early.values() if segments]
+        for segments in victims:
+            self._free_segments(segments, wasted=True)
+            segments.clear()
+        return bool(victims)
+
+    def _raw_bytes(self, num_tokens: int) -> int:
+        if self.kv_cache is None:
+            return num_tokens * self.cost_model.target.kv_bytes_per_token
+        return blocks_needed(num_tokens, self.block_size) * self.block_size * self.kv_cache.bytes_per_token
+
+    def _save_segment(
+        self, request: Request, start: int, end: int, codec: str, now: float, record: PreemptionRecord | None
+    ) -> _Segment | str:
+        """Save tokens [start, end) (start block-aligned) into one host blob: for a
+        preemption (`record`) or speculatively (None). The failure reason if it cannot be
+        kept."""
+        speculative = record is None
+        segment = _Segment(None, codec, start, end - start, 0, now, speculative, record=record)
+        if end == start:
+            return segment
+        if self.kv_cache is None:
+            failure = self._reserve_modelled(segment)
+        else:
+            block_ids = request.block_ids[start // self.block_size :]
+            make_parts, bound = self._prepare(block_ids, segment)
+            if self._worker is None:
+                failure = self._store(make_parts, segment)
+            else:
+                worker = self._early_worker if speculative else self._worker
+                failure = self._store_async(make_parts, bound, segment, worker)
+        if failure is not None:
+            return failure
+        if self.is_virtual:
+            segment.ready_at_s = self._model_save_time(segment.num_tokens, codec, now)
+        return segment
+
+    def _prepare(self, block_ids: list[int], segment: _Segment) -> tuple[Callable[[], list], int]:
+        """Copy the segment's KV out of its blocks now (they may be freed right after) and
         return (the encoder of the blob's parts, an upper bound of the blob's size).
 
         Whole blocks for the lossless codecs: copying block-sized runs is faster than
         token-sized ones, and the last block's unused slots ride along. `mixed` gathers and
-        quantizes in one pass over exactly `num_tokens` tokens."""
+        quantizes in one pass over exactly the segment's tokens."""
+        num_tokens = segment.num_tokens
         num_blocks = blocks_needed(num_tokens, self.block_size)
-        record.bytes_raw = num_blocks * self.block_size * self.kv_cache.bytes_per_token
-        if codec == "mixed":
+        segment.nbytes_raw = self._raw_bytes(num_tokens)
+        if segment.codec == "mixed":
             from kernels.quantize_heads import gather_quantize_heads
 
             quantized = gather_quantize_heads(self.kv_cache.kv, block_ids[:num_blocks], num_tokens, self.plan)
@@ -174,19 +291,24 @@ class Saver(KVMover):
             mixed = self.codecs["mixed"]
             return (lambda: mixed.encode_quantized(quantized)), quantized.nbytes + _HEADER_SLACK
         kv = self.kv_cache.read_blocks(block_ids[:num_blocks])  # (L, 2, n, bs, H, D), a copy
-        return (lambda: self.codecs[codec].encode_parts(kv)), record.bytes_raw + _HEADER_SLACK
+        codec = self.codecs[segment.codec]
+        return (lambda: codec.encode_parts(kv)), segment.nbytes_raw + _HEADER_SLACK
 
-    def _store(self, make_parts: Callable[[], list], record: PreemptionRecord) -> SlotHandle | str:
+    def _store(self, make_parts: Callable[[], list], segment: _Segment) -> str | None:
         try:
-            handle = self.host_pool.store(make_parts())
+            segment.handle = self.host_pool.store(make_parts())
         except PreemptionHandlerOOM as err:
             return err.reason
-        record.bytes_stored = handle.nbytes
-        return handle
+        with self._pending_lock:
+            segment.nbytes_stored = segment.handle.nbytes
+            self.bytes_stored += segment.nbytes_stored
+            if segment.record is not None:
+                segment.record.bytes_stored += segment.nbytes_stored
+        return None
 
     def _store_async(
-        self, make_parts: Callable[[], list], bound: int, record: PreemptionRecord
-    ) -> Future | str:
+        self, make_parts: Callable[[], list], bound: int, segment: _Segment, worker: ThreadPoolExecutor
+    ) -> str | None:
         # Failures must be known now (the scheduler decides on them), so check before
         # queueing: `bound` bounds the blob (the packed or raw size plus header/zstd
         # framing), and every queued save holds the promise of one free slot.
@@ -199,24 +321,29 @@ class Saver(KVMover):
 
         def work() -> SlotHandle | None:
             try:
-                result = self._store(make_parts, record)
+                failure = self._store(make_parts, segment)
             finally:
                 with self._pending_lock:
                     self._num_pending -= 1
-                    self.bytes_stored += record.bytes_stored
-            return result if isinstance(result, SlotHandle) else None  # lost: restore recomputes
+            return None if failure else segment.handle  # lost: the restore recomputes
 
-        return self._worker.submit(work)
+        segment.handle = worker.submit(work)
+        return None
 
-    def _reserve_modelled(self, num_tokens: int, codec: str, record: PreemptionRecord) -> SlotHandle | str:
-        record.bytes_raw = num_tokens * self.cost_model.target.kv_bytes_per_token
-        ratio = 1 / self.mixed_ratio if codec == "mixed" else self.config.modelled_ratio[codec]
+    def _reserve_modelled(self, segment: _Segment) -> str | None:
+        segment.nbytes_raw = self._raw_bytes(segment.num_tokens)
+        ratio = (
+            1 / self.mixed_ratio if segment.codec == "mixed" else self.config.modelled_ratio[segment.codec]
+        )
         try:
-            handle = self.host_pool.reserve(int(record.bytes_raw / ratio))
+            segment.handle = self.host_pool.reserve(int(segment.nbytes_raw / ratio))
         except PreemptionHandlerOOM as err:
             return err.reason
-        record.bytes_stored = handle.nbytes
-        return handle
+        segment.nbytes_stored = segment.handle.nbytes
+        self.bytes_stored += segment.nbytes_stored
+        if segment.record is not None:
+            segment.record.bytes_stored += segment.nbytes_stored
+        return None
 
     def _model_save_time(self, num_tokens: int, codec: str, now: float) -> float:
         device_s, copy_bytes = self._modelled_device_side(num_tokens, codec)
@@ -245,18 +372,27 @@ class Saver(KVMover):
     def restore(self, request: Request, now: float, record: PreemptionRecord) -> bool:
         started = time.perf_counter()
         saved = self._saved.pop(id(request))
-        handle = saved.handle.result() if isinstance(saved.handle, Future) else saved.handle
-        ok = handle is not None and (self.kv_cache is None or self._load_into(request, handle, saved))
-        if handle is not None:
-            self.host_pool.free(handle)
+        handles = [_resolve(segment.handle) for segment in saved.segments]
+        ok = all(handle is not None for handle in handles) and (
+            self.kv_cache is None
+            or all(
+                self._load_segment(request, handle, segment)
+                for handle, segment in zip(handles, saved.segments, strict=True)
+            )
+        )
+        for handle in handles:
+            if handle is not None:
+                self.host_pool.free(handle)
         record.restored = ok
-        if ok and self.plan is not None and saved.codec == "mixed" and self.plan_is_lossy:
+        if ok and any(segment.codec == "mixed" for segment in saved.segments) and self.plan_is_lossy:
             record.warmup_tokens = min(self.config.warmup_tokens, saved.num_tokens)
         if self.is_virtual:
-            device_s, copy_bytes = self._modelled_device_side(saved.num_tokens, saved.codec)
-            start = max(now, saved.ready_at_s, self._h2d_free_at)
-            end = start + self._modelled_host_s(copy_bytes, saved.codec, self.config.codec_decode_mb_s)
-            end += self.cost_model.pcie_time_s(copy_bytes) + device_s
+            ready = max([now, *(segment.ready_at_s for segment in saved.segments)])
+            end = max(ready, self._h2d_free_at)
+            for segment in saved.segments:
+                device_s, copy_bytes = self._modelled_device_side(segment.num_tokens, segment.codec)
+                end += self._modelled_host_s(copy_bytes, segment.codec, self.config.codec_decode_mb_s)
+                end += self.cost_model.pcie_time_s(copy_bytes) + device_s
             self._h2d_free_at = end
             self.restore_end_s = max(self.restore_end_s, end)
             record.restore_s = end - now
@@ -269,15 +405,16 @@ class Saver(KVMover):
     def plan_is_lossy(self) -> bool:
         return self.plan is not None and self.plan.num_fp16 < self.plan.num_layers * self.plan.num_kv_heads
 
-    def _load_into(self, request: Request, handle: SlotHandle, saved: _Saved) -> bool:
-        if saved.codec == "mixed":
-            return self._load_mixed(request, handle, saved)
+    def _load_segment(self, request: Request, handle: SlotHandle, segment: _Segment) -> bool:
+        block_ids = request.block_ids[segment.start // self.block_size :]
+        if segment.codec == "mixed":
+            return self._load_mixed(request, block_ids, handle, segment)
         kv_cache = self.kv_cache
         try:
-            kv = self.codecs[saved.codec].decode(self.host_pool.load(handle))  # (L, 2, n, bs, H, D)
+            kv = self.codecs[segment.codec].decode(self.host_pool.load(handle))  # (L, 2, n, bs, H, D)
         except CorruptBlobError:
             return False
-        num_blocks = blocks_needed(saved.num_tokens, self.block_size)
+        num_blocks = blocks_needed(segment.num_tokens, self.block_size)
         expected = (
             kv_cache.num_layers,
             2,
@@ -288,10 +425,12 @@ class Saver(KVMover):
         )
         if tuple(kv.shape) != expected or kv.dtype != kv_cache.dtype:
             return False  # a valid blob, but not this request's KV
-        kv_cache.write_blocks(request.block_ids[:num_blocks], kv)
+        kv_cache.write_blocks(block_ids[:num_blocks], kv)
         return True
 
-    def _load_mixed(self, request: Request, handle: SlotHandle, saved: _Saved) -> bool:
+    def _load_mixed(
+        self, request: Request, block_ids: list[int], handle: SlotHandle, segment: _Segment
+    ) -> bool:
         from kernels.restore_blocks import restore_blocks
 
         kv_cache = self.kv_cache
@@ -300,33 +439,60 @@ class Saver(KVMover):
         except CorruptBlobError:
             return False
         if (
-            quantized.num_tokens != saved.num_tokens
+            quantized.num_tokens != segment.num_tokens
             or quantized.dtype != kv_cache.dtype
             or quantized.head_dim != kv_cache.head_dim
             or (quantized.plan.num_layers, quantized.plan.num_kv_heads)
             != (kv_cache.num_layers, kv_cache.num_kv_heads)
         ):
             return False  # a valid blob, but not this request's KV
-        num_blocks = blocks_needed(saved.num_tokens, self.block_size)
+        num_blocks = blocks_needed(segment.num_tokens, self.block_size)
         device = kv_cache.kv.device
-        dropped = restore_blocks(quantized.to(device), kv_cache.kv, request.block_ids[:num_blocks])
+        dropped = restore_blocks(quantized.to(device), kv_cache.kv, block_ids[:num_blocks])
         dropped = dropped.cpu().numpy()
         if dropped.any():  # masked for the rest of the request's life, also across later restores
             previous = request.dropped_heads
             request.dropped_heads = dropped if previous is None else np.logical_or(previous, dropped)
         return True
 
+    # ----------------------------------------------------------------- cleanup
     def discard(self, request: Request) -> None:
+        """Drop every host copy of an aborted request (saved or early)."""
         saved = self._saved.pop(id(request), None)
-        if saved is None:
-            return
-        handle = saved.handle.result() if isinstance(saved.handle, Future) else saved.handle
-        if handle is not None:
-            self.host_pool.free(handle)
+        if saved is not None:
+            self._free_segments(saved.segments, wasted=False)
+        self.discard_early(request)
+
+    def _free_segments(self, segments: list[_Segment], wasted: bool) -> None:
+        for segment in segments:
+            handle = _resolve(segment.handle)
+            if handle is not None:
+                self.host_pool.free(handle)
+            if segment.speculative:
+                self.speculative_bytes -= segment.nbytes_raw
+                if wasted:
+                    self.early_bytes_wasted += segment.nbytes_raw
+                segment.speculative = False
+
+    def stats(self) -> dict[str, int | float]:
+        return {
+            "kv_saved_bytes_raw": self.bytes_raw,
+            "kv_saved_bytes_stored": self.bytes_stored,
+            "host_pool_peak_bytes": self.host_pool.peak_bytes_used,
+            "num_early_saves": self.num_early_saves,
+            "early_bytes_raw": self.early_bytes_raw,
+            "early_bytes_used": self.early_bytes_used,
+            "early_bytes_wasted": self.early_bytes_wasted,
+        }
 
     def close(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
+        for worker in (self._worker, self._early_worker):
+            if worker is not None:
+                worker.shutdown(wait=True)
+
+
+def _resolve(handle: SlotHandle | Future | None) -> SlotHandle | None:
+    return handle.result() if isinstance(handle, Future) else handle
 
 
 # Header and zstd framing above the payload: the header is 36 + 8 * ndim bytes, zstd adds

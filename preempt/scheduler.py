@@ -65,7 +65,8 @@ class PreemptionRecord:
     # preempted and is now PREEMPTION_FAILED: protected from later preemptions.
     failure: str | None = None
     codec: str | None = None
-    bytes_raw: int = 0  # filled by the KVMover on a save
+    bytes_raw: int = 0  # filled by the KVMover on a save: bytes copied at the preemption
+    bytes_early: int = 0  # bytes an early save had already copied (not copied again)
     bytes_stored: int = 0
     save_s: float = 0.0
     restore_s: float = 0.0

@@ -35,11 +35,12 @@ def _workload(seed: int = 0):
     return background + vips
 
 
-def _run(mode: str, *, num_blocks: int = 256, policy: str = "priority_score", **preemption):
+def _run(mode: str, *, num_blocks: int = 256, policy: str = "priority_score", early=None, **preemption):
     config = small_config(
         cache={"num_blocks": num_blocks},
         scheduler={"max_num_seqs": 4, "policy": policy},
         preemption={"mode": mode, **AGGRESSIVE, **preemption},
+        early_save=early or {},
     )
     engine = Engine(config)
     requests = _workload()
@@ -199,7 +200,7 @@ def test_corrupted_blob_falls_back_to_recompute(preemption, unpreempted):
     def corrupting_save(request, codec, now, record):
         failure = original_save(request, codec, now, record)
         if failure is None:
-            handle = saver._saved[id(request)].handle
+            handle = saver._saved[id(request)].segments[-1].handle
             saver.host_pool.load_tensor(handle)[-1] ^= 0xFF  # flip the payload's last byte
         return failure
 

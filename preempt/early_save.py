@@ -1,0 +1,179 @@
+"""Early (speculative) KV saves: whom to copy to the host before a preemption happens.
+
+Owns: the policies, chosen by name (`early_save.policy`), and `EarlySaver`, the engine
+hook that after every step that ran something asks the policy which running requests to
+save early and hands them to the saver (which acts: snapshots their full blocks in the
+background; a later preemption then copies only the blocks written since, a finish
+discards the copy). Deciding code: plain Python and numpy; only the `lstm` policy's
+predictor holds tensors.
+
+Policies (each returns the running requests to save now; the saver skips those with no
+new full block, and refuses beyond its speculation budget and in-flight bound):
+- `always`: every running request (write-through, as SGLang's HiCache backs up KV).
+- `rule`: the scheduler's own next victim: among requests whose time slice is used up,
+  the one with the lowest SPEC priority score (the `rule` baseline of predictor/), when
+  a waiting request outranks it or free KV runs low.
+- `lstm`: the trained predictor (`predictor.online.OnlinePredictor`): one LSTM step per
+  engine step over all running requests in one batch, carrying each request's state;
+  saves where p >= threshold.
+- `oracle`: knows the future from a reference run of the same config without early
+  saves (its preemptions.parquet): saves a request `horizon_ms` before its next
+  preemption there. An upper bound, not a predictor (early saves shift the timeline a
+  little, so it is close to, not exactly, perfect).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from preempt.config import EarlySaveConfig, PreemptionConfig
+from preempt.features import FEATURE_NAMES, compute_features
+from preempt.request import Request
+
+if TYPE_CHECKING:
+    from preempt.engine import Engine, StepOutput
+
+# The rule fires when free KV falls under this share (a memory preemption is near).
+_RULE_FREE_KV = 0.05
+
+
+class EarlySavePolicy(ABC):
+    """Picks running requests to save early. `features` is (R, 8) in FEATURE_NAMES order
+    for `running`, computed once per step by the hook."""
+
+    needs_features = True
+
+    @abstractmethod
+    def select(
+        self, running: Sequence[Request], features: np.ndarray | None, now: float
+    ) -> list[Request]: ...
+
+    def forget(self, requests: Sequence[Request]) -> None:  # noqa: B027 (optional hook)
+        """These requests left the batch for good (finished or aborted)."""
+
+
+class AlwaysPolicy(EarlySavePolicy):
+    needs_features = False
+
+    def select(self, running: Sequence[Request], features: np.ndarray | None, now: float) -> list[Request]:
+        return list(running)
+
+
+class RulePolicy(EarlySavePolicy):
+    def select(self, running: Sequence[Request], features: np.ndarray, now: float) -> list[Request]:
+        column = {name: i for i, name in enumerate(FEATURE_NAMES)}
+        candidates = np.flatnonzero(features[:, column["slice_usage"]] >= 1.0)
+        if candidates.size == 0:
+            return []
+        victim = int(candidates[np.argmin(features[candidates, column["score_rank"]])])
+        pressed = features[victim, column["queue_pressure"]] > 0
+        low_memory = features[victim, column["free_kv_fraction"]] < _RULE_FREE_KV
+        return [running[victim]] if pressed or low_memory else []
+
+
+class LSTMPolicy(EarlySavePolicy):
+    def __init__(self, checkpoint: str, threshold: float | None) -> None:
+        from predictor.online import OnlinePredictor  # torch, only when asked for
+
+        self.predictor = OnlinePredictor.from_checkpoint(checkpoint, threshold=threshold)
+        self.last_probs: np.ndarray = np.zeros(0, dtype=np.float32)
+
+    def select(self, running: Sequence[Request], features: np.ndarray, now: float) -> list[Request]:
+        probs = self.predictor.step([r.request_id for r in running], features)
+        self.last_probs = probs
+        return [r for r, p in zip(running, probs, strict=True) if p >= self.predictor.threshold]
+
+    def forget(self, requests: Sequence[Request]) -> None:
+        self.predictor.forget(r.request_id for r in requests)
+
+
+class OraclePolicy(EarlySavePolicy):
+    needs_features = False
+
+    def __init__(self, oracle_log: str, horizon_ms: float) -> None:
+        self.events = load_preemption_times(oracle_log)
+        self.horizon_s = horizon_ms / 1000.0
+
+    def select(self, running: Sequence[Request], features: np.ndarray | None, now: float) -> list[Request]:
+        chosen = []
+        for request in running:
+            times = self.events.get(request.request_id)
+            if times is None:
+                continue
+            i = int(np.searchsorted(times, now, side="left"))
+            if i < len(times) and times[i] - now <= self.horizon_s:
+                chosen.append(request)
+        return chosen
+
+
+def load_preemption_times(path: str) -> dict[int, np.ndarray]:
+    """request_id -> sorted times it was taken out of the batch, from a preemptions.parquet
+    (the same events the predictor's labels use: preempt.features.preemption_events)."""
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path, columns=["time_s", "request_id", "reason", "action"]).to_pydict()
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"config key 'early_save.oracle_log': cannot read {path}: {exc}") from None
+    events: dict[int, list[float]] = {}
+    for time_s, request_id, reason, action in zip(
+        table["time_s"], table["request_id"], table["reason"], table["action"], strict=True
+    ):
+        if action != "none" and reason != "reclaim":
+            events.setdefault(request_id, []).append(time_s)
+    return {rid: np.sort(np.asarray(times)) for rid, times in events.items()}
+
+
+def make_policy(config: EarlySaveConfig) -> EarlySavePolicy | None:
+    """The policy of `early_save.policy`; None for `none`."""
+    if config.policy == "none":
+        return None
+    if config.policy == "always":
+        return AlwaysPolicy()
+    if config.policy == "rule":
+        return RulePolicy()
+    if config.policy == "lstm":
+        return LSTMPolicy(config.checkpoint, config.threshold)
+    return OraclePolicy(config.oracle_log, config.horizon_ms)
+
+
+class EarlySaver:
+    """`hook(engine, output)` after each engine step: forget finished requests (their
+    early copies were wasted), then save early whom the policy picks."""
+
+    def __init__(self, policy: EarlySavePolicy, preemption: PreemptionConfig) -> None:
+        self.policy = policy
+        self.preemption = preemption
+        self.num_selected = 0  # picks, including those the saver skipped (nothing new, budget)
+
+    def __call__(self, engine: Engine, output: StepOutput) -> None:
+        saver = engine.saver
+        if output.finished:
+            self.policy.forget(output.finished)
+            for request in output.finished:
+                saver.discard_early(request)
+        running = engine.scheduler.running
+        if not output.scheduled.chunks or not running:
+            return
+        now = engine.clock.now()
+        features = None
+        if self.policy.needs_features:
+            features = compute_features(
+                running,
+                engine.scheduler.waiting_requests(),
+                now,
+                engine.block_pool.num_free,
+                engine.block_pool.num_blocks,
+                self.preemption,
+            )
+        chosen = self.policy.select(running, features, now)
+        self.num_selected += len(chosen)
+        for request in chosen:
+            saver.early_save(request, now)
+
+    def stats(self) -> dict[str, Any]:
+        return {"early_save_selected": self.num_selected}
