@@ -216,4 +216,4 @@ def create_model_runner(config: EngineConfig, num_blocks: int, block_size: int) 
         return TinyModelRunner(config, num_blocks, block_size)
     if backend == "null":
         return NullModelRunner(config, num_blocks, block_size)
-    raise ValueError(f"config key 'model.backend': unknown backend '{backend}'; valid: tiny, null")
+    raise ValueError(f"config key 'model.backend': unknown backend '{backend}'; valid: tiny, null, hf")

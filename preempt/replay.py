@@ -28,8 +28,8 @@ def replay(
     """Run `config`'s workload and write the run's files; `on_step(engine, output)`, if
     given, sees every step (e.g. `preempt collect`'s feature logger)."""
     started = time.perf_counter()
-    requests = build_workload(config.workload, seed=config.seed)
     engine = Engine(config)
+    requests = build_workload(config.workload, seed=config.seed, vocab_size=engine.runner.vocab_size)
 
     bar = None
     if progress:
