@@ -208,13 +208,114 @@ def cmd_eval_predictor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lm_train_config(args: argparse.Namespace) -> Any:
+    from preempt.lm.train import LMTrainConfig  # torch, not Lightning
+
+    arch = {
+        name: getattr(args, flag)
+        for flag, name in (
+            ("layers", "num_layers"),
+            ("hidden", "hidden_size"),
+            ("heads", "num_heads"),
+            ("kv_heads", "num_kv_heads"),
+            ("head_dim", "head_dim"),
+            ("intermediate", "intermediate_size"),
+        )
+        if getattr(args, flag) is not None
+    }
+    given = {
+        name: getattr(args, name)
+        for name in (
+            "preset",
+            "seq_len",
+            "batch_size",
+            "max_steps",
+            "max_minutes",
+            "lr",
+            "seed",
+            "num_threads",
+        )
+        if getattr(args, name) is not None
+    }
+    return LMTrainConfig(**given, arch=arch, wandb=args.wandb, progress=not args.no_progress)
+
+
+def cmd_lm_train(args: argparse.Namespace) -> int:
+    from preempt.lm.train import LM_FILE, train_lm
+
+    try:
+        config = _lm_train_config(args)
+    except ValueError as err:
+        print(f"preempt: error: {err}", file=sys.stderr)
+        return 2
+    metrics = train_lm(args.out, config, force=args.force)
+    if metrics["cached"]:
+        print(
+            f"cached: {args.out / LM_FILE} already holds this config (key {config.key()}); --force retrains"
+        )
+    keys = (
+        "test_bpb",
+        "val_bpb",
+        "steps",
+        "completed",
+        "tokens_seen",
+        "train_wall_s",
+        "num_params",
+        "cached",
+    )
+    print(json.dumps({k: metrics.get(k) for k in keys}, indent=2))
+    if not metrics["cached"]:
+        print(f"wrote {args.out / LM_FILE} and {args.out / 'metrics.json'}")
+    return 0
+
+
+def cmd_importance(args: argparse.Namespace) -> int:
+    import torch
+
+    from preempt.importance import ImportanceConfig, run_importance, scores_path
+    from preempt.model.checkpoint import read_tiny_lm
+
+    given = {
+        name: getattr(args, name)
+        for name in ("fp8_share", "drop_share", "calib_bytes", "eval_bytes", "seq_len", "seed", "num_random")
+        if getattr(args, name) is not None
+    }
+    try:
+        config = ImportanceConfig(**given)
+        read_tiny_lm(args.model)
+    except ValueError as err:
+        print(f"preempt: error: {err}", file=sys.stderr)
+        return 2
+    if args.out.is_dir():
+        print(f"preempt: error: --out: {args.out} is a directory; give the plan's file name", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.num_threads)
+    report = run_importance(args.model, args.out, config)
+    masking = report["masking"]
+    summary = {
+        "plan": report["plan_layers"],
+        "kv_head_scores": [[round(x, 4) for x in row] for row in report["kv_head_scores"]],
+        "masking_bpb": {k: masking[k]["bpb"] for k in ("none", "least", "random", "most")},
+        "random_bpb_std": masking["random"]["bpb_std"],
+        "num_masked": masking["num_masked"],
+        "least_below_random": masking["least_below_random"],
+        "random_below_most": masking["random_below_most"],
+        "corpus_matches_training": report["corpus"]["matches_training"],
+    }
+    print(json.dumps(summary))
+    print(f"wrote {args.out} and {scores_path(args.out)}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from preempt.bench import BENCHMARKS
 
     options = {key: getattr(args, key) for key in ("model", "plan") if getattr(args, key) is not None}
-    if options and args.name != "codec":
-        print(f"preempt: error: --{next(iter(options))} applies to `bench codec` only", file=sys.stderr)
-        return 2
+    takes = {"codec": {"model", "plan"}, "early": {"model"}}.get(args.name, set())
+    for key in options:
+        if key not in takes:
+            print(f"preempt: error: --{key} does not apply to `bench {args.name}`", file=sys.stderr)
+            return 2
     for key, value in options.items():
         if not Path(value).is_file():
             print(f"preempt: error: --{key}: no such file: {value}", file=sys.stderr)
@@ -281,6 +382,57 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--num-threads", type=_positive_int, default=1, help="torch threads (default 1)")
     evaluate.set_defaults(func=cmd_eval_predictor)
 
+    lm = sub.add_parser("lm", help="the reference LM (tiny model trained on Python's stdlib)")
+    lm_sub = lm.add_subparsers(dest="lm_command", required=True, parser_class=_Parser)
+    lm_train = lm_sub.add_parser("train", help="train it (Lightning); cached when DIR/lm.pt has this config")
+    lm_train.add_argument(
+        "--out", type=Path, default=Path("runs/lm"), help="writes lm.pt, metrics.json (runs/lm)"
+    )
+    # Defaults (None here) live in preempt.lm.train.LMTrainConfig; the help repeats them.
+    lm_train.add_argument("--preset", help="architecture: lm-4l (default), tiny-2l, small-4l")
+    lm_train.add_argument("--layers", type=_positive_int, help="override the preset's num_layers")
+    lm_train.add_argument("--hidden", type=_positive_int, help="override hidden_size")
+    lm_train.add_argument("--heads", type=_positive_int, help="override num_heads (query heads)")
+    lm_train.add_argument("--kv-heads", type=_positive_int, help="override num_kv_heads")
+    lm_train.add_argument("--head-dim", type=_positive_int, help="override head_dim")
+    lm_train.add_argument("--intermediate", type=_positive_int, help="override intermediate_size")
+    lm_train.add_argument("--seq-len", type=_positive_int, help="bytes per training window (256)")
+    lm_train.add_argument("--batch-size", type=_positive_int, help="windows per step (16)")
+    lm_train.add_argument("--max-steps", type=_positive_int, help="optimizer steps (500)")
+    lm_train.add_argument("--max-minutes", type=float, help="wall-clock cap (15)")
+    lm_train.add_argument("--lr", type=float, help="peak AdamW learning rate (3e-3)")
+    lm_train.add_argument("--seed", type=int, help="seeds the weights and the windows (0)")
+    lm_train.add_argument(
+        "--wandb",
+        choices=("online", "offline", "disabled"),
+        help="default: online if WANDB_API_KEY is set, else offline (never blocks on the network)",
+    )
+    lm_train.add_argument("--num-threads", type=_positive_int, help="torch threads (default: torch's)")
+    lm_train.add_argument("--force", action="store_true", help="retrain even when cached")
+    lm_train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    lm_train.set_defaults(func=cmd_lm_train)
+
+    importance = sub.add_parser(
+        "importance", help="gradient head importance (Michel et al. 2019) -> a mixed-precision head plan"
+    )
+    importance.add_argument("--model", type=Path, required=True, help="lm.pt from `preempt lm train`")
+    importance.add_argument(
+        "--out", type=Path, required=True, help="plan JSON; scores go to <stem>.scores.json beside it"
+    )
+    importance.add_argument("--fp8-share", type=float, help="share of KV heads saved FP8 (0.5)")
+    importance.add_argument("--drop-share", type=float, help="share of KV heads dropped (0.1)")
+    importance.add_argument("--calib-bytes", type=_positive_int, help="validation bytes scored (65536)")
+    importance.add_argument(
+        "--eval-bytes", type=_positive_int, help="test bytes of the masking check (65536)"
+    )
+    importance.add_argument(
+        "--seq-len", type=_positive_int, help="window bytes (default: the model's training)"
+    )
+    importance.add_argument("--seed", type=int, help="calibration windows and random masks (0)")
+    importance.add_argument("--num-random", type=_positive_int, help="random masks averaged (8)")
+    importance.add_argument("--num-threads", type=_positive_int, default=1, help="torch threads (default 1)")
+    importance.set_defaults(func=cmd_importance)
+
     from preempt.server import add_serve_arguments, cmd_serve  # fastapi, uvicorn: ~0.4 s
 
     serve = sub.add_parser("serve", help="HTTP server (OpenAI-compatible), engine on the wall clock")
@@ -291,7 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("--json", action="store_true", help="compact JSON on one line")
     bench.add_argument("--quick", action="store_true", help="smaller sizes (seconds, for smoke checks)")
-    bench.add_argument("--model", help="codec: a trained tiny LM checkpoint (preempt lm train writes lm.pt)")
+    bench.add_argument(
+        "--model", help="codec: a trained tiny LM (lm.pt); early: a predictor checkpoint for the lstm policy"
+    )
     bench.add_argument("--plan", help="codec: a head plan file (preempt importance writes one)")
     bench.set_defaults(func=cmd_bench)
     return parser

@@ -35,10 +35,17 @@ def _codec(quick: bool, model: str | None = None, plan: str | None = None) -> di
     return bench_codec(quick, model=model, plan=plan)
 
 
+def _early(quick: bool, model: str | None = None) -> dict[str, Any]:
+    from preempt.bench.early import bench_early
+
+    return bench_early(quick, model=model)
+
+
 BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "engine": _engine,
     "save": _save,
     "serve": _serve,
     "codec": _codec,
+    "early": _early,
 }
 """name -> fn(quick, **options); options (`--model`, `--plan`) only for those that take them."""

@@ -1,0 +1,157 @@
+"""`preempt bench predictor`: the online predictor's cost per engine step (issue #6).
+
+Protocol: a `null`-backend engine holds 256 decoding requests and 2,000 waiting ones (the
+state of `preempt bench engine`'s scheduler overhead). Each timed iteration runs one
+engine step, then computes the running requests' features (preempt.features) and runs
+`OnlinePredictor.step` on them, with torch on one thread; all three are timed in the same
+iteration, so load from other processes hits the baseline and the predictor alike.
+Reported: medians over the iterations, the predictor's step as a fraction of the engine
+step (target <= 5%), the same with the feature computation included, the first step of
+256 new requests (slot allocation), and the step alone at other batch sizes.
+
+The predictor has random weights: its cost does not depend on their values, and the
+benchmark must not need a trained checkpoint.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from predictor.online import HIDDEN_SIZE, NUM_FEATURES, OnlinePredictor
+from preempt.config import build_config
+from preempt.engine import Engine
+from preempt.features import compute_features
+from preempt.request import Request
+
+TARGET_FRACTION = 0.05
+
+
+def random_predictor(seed: int = 0) -> OnlinePredictor:
+    """An OnlinePredictor with freshly initialised weights (the SPEC's shapes)."""
+    generator = torch.Generator().manual_seed(seed)
+    lstm = torch.nn.LSTM(NUM_FEATURES, HIDDEN_SIZE)
+    head = torch.nn.Linear(HIDDEN_SIZE, 1)
+    state = {
+        f"lstm.{k}": torch.randn(v.shape, generator=generator) * 0.1 for k, v in lstm.state_dict().items()
+    }
+    state |= {
+        f"head.{k}": torch.randn(v.shape, generator=generator) * 0.1 for k, v in head.state_dict().items()
+    }
+    state["feature_mean"] = torch.zeros(NUM_FEATURES)
+    state["feature_std"] = torch.ones(NUM_FEATURES)
+    return OnlinePredictor(state, threshold=0.5)
+
+
+def _decoding_engine(num_running: int, num_waiting: int) -> Engine:
+    config = build_config(
+        {
+            "model": {"backend": "null"},
+            "scheduler": {"max_num_seqs": num_running, "max_num_batched_tokens": 8192},
+        }
+    )
+    engine = Engine(config)
+    rng = np.random.default_rng(0)
+    for index in range(num_running + num_waiting):
+        engine.add_request(
+            Request(
+                request_id=index,
+                arrival_s=0.0,
+                prompt_token_ids=rng.integers(32, 127, size=int(rng.integers(64, 1024)), dtype=np.int32),
+                max_tokens=10_000,
+                target_output_tokens=10_000,
+            )
+        )
+    while len(engine.scheduler.running) < num_running or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    ):
+        engine.step()  # admit and prefill until every running request decodes
+    return engine
+
+
+def _features(engine: Engine) -> np.ndarray:
+    scheduler = engine.scheduler
+    return compute_features(
+        scheduler.running,
+        scheduler.waiting_requests(),
+        engine.clock.now(),
+        engine.block_pool.num_free,
+        engine.block_pool.num_blocks,
+        engine.config.preemption,
+    )
+
+
+def _median_us(samples: list[float]) -> float:
+    return round(1e6 * statistics.median(samples), 2)
+
+
+def _step_alone(predictor: OnlinePredictor, num: int, reps: int) -> float:
+    ids = list(range(10_000_000, 10_000_000 + num))
+    features = np.random.default_rng(num).random((num, NUM_FEATURES), dtype=np.float32)
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        predictor.step(ids, features)
+        times.append(time.perf_counter() - started)
+    predictor.forget(ids)
+    return _median_us(times[reps // 5 :])  # the first calls allocate slots
+
+
+def bench_predictor(quick: bool = False) -> dict[str, Any]:
+    num_running, num_waiting = 256, 2000
+    num_steps = 40 if quick else 400
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = _decoding_engine(num_running, num_waiting)
+        predictor = random_predictor()
+        step_s, features_s, predictor_s = [], [], []
+        for index in range(num_steps + 20):
+            started = time.perf_counter()
+            engine.step()
+            stepped = time.perf_counter()
+            features = _features(engine)
+            ids = [r.request_id for r in engine.scheduler.running]
+            featured = time.perf_counter()
+            probs = predictor.step(ids, features)
+            done = time.perf_counter()
+            if index >= 20:  # warm-up: allocation, caches, the allocator's first sizes
+                step_s.append(stepped - started)
+                features_s.append(featured - stepped)
+                predictor_s.append(done - featured)
+        assert len(engine.scheduler.running) == num_running and len(probs) == num_running
+        cold_s = []
+        for _ in range(5 if quick else 20):
+            predictor.reset()
+            started = time.perf_counter()
+            predictor.step(ids, features)
+            cold_s.append(time.perf_counter() - started)
+        step_us = _median_us(step_s)
+        predictor_us = _median_us(predictor_s)
+        features_us = _median_us(features_s)
+        return {
+            "bench": "predictor",
+            "num_running": num_running,
+            "num_waiting": num_waiting,
+            "num_steps": num_steps,
+            "torch_threads": 1,
+            "null_engine_step_us_median": step_us,
+            "predictor_step_us_median": predictor_us,
+            "features_us_median": features_us,
+            "predictor_fraction_of_step": round(predictor_us / step_us, 4),
+            "features_and_predictor_fraction_of_step": round((features_us + predictor_us) / step_us, 4),
+            "target_fraction": TARGET_FRACTION,
+            "meets_target": predictor_us / step_us <= TARGET_FRACTION,
+            "predictor_first_step_256_new_us_median": _median_us(cold_s),
+            "predictor_step_alone_us_median": {
+                str(num): _step_alone(predictor, num, 20 if quick else 200) for num in (16, 64, 256, 1024)
+            },
+            "pytorch_lightning_imported": "pytorch_lightning" in sys.modules,
+        }
+    finally:
+        torch.set_num_threads(threads)
