@@ -15,7 +15,6 @@ torch is imported only by the `tiny` runner, so the `null` backend starts withou
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -137,7 +136,7 @@ class TinyModelRunner(ModelRunner):
         distributions, not only samples)."""
         import torch
 
-        from preempt.model.attention import build_attention_metadata, head_gates_for
+        from preempt.model.attention import build_attention_metadata, with_masked_prefixes
 
         starts: list[int] = []
         num_new: list[int] = []
@@ -154,14 +153,10 @@ class TinyModelRunner(ModelRunner):
             self.block_size,
             kv_bytes_per_token_per_layer=self.kv_cache.bytes_per_token_per_layer,
         )
-        gates = head_gates_for(
-            [chunk.request.dropped_heads for chunk in chunks],
-            num_new,
-            self.model.cfg.num_heads,
-            self.model.dtype,
+        cfg = self.model.cfg
+        meta = with_masked_prefixes(
+            meta, [chunk.request.kv_masked_until for chunk in chunks], cfg.num_layers, cfg.num_kv_heads
         )
-        if gates is not None:
-            meta = dataclasses.replace(meta, head_gates=gates)
         with torch.inference_mode():
             input_ids = torch.tensor(token_ids, dtype=torch.int64)  # (T,)
             return self.model(input_ids, meta.positions, self.kv_cache.layers, meta)  # (B, V)

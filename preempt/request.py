@@ -61,9 +61,10 @@ class Request:
     preemption_failed: bool = False  # fallback taken: never preempted for priority again
     kv_location: KVLocation = None  # where a PREEMPTED request's KV is
     saved_kv: Any = None  # the saver's handle while kv_location == "host" (opaque here)
-    # (num_layers, num_kv_heads) bool, True = head dropped by a lossy restore: that head's
-    # output stays masked for the rest of the request's life (SPEC §9). None: no head dropped.
-    dropped_heads: Any = None
+    # (num_layers, num_kv_heads) int: a lossy restore dropped these heads' saved KV, so their
+    # keys below this position stay masked for the rest of the request's life (SPEC §9);
+    # 0 where nothing is masked. None: no head dropped.
+    kv_masked_until: Any = None
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:

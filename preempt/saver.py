@@ -18,7 +18,7 @@ Mixed precision (`swap_mixed`, SPEC §9). The save quantizes on the device, fuse
 the block gather (`kernels.quantize_heads`: Triton on CUDA, its torch reference on CPU),
 so only the packed bytes cross PCIe; the restore dequantizes into the new blocks
 (`kernels.restore_blocks`), marks the plan's dropped heads on the request (attention
-masks them for the rest of its life) and reports `warmup_tokens` for the scheduler to
+masks their restored prefix for the rest of its life) and reports `warmup_tokens` for the scheduler to
 recompute at full precision. Virtual time: one HBM pass (raw in, packed out), PCIe of the
 packed bytes (the target's KV times the plan's size ratio at 16 bits), host zstd only with
 `mixed_zstd`.
@@ -373,10 +373,11 @@ class Saver(KVMover):
         started = time.perf_counter()
         saved = self._saved.pop(id(request))
         handles = [_resolve(segment.handle) for segment in saved.segments]
+        dropped = None if self.kv_cache is None else np.zeros(self._heads_shape, dtype=bool)
         ok = all(handle is not None for handle in handles) and (
             self.kv_cache is None
             or all(
-                self._load_segment(request, handle, segment)
+                self._load_segment(request, handle, segment, dropped)
                 for handle, segment in zip(handles, saved.segments, strict=True)
             )
         )
@@ -386,6 +387,12 @@ class Saver(KVMover):
         record.restored = ok
         if ok and any(segment.codec == "mixed" for segment in saved.segments) and self.plan_is_lossy:
             record.warmup_tokens = min(self.config.warmup_tokens, saved.num_tokens)
+        if ok and dropped is not None and dropped.any():
+            # The dropped heads' restored keys are zeros: masked for the rest of the request,
+            # except the warm-up tokens, which are recomputed at full precision.
+            masked = np.where(dropped, saved.num_tokens - record.warmup_tokens, 0)
+            previous = request.kv_masked_until
+            request.kv_masked_until = masked if previous is None else np.maximum(previous, masked)
         if self.is_virtual:
             ready = max([now, *(segment.ready_at_s for segment in saved.segments)])
             end = max(ready, self._h2d_free_at)
@@ -405,10 +412,18 @@ class Saver(KVMover):
     def plan_is_lossy(self) -> bool:
         return self.plan is not None and self.plan.num_fp16 < self.plan.num_layers * self.plan.num_kv_heads
 
-    def _load_segment(self, request: Request, handle: SlotHandle, segment: _Segment) -> bool:
+    @property
+    def _heads_shape(self) -> tuple[int, int]:
+        return (self.kv_cache.num_layers, self.kv_cache.num_kv_heads)
+
+    def _load_segment(
+        self, request: Request, handle: SlotHandle, segment: _Segment, dropped: np.ndarray
+    ) -> bool:
+        """Write one segment into the request's blocks; `dropped` (L, H) collects the heads
+        a mixed segment did not store."""
         block_ids = request.block_ids[segment.start // self.block_size :]
         if segment.codec == "mixed":
-            return self._load_mixed(request, block_ids, handle, segment)
+            return self._load_mixed(block_ids, handle, segment, dropped)
         kv_cache = self.kv_cache
         try:
             kv = self.codecs[segment.codec].decode(self.host_pool.load(handle))  # (L, 2, n, bs, H, D)
@@ -429,7 +444,7 @@ class Saver(KVMover):
         return True
 
     def _load_mixed(
-        self, request: Request, block_ids: list[int], handle: SlotHandle, segment: _Segment
+        self, block_ids: list[int], handle: SlotHandle, segment: _Segment, dropped: np.ndarray
     ) -> bool:
         from kernels.restore_blocks import restore_blocks
 
@@ -448,11 +463,7 @@ class Saver(KVMover):
             return False  # a valid blob, but not this request's KV
         num_blocks = blocks_needed(segment.num_tokens, self.block_size)
         device = kv_cache.kv.device
-        dropped = restore_blocks(quantized.to(device), kv_cache.kv, block_ids[:num_blocks])
-        dropped = dropped.cpu().numpy()
-        if dropped.any():  # masked for the rest of the request's life, also across later restores
-            previous = request.dropped_heads
-            request.dropped_heads = dropped if previous is None else np.logical_or(previous, dropped)
+        dropped |= restore_blocks(quantized.to(device), kv_cache.kv, block_ids[:num_blocks]).cpu().numpy()
         return True
 
     # ----------------------------------------------------------------- cleanup

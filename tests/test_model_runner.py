@@ -90,26 +90,23 @@ def test_chunked_batched_greedy_matches_naive(block_size: int) -> None:
         assert request.output_token_ids == expected, request.request_id
 
 
-def test_dropped_heads_are_masked_like_zero_gates() -> None:
-    """A request whose KV heads were dropped by a lossy restore computes as the naive
-    model with those heads' gates at 0 (for every query head of the KV head's group),
-    batched and chunked next to requests with no dropped head."""
+def test_masked_prefixes_of_dropped_heads_match_the_naive_reference() -> None:
+    """A request whose KV heads a lossy restore dropped attends, in those heads, only to keys
+    from the masked position on: batched and chunked (decode groups and prefill chunks,
+    next to requests with no masked head) it computes what the naive model computes with
+    the same masked prefixes."""
     runner = TinyModelRunner(config(), 128, 4)
     cfg = runner.model.cfg
-    dropped = np.zeros((cfg.num_layers, cfg.num_kv_heads), dtype=bool)
-    dropped[0, 1] = dropped[1, 0] = True
-    requests = [make_request(i, n, 8) for i, n in enumerate([5, 13, 17])]
-    requests[1].dropped_heads = dropped
+    masked_until = np.zeros((cfg.num_layers, cfg.num_kv_heads), dtype=np.int64)
+    masked_until[0, 1], masked_until[1, 0] = 9, 14
+    requests = [make_request(i, n, 10) for i, n in enumerate([5, 13, 17])]
+    requests[1].kv_masked_until = masked_until
     drive(runner, requests, 4, 128, seed=3)
-    group = cfg.num_heads // cfg.num_kv_heads
-    gates = torch.from_numpy(np.repeat(~dropped, group, axis=1)).to(runner.model.dtype)
     for request in requests:
-        masked = request.dropped_heads is not None
-        expected = generate_naive(
-            runner.model, request.prompt_token_ids.tolist(), 8, gates if masked else None
-        )
+        masked = None if request.kv_masked_until is None else torch.from_numpy(masked_until)
+        expected = generate_naive(runner.model, request.prompt_token_ids.tolist(), 10, masked_until=masked)
         assert request.output_token_ids == expected, request.request_id
-    unmasked = generate_naive(runner.model, requests[1].prompt_token_ids.tolist(), 8)
+    unmasked = generate_naive(runner.model, requests[1].prompt_token_ids.tolist(), 10)
     assert requests[1].output_token_ids != unmasked  # the mask really changed the computation
 
 

@@ -215,7 +215,7 @@ def test_corrupted_blob_falls_back_to_recompute(preemption, unpreempted):
     assert saver.host_pool.num_used_slots == 0
 
 
-def test_lossy_mixed_mode_ends_every_request_and_masks_dropped_heads():
+def test_lossy_mixed_mode_ends_every_request_and_masks_dropped_prefixes():
     engine, requests = _run(
         "swap_mixed", head_plan="random", head_plan_fp8_share=0.5, head_plan_drop_share=0.25
     )
@@ -227,12 +227,16 @@ def test_lossy_mixed_mode_ends_every_request_and_masks_dropped_heads():
     assert all(r.bytes_stored < r.bytes_raw for r in saves)
     assert all(r.state is RequestState.FINISHED for r in requests)
     restored_ids = {r.request_id for r in saves}
+    dropped = plan.dropped_mask().numpy()
     for request in requests:
         if request.request_id in restored_ids:
-            assert request.dropped_heads is not None
-            assert (request.dropped_heads == plan.dropped_mask().numpy()).all()
+            masked = request.kv_masked_until
+            assert (masked[dropped] > 0).all() and (masked[~dropped] == 0).all()
+            # the last restore's tokens minus the warm-up, which is recomputed and visible
+            last = max(r.num_tokens for r in saves if r.request_id == request.request_id)
+            assert masked.max() <= last - 2
         else:
-            assert request.dropped_heads is None
+            assert request.kv_masked_until is None
     assert engine.block_pool.num_free == engine.block_pool.num_blocks
     assert engine.saver.host_pool.num_used_slots == 0
     engine.saver.host_pool.check()
@@ -282,7 +286,7 @@ def test_mixed_restore_dequantizes_into_new_blocks_and_asks_for_warmup():
     bound = fp8_head.abs() * 2**-4 + scale * 2**-10
     assert ((after[0, :, :, 1] - fp8_head).abs() <= bound).all()
     assert dequantize_fp8_ref is not None
-    assert request.dropped_heads.tolist() == [[False, False], [True, False]]
+    assert request.kv_masked_until.tolist() == [[0, 0], [num_tokens - 2, 0]]
     assert record.warmup_tokens == 2
     assert saver.host_pool.num_used_slots == 0
 

@@ -11,8 +11,9 @@ shares, and an importance plan when one is given), on real KV from the model:
   unpreempted run's, position by position, generating freely), `prefix_match` (tokens
   until the first difference / 64), and teacher-forced on the unpreempted continuation,
   `kl_mean` (mean KL(p_ref || p_restored) of next-token distributions, nats) and
-  `top1_agreement`. The restore follows the engine: dropped heads masked for the rest of
-  the request, the last `warmup_tokens` recomputed at full precision.
+  `top1_agreement`. The restore follows the engine: the restored prefix of dropped heads
+  masked for the rest of the request, the last `warmup_tokens` recomputed at full
+  precision (and visible to every head).
 - CPU speed: encode (quantize + pack) and decode (unpack + dequantize into blocks) MB/s
   of raw KV, against `torch.clone` of the same bytes in the same run.
 
@@ -177,8 +178,8 @@ def _restored(
     runner: TinyModelRunner, plan: HeadPlan, ref: dict[str, Any], warmup: int
 ) -> tuple[Request, torch.Tensor, float]:
     """The request preempted after sampling t0, restored through the mixed codec into
-    fresh blocks as the engine does (dropped heads masked, the last `warmup` saved tokens
-    recomputed with t0) -> (request, log-probs of t1, blob bytes / raw bytes)."""
+    fresh blocks as the engine does (dropped heads' restored prefix masked, the last
+    `warmup` saved tokens recomputed with t0) -> (request, log-probs of t1, blob bytes / raw bytes)."""
     prompt, kv = ref["prompt"], ref["kv"]
     codec = MixedCodec(plan)
     blob = codec.encode(kv)
@@ -186,9 +187,10 @@ def _restored(
     request = _request(prompt, ref["num_gen"])
     request.block_ids = _Blocks(runner.kv_cache.num_blocks).take(len(prompt) + ref["num_gen"] + 1)
     dropped = restore_blocks(quantized, runner.kv_cache.kv, request.block_ids).numpy()
-    request.dropped_heads = dropped if dropped.any() else None
     request.output_token_ids.append(ref["tokens"][0])
     request.num_computed_tokens = len(prompt) - min(warmup, len(prompt))
+    if dropped.any():  # as the saver does: the restored prefix of dropped heads stays masked
+        request.kv_masked_until = np.where(dropped, request.num_computed_tokens, 0)
     logprobs = _step(runner, request, request.num_tokens - request.num_computed_tokens)
     return request, logprobs, len(blob) / kv.nbytes
 

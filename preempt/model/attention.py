@@ -22,6 +22,7 @@ decode ~10x slower.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ class DecodeGroup:
     num_blocks: int  # blocks per sequence after padding
     max_seq_len: int  # keys read per sequence (the longest context in the group)
     attn_mask: torch.Tensor | None  # (n, 1, 1, max_seq_len) bool, True = attend; None = all
+    seq_indices: torch.Tensor | None = None  # (n,) the group's sequences (rows of masked_until)
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class PrefillChunk:
     seq_len: int  # context after this step, new tokens included
     block_ids: torch.Tensor  # (ceil(seq_len / bs),)
     attn_mask: torch.Tensor | None  # (n, seq_len) bool; None = plain causal (no cached prefix)
+    seq_index: int = 0  # the sequence (row of masked_until)
 
 
 @dataclass(frozen=True)
@@ -74,9 +77,10 @@ class AttentionMetadata:
     block_size: int
     decode_groups: tuple[DecodeGroup, ...]
     prefill_chunks: tuple[PrefillChunk, ...]
-    # (num_layers, T, Hq) gate per new token and query head, 0 where a lossy restore dropped
-    # the head's KV (`head_gates_for`); None when no sequence of the step has a dropped head.
-    head_gates: torch.Tensor | None = None
+    # (B, num_layers, Hkv) per sequence: keys at positions below this are masked for that KV
+    # head (and its query heads), where a lossy restore dropped the head's saved KV; None
+    # when no sequence of the step has a dropped head (`with_masked_prefixes`).
+    masked_until: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -156,6 +160,7 @@ def build_attention_metadata(
                 seq_len=seq_len,
                 block_ids=block_tables[i, : int(num_blocks_np[i])],
                 attn_mask=mask,
+                seq_index=i,
             )
         )
     return AttentionMetadata(
@@ -209,33 +214,34 @@ def _build_decode_groups(
                 num_blocks=group_blocks,
                 max_seq_len=max_len,
                 attn_mask=mask,
+                seq_indices=to_tensor(seqs),
             )
         )
         begin = end
     return groups
 
 
-def head_gates_for(
-    dropped_heads: Sequence[np.ndarray | None],
-    num_new_tokens: Sequence[int],
-    num_heads: int,
-    dtype: torch.dtype,
-) -> torch.Tensor | None:
-    """Per-token head gates (L, T, Hq) from each sequence's dropped KV heads (L, Hkv) bool or
-    None; None if no sequence has one (the common case costs nothing). A dropped KV head
-    masks all query heads of its group, as in Michel et al.'s gates with xi_h = 0."""
-    present = [d for d in dropped_heads if d is not None]
-    if not present:
-        return None
-    num_layers, num_kv_heads = np.asarray(present[0]).shape
-    group = num_heads // num_kv_heads
-    rows = []
-    for dropped, n in zip(dropped_heads, num_new_tokens, strict=True):
-        keep = (
-            np.ones((num_layers, num_heads)) if dropped is None else np.repeat(~np.asarray(dropped), group, 1)
-        )
-        rows.append(np.broadcast_to(keep[:, None, :], (num_layers, n, num_heads)))
-    return torch.from_numpy(np.concatenate(rows, axis=1)).to(dtype)
+def with_masked_prefixes(
+    meta: AttentionMetadata, masked_until: Sequence[np.ndarray | None], num_layers: int, num_kv_heads: int
+) -> AttentionMetadata:
+    """`meta` with each sequence's masked prefixes ((L, Hkv) int positions, or None for
+    none); unchanged when no sequence has one (the common case costs nothing)."""
+    if all(m is None for m in masked_until):
+        return meta
+    table = np.zeros((len(masked_until), num_layers, num_kv_heads), dtype=np.int64)
+    for i, m in enumerate(masked_until):
+        if m is not None:
+            table[i] = m
+    return dataclasses.replace(meta, masked_until=torch.from_numpy(table).to(meta.seq_lens.device))
+
+
+def _prefix_visible(masked_until: torch.Tensor, key_pos: torch.Tensor, query_pos: torch.Tensor, group: int):
+    """(..., Hkv) masked positions, (K,) key and (..., Q) query positions -> (..., Hq, Q, K)
+    bool, True = attend: keys below a head's masked position are hidden from queries at or
+    past it. (A query before it never runs after a restore; it sees all keys rather than
+    none, so a softmax can never be empty.)"""
+    mu = masked_until.repeat_interleave(group, dim=-1)[..., :, None, None]  # (..., Hq, 1, 1)
+    return (key_pos >= mu) | (query_pos[..., None, :, None] < mu)
 
 
 def write_kv(
@@ -257,14 +263,19 @@ def paged_attention(
     v_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D)
     meta: AttentionMetadata,
     scale: float,
+    layer: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached keys -> (T, Hq, D).
 
     Reads K/V only from the cache, through the block tables: `write_kv` must have stored
-    this step's tokens first. A query at absolute position p sees keys at positions <= p.
+    this step's tokens first. A query at absolute position p sees keys at positions <= p,
+    except the masked prefixes of heads a lossy restore dropped (`meta.masked_until`,
+    row `layer`).
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group_size = num_heads // num_kv_heads
+    masked = None if meta.masked_until is None else meta.masked_until[:, layer]  # (B, Hkv)
     out = q.new_empty(num_tokens, num_heads, head_dim)  # (T, Hq, D); every row written below
     for group in meta.decode_groups:
         n = group.token_indices.shape[0]
@@ -275,8 +286,14 @@ def paged_attention(
         k = k[:, : group.max_seq_len].transpose(1, 2)
         v = v[:, : group.max_seq_len].transpose(1, 2)
         q_dec = q.index_select(0, group.token_indices).unsqueeze(2)  # (n, Hq, 1, D)
+        attn_mask = group.attn_mask
+        if masked is not None and bool(masked[group.seq_indices].any()):
+            key_pos = torch.arange(group.max_seq_len, device=q.device)
+            query_pos = meta.seq_lens[group.seq_indices][:, None] - 1  # (n, 1)
+            visible = _prefix_visible(masked[group.seq_indices], key_pos, query_pos, group_size)
+            attn_mask = visible if attn_mask is None else visible & attn_mask  # (n, Hq, 1, L)
         o = F.scaled_dot_product_attention(
-            q_dec, k, v, attn_mask=group.attn_mask, scale=scale, enable_gqa=True
+            q_dec, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=True
         )  # (n, Hq, 1, D)
         out.index_copy_(0, group.token_indices, o.squeeze(2))
     for chunk in meta.prefill_chunks:
@@ -286,12 +303,21 @@ def paged_attention(
         k = k[: chunk.seq_len].transpose(0, 1).unsqueeze(0)  # (1, Hkv, S, D)
         v = v[: chunk.seq_len].transpose(0, 1).unsqueeze(0)  # (1, Hkv, S, D)
         q_pre = q[chunk.token_start : chunk.token_end].transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
+        attn_mask = chunk.attn_mask
+        if masked is not None and bool(masked[chunk.seq_index].any()):
+            n = chunk.token_end - chunk.token_start
+            key_pos = torch.arange(chunk.seq_len, device=q.device)
+            query_pos = key_pos[chunk.seq_len - n :]  # (n,)
+            causal = key_pos[None, :] <= query_pos[:, None]  # (n, S)
+            attn_mask = (_prefix_visible(masked[chunk.seq_index], key_pos, query_pos, group_size) & causal)[
+                None
+            ]
         o = F.scaled_dot_product_attention(
             q_pre,
             k,
             v,
-            attn_mask=chunk.attn_mask,
-            is_causal=chunk.attn_mask is None,
+            attn_mask=attn_mask,
+            is_causal=attn_mask is None,
             scale=scale,
             enable_gqa=True,
         )  # (1, Hq, n, D)

@@ -219,7 +219,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: TinyConfig, dtype: torch.dtype, layer_idx: int = 0) -> None:
         super().__init__()
-        self.layer_idx = layer_idx  # selects this layer's row of `meta.head_gates`
+        self.layer_idx = layer_idx  # selects this layer's masked prefixes in the metadata
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, dtype, cfg.attention_bias)
@@ -245,17 +245,21 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self._qkv(x, cos, sin)
         write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
-        if meta.head_gates is not None:  # heads dropped by a lossy restore stay masked
-            out = out * meta.head_gates[self.layer_idx].unsqueeze(-1)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.layer_idx)  # (T, Hq, D)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
     def forward_naive(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, gates: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        gates: torch.Tensor | None = None,
+        masked_until: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Dense causal attention written out by hand: an implementation independent of SDPA
         and of the cache, so comparing against it tests both. `gates` (Hq,) multiply each
-        query head's output before o_proj (Michel et al.'s xi; differentiable)."""
+        query head's output before o_proj (Michel et al.'s xi; differentiable).
+        `masked_until` (Hkv,): a dropped head's masked prefix, as in `paged_attention`."""
         q, k, v = self._qkv(x, cos, sin)
         group = self.num_heads // self.num_kv_heads
         k = k.repeat_interleave(group, dim=1)  # (T, Hq, D): slow, fine for a reference
@@ -263,6 +267,10 @@ class Attention(nn.Module):
         scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale  # (Hq, T, T)
         num_tokens = x.shape[0]
         causal = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=x.device).tril()
+        if masked_until is not None:
+            pos = torch.arange(num_tokens, device=x.device)
+            mu = masked_until.repeat_interleave(group)[:, None, None]  # (Hq, 1, 1)
+            causal = causal & ((pos[None, None, :] >= mu) | (pos[None, :, None] < mu))  # (Hq, T, T)
         scores = scores.masked_fill(~causal, float("-inf"))
         probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(v.dtype)
         out = torch.einsum("hqk,khd->qhd", probs, v)  # (T, Hq, D)
@@ -381,30 +389,44 @@ class TinyLM(nn.Module):
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self._logits(hidden.index_select(0, meta.logits_indices))  # (B, V)
 
-    def forward_naive(self, input_ids: torch.Tensor, head_gates: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_naive(
+        self,
+        input_ids: torch.Tensor,
+        head_gates: torch.Tensor | None = None,
+        masked_until: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One sequence from position 0, full causal attention, no cache -> logits (T, V).
         `head_gates` (L, Hq): per-head output gates (1 = normal, 0 = masked), e.g. for
-        gradient head importance."""
+        gradient head importance. `masked_until` (L, Hkv): dropped heads' masked prefixes."""
         positions = torch.arange(input_ids.shape[0], device=input_ids.device)
         hidden = self._embed(input_ids)  # (T, hidden)
         cos, sin = self._rope(positions)
         for i, layer in enumerate(self.layers):
             gates = None if head_gates is None else head_gates[i]
-            hidden = hidden + layer.self_attn.forward_naive(layer.input_layernorm(hidden), cos, sin, gates)
+            masked = None if masked_until is None else masked_until[i]
+            hidden = hidden + layer.self_attn.forward_naive(
+                layer.input_layernorm(hidden), cos, sin, gates, masked
+            )
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self._logits(hidden)
 
 
 @torch.inference_mode()
 def generate_naive(
-    model: TinyLM, prompt_ids: list[int], num_tokens: int, head_gates: torch.Tensor | None = None
+    model: TinyLM,
+    prompt_ids: list[int],
+    num_tokens: int,
+    head_gates: torch.Tensor | None = None,
+    masked_until: torch.Tensor | None = None,
 ) -> list[int]:
     """Greedy decoding re-running `forward_naive` on the whole context for every token:
     the correctness reference for the paged runner (quadratic, slow by design)."""
     context = list(prompt_ids)
     out: list[int] = []
     for _ in range(num_tokens):
-        logits = model.forward_naive(torch.tensor(context, dtype=torch.int64), head_gates)  # (T, V)
+        logits = model.forward_naive(
+            torch.tensor(context, dtype=torch.int64), head_gates, masked_until
+        )  # (T, V)
         token = int(torch.argmax(logits[-1]))
         out.append(token)
         context.append(token)
