@@ -328,6 +328,43 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ablate(args: argparse.Namespace) -> int:
+    from experiments.ablate import MD_COLUMNS, ablate, markdown_table  # torch only in the arms
+
+    result = ablate(
+        args.config,
+        args.out,
+        wandb=args.wandb,
+        jobs=args.jobs,
+        predictor=args.predictor,
+        overrides=args.set,
+        only=args.arms.split(",") if args.arms else None,
+        resume=args.resume,
+    )
+    print(markdown_table(result.rows, MD_COLUMNS[:10]))
+    print(f"wrote {args.out / 'results.csv'}, {args.out / 'results.md'} and {len(result.plots)} plots")
+    if result.info.get("wandb_sync"):
+        print(result.info["wandb_sync"])
+    if result.num_failed:
+        print(f"preempt: error: {result.num_failed} arm(s) failed (see results.md)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from experiments.report import report
+
+    paper = f" --paper {args.paper}" if args.paper else ""
+    command = f"preempt report --quick {args.quick}{paper} --out {args.out}"
+    try:
+        path = report(args.quick, args.out, paper=args.paper, command=command)
+    except FileNotFoundError as err:
+        print(f"preempt: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from preempt.bench import BENCHMARKS
 
@@ -448,6 +485,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--plan", help="codec: a head plan file (preempt importance writes one)")
     bench.set_defaults(func=cmd_bench)
+
+    ablate = sub.add_parser("ablate", help="run an ablation matrix (experiments/configs/*.yaml)")
+    ablate.add_argument("--config", type=Path, required=True, help="e.g. experiments/configs/quick.yaml")
+    ablate.add_argument("--out", type=Path, required=True, help="writes results.csv, results.md, plots/")
+    ablate.add_argument(
+        "--wandb",
+        choices=("online", "offline", "disabled"),
+        help="default: online if WANDB_API_KEY is set, else offline (never blocks on the network)",
+    )
+    ablate.add_argument("--jobs", type=_positive_int, help="arms run at once (default: min(cores, arms))")
+    ablate.add_argument("--predictor", help="predictor.ckpt for early_lstm arms (else they are skipped)")
+    ablate.add_argument("--arms", help="run only these arms (comma-separated)")
+    ablate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a base key")
+    ablate.add_argument("--resume", action="store_true", help="reuse runs with the same config's metrics")
+    ablate.set_defaults(func=cmd_ablate)
+
+    report = sub.add_parser("report", help="docs/results.md from ablation outputs (claims, measured, held?)")
+    report.add_argument("--quick", type=Path, required=True, help="output directory of the quick ablation")
+    report.add_argument("--paper", type=Path, help="output directory of the paper ablation")
+    report.add_argument("--out", type=Path, default=Path("docs/results.md"), help="(docs/results.md)")
+    report.set_defaults(func=cmd_report)
     return parser
 
 

@@ -1,0 +1,432 @@
+"""The ablation matrix: which arms exist, the ablation config, and its resolution into runs.
+
+Owns: the registry of standard arms (`STANDARD_ARMS`: the field's baselines, then the
+SPEC's design added one piece at a time), the schema of an ablation config file
+(`experiments/configs/*.yaml`, pydantic, frozen, unknown keys rejected), and
+`plan_ablation`, which turns a config into the list of runs with their full, validated
+engine configs. Every error (unknown arm, unknown or mistyped key, an override that makes
+an invalid engine config, a missing reference) is raised here as one `ConfigError` line
+naming the arm and key, before anything runs.
+
+Must never: run anything, import torch, or touch the output directory.
+
+An arm is a name, a parent and dotted overrides (the semantics of `preempt run --set`);
+its engine config is the ablation's `base` + the overrides of its ancestors, root first,
++ its own + the grid point's. Baselines set every knob they depend on, so a base config
+cannot leak the design into them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from preempt.config import ConfigError, EarlySaveConfig, EngineConfig, build_config, read_config_file
+
+# ---------------------------------------------------------------- the registry
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One configuration of the matrix. `set`: dotted engine-config overrides applied on
+    top of the parent's; `reference`: the arm whose `preemptions.parquet` an `oracle`
+    early-save arm replays (it runs first, at the same grid point)."""
+
+    name: str
+    parent: str | None
+    set: Mapping[str, Any]
+    doc: str
+    reference: str | None = None
+
+
+def _arms(*arms: Arm) -> dict[str, Arm]:
+    return {arm.name: arm for arm in arms}
+
+
+STANDARD_ARMS: dict[str, Arm] = _arms(
+    # -- the field's baselines (SPEC "Facts from the field")
+    Arm(
+        "vllm_fcfs",
+        None,
+        {
+            "scheduler.policy": "vllm_fcfs",
+            "preemption.mode": "recompute",
+            "preemption.time_slice_strategy": "static",
+            "preemption.max_preemption_per_min": None,
+            "early_save.policy": "none",
+        },
+        "vLLM V1: preempt only when KV blocks run out, recompute, victim = last admitted",
+    ),
+    Arm(
+        "vllm_priority",
+        "vllm_fcfs",
+        {"scheduler.policy": "vllm_priority"},
+        "vLLM V1 priority scheduling: victim = worst (priority, arrival), recompute",
+    ),
+    Arm(
+        "vllm_v0_swap",
+        "vllm_fcfs",
+        {"preemption.mode": "swap"},
+        "vLLM V0: swap the victim's raw KV to host memory and back",
+    ),
+    Arm(
+        "sglang_threshold",
+        "vllm_fcfs",
+        {"scheduler.policy": "sglang_threshold"},
+        "SGLang: preempt on priority only past a priority gap; retract = recompute (no HiCache)",
+    ),
+    # -- the SPEC's design, one piece at a time
+    Arm(
+        "score",
+        "vllm_priority",
+        {"scheduler.policy": "priority_score", "preemption.threshold": 0.2},
+        "SPEC §1: priority score + 20% trigger margin (one static slice, recompute, no cap)",
+    ),
+    Arm("threshold_0", "score", {"preemption.threshold": 0.0}, "score with no margin (sensitivity)"),
+    Arm("threshold_50", "score", {"preemption.threshold": 0.5}, "score with a 50% margin (sensitivity)"),
+    Arm(
+        "slices_dynamic",
+        "score",
+        {"preemption.time_slice_strategy": "dynamic"},
+        "SPEC §3: time slice by request length (50/20/10 ms) instead of one static slice",
+    ),
+    Arm(
+        "rate_limit",
+        "slices_dynamic",
+        {"preemption.max_preemption_per_min": 30},
+        "SPEC §6: at most 30 priority preemptions per minute",
+    ),
+    Arm(
+        "pause",
+        "rate_limit",
+        {"preemption.mode": "pause"},
+        "SPEC §4: zero-copy pause; KV moves only when its blocks are reclaimed",
+    ),
+    Arm(
+        "swap_zstd",
+        "rate_limit",
+        {"preemption.mode": "swap_zstd"},
+        "SPEC §2: save KV with zstd (level 3) to the host pool (serve_config.json's design)",
+    ),
+    Arm(
+        "swap_zstd_static",
+        "swap_zstd",
+        {"preemption.time_slice_strategy": "static"},
+        "swap_zstd with one static slice: the dynamic-slice claim on a saving mode",
+    ),
+    Arm(
+        "swap_raw",
+        "swap_zstd",
+        {"preemption.mode": "swap"},
+        "the design saving raw KV: isolates what zstd costs on the critical path",
+    ),
+    Arm(
+        "swap_mixed",
+        "swap_zstd",
+        {"preemption.mode": "swap_mixed"},
+        "SPEC §9: mixed-precision save (FP16/FP8/drop per KV head), lossy",
+    ),
+    Arm(
+        "swap_fp8",
+        "swap_mixed",
+        {"preemption.head_plan": "fp8"},
+        "uniform FP8 (E4M3, per-head scales): the field's baseline for lossy saves, 2x smaller",
+    ),
+    Arm(
+        "early_always",
+        "swap_mixed",
+        {"early_save.policy": "always"},
+        "early saves of every running request (write-through, like SGLang HiCache)",
+    ),
+    Arm(
+        "early_rule",
+        "swap_mixed",
+        {"early_save.policy": "rule"},
+        "early save of the lowest-priority request whose slice is used up",
+    ),
+    Arm(
+        "early_lstm",
+        "swap_mixed",
+        {"early_save.policy": "lstm"},
+        "SPEC §8: early saves triggered by the trained LSTM predictor (needs `predictor`)",
+    ),
+    Arm(
+        "early_oracle",
+        "swap_mixed",
+        {"early_save.policy": "oracle"},
+        "early saves from the reference run's real preemptions (upper bound)",
+        reference="swap_mixed",
+    ),
+)
+
+# ---------------------------------------------------------------- the config file
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ArmSpec(_Frozen):
+    """An arm defined in the config file (it may shadow a standard arm of the same name)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    parent: str | None = None
+    set: dict[str, Any] = Field(default_factory=dict)
+    """Dotted engine-config key -> value (YAML-typed, as `preempt run --set` parses)."""
+    doc: str = ""
+    reference: str | None = None
+
+
+class AblationConfig(_Frozen):
+    """One ablation: a base engine config, the arms run on it, and what they need."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    """Names the wandb group and the results."""
+    description: str = ""
+    base_config: str | None = None
+    """An engine config file (JSON/YAML, e.g. serve_config.json) under `base`; relative
+    paths are relative to the ablation config's directory."""
+    base: dict[str, Any] = Field(default_factory=dict)
+    """Engine config sections shared by every arm (same keys as `preempt run --config`)."""
+    arms: list[str | ArmSpec] = Field(min_length=1)
+    """Standard arm names (experiments.arms.STANDARD_ARMS) and/or arm definitions."""
+    grid: dict[str, list[Any]] = Field(default_factory=dict)
+    """Dotted key -> values: every arm runs at every point of the product (e.g.
+    `workload.rate_scale: [1, 2, 4]`)."""
+    predictor: str | None = None
+    """predictor.ckpt for `lstm` early-save arms (`--predictor` overrides). Without one,
+    those arms are skipped with a note; a path that does not exist is an error."""
+    quality_reference: str | None = None
+    """A lossless arm whose output tokens every other arm is scored against (greedy
+    agreement). Only meaningful with a backend that computes real tokens (`tiny`, `hf`)."""
+    wandb_project: str = "preempt-ablations"
+
+
+# ---------------------------------------------------------------- resolution
+
+
+@dataclass(frozen=True)
+class ArmRun:
+    """One run of the plan: an arm at one grid point, with its full engine config."""
+
+    key: str  # unique: the arm name, plus "@k=v,..." with a grid
+    arm: str
+    parent: str | None  # the parent arm's run key at the same grid point, if it runs
+    reference: str | None  # the run whose preemptions.parquet it replays
+    grid_point: dict[str, Any]
+    own_set: dict[str, Any]  # the arm's own overrides: what it adds to its parent
+    doc: str
+    config: EngineConfig
+    skip_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class AblationPlan:
+    config: AblationConfig
+    source: str  # the config file it came from
+    runs: list[ArmRun]
+    base: dict[str, Any] = field(default_factory=dict)  # base engine dict, overrides applied
+    predictor: str | None = None
+
+    def run(self, key: str) -> ArmRun:
+        return next(r for r in self.runs if r.key == key)
+
+
+def _format_pydantic(err: ValidationError) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"]) or "<root>"
+    if first["type"] == "extra_forbidden":
+        return f"unknown key '{key}'"
+    return f"key '{key}': {first['msg']}"
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """`preempt.config.apply_override` for a value that is already typed."""
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"empty key in '{key}'")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key '{key}': '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_assignment(assignment: str) -> tuple[str, Any]:
+    """`a.b=value` with the value parsed as YAML, like `preempt run --set`."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set expects key=value, got '{assignment}'")
+    key, raw = assignment.split("=", 1)
+    try:
+        return key.strip(), yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return key.strip(), raw
+
+
+def load_ablation_config(path: str | Path) -> AblationConfig:
+    try:
+        return AblationConfig.model_validate(read_config_file(path))
+    except ValidationError as err:
+        raise ConfigError(f"{path}: {_format_pydantic(err)}") from None
+
+
+def _lookup(name: str, custom: dict[str, Arm], where: str) -> Arm:
+    if name in custom:
+        return custom[name]
+    if name in STANDARD_ARMS:
+        return STANDARD_ARMS[name]
+    known = sorted(set(STANDARD_ARMS) | set(custom))
+    raise ConfigError(f"{where}: unknown arm '{name}'; known arms: {', '.join(known)}")
+
+
+def chain_overrides(name: str, custom: dict[str, Arm] | None = None) -> list[tuple[str, Any]]:
+    """The overrides of `name` and its ancestors, root first."""
+    custom = custom or {}
+    chain: list[Arm] = []
+    seen: set[str] = set()
+    arm: Arm | None = _lookup(name, custom, "arms")
+    while arm is not None:
+        if arm.name in seen:
+            raise ConfigError(f"arm '{name}': parent cycle through '{arm.name}'")
+        seen.add(arm.name)
+        chain.append(arm)
+        arm = _lookup(arm.parent, custom, f"arm '{arm.name}': parent") if arm.parent else None
+    return [item for arm in reversed(chain) for item in arm.set.items()]
+
+
+def _grid_points(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    if not grid:
+        return [{}]
+    for key, values in grid.items():
+        if not values:
+            raise ConfigError(f"grid key '{key}': needs at least one value")
+    keys = list(grid)
+    return [dict(zip(keys, values, strict=True)) for values in itertools.product(*grid.values())]
+
+
+def run_key(arm: str, point: dict[str, Any]) -> str:
+    if not point:
+        return arm
+    return arm + "@" + ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in point.items())
+
+
+def _without_early_save(config: EngineConfig) -> dict[str, Any]:
+    return config.model_copy(update={"early_save": EarlySaveConfig()}).model_dump(mode="json")
+
+
+def plan_ablation(
+    path: str | Path,
+    out_dir: str | Path,
+    *,
+    overrides: list[str] = (),
+    predictor: str | None = None,
+    only: list[str] | None = None,
+    final_overrides: list[str] = (),
+) -> AblationPlan:
+    """Validate the ablation at `path` and resolve every run's engine config.
+
+    `overrides` (`--set k=v`) apply to the base; `final_overrides` after each arm's own
+    (a sweep's parameters, which must win over the arm's); `predictor` (`--predictor`)
+    replaces the config's; `only` keeps a subset of the arms. `out_dir` fixes where oracle
+    arms find their reference's preemption log. Raises ConfigError, naming the arm and
+    key."""
+    path = Path(path)
+    ablation = load_ablation_config(path)
+    base: dict[str, Any] = {}
+    if ablation.base_config:
+        base_file = Path(ablation.base_config)
+        if not base_file.is_absolute():
+            base_file = path.parent / base_file
+        base = read_config_file(base_file)
+    for section, values in ablation.base.items():
+        if isinstance(values, dict) and isinstance(base.get(section), dict):
+            base[section] = {**base[section], **values}
+        else:
+            base[section] = values
+    for assignment in overrides:
+        key, value = parse_assignment(assignment)
+        set_dotted(base, key, value)
+    try:
+        build_config(base)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: base: {err}") from None
+
+    predictor = predictor if predictor is not None else ablation.predictor
+    if predictor is not None and not Path(predictor).is_file():
+        raise ConfigError(f"predictor checkpoint not found: {predictor}")
+
+    custom = {
+        spec.name: Arm(spec.name, spec.parent, spec.set, spec.doc, spec.reference)
+        for spec in ablation.arms
+        if isinstance(spec, ArmSpec)
+    }
+    names = [spec if isinstance(spec, str) else spec.name for spec in ablation.arms]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{path}: arms: an arm is listed twice")
+    for name in names:
+        _lookup(name, custom, f"{path}: arms")
+    if ablation.quality_reference is not None and ablation.quality_reference not in names:
+        raise ConfigError(f"{path}: quality_reference '{ablation.quality_reference}' is not among the arms")
+    if only:  # a subset (--arms, a sweep): without its quality reference, quality stays NaN
+        unknown = [name for name in only if name not in names]
+        if unknown:
+            raise ConfigError(f"--arms: '{unknown[0]}' is not an arm of {path}; its arms: {', '.join(names)}")
+        names = [name for name in names if name in only]
+
+    runs: list[ArmRun] = []
+    configs: dict[str, EngineConfig] = {}
+    for point in _grid_points(ablation.grid):
+        for name in names:
+            arm = _lookup(name, custom, "arms")
+            data = yaml.safe_load(yaml.safe_dump(base))  # deep copy, plain types
+            skip_reason = None
+            try:
+                for key, value in chain_overrides(name, custom):
+                    set_dotted(data, key, value)
+                for key, value in point.items():
+                    set_dotted(data, key, value)
+                for assignment in final_overrides:
+                    set_dotted(data, *parse_assignment(assignment))
+                early = data.get("early_save", {})
+                if isinstance(early, dict) and early.get("policy") == "lstm" and not early.get("checkpoint"):
+                    if predictor is None:
+                        skip_reason = (
+                            "no predictor checkpoint: pass --predictor PATH or set `predictor:` "
+                            "(train one with `preempt collect` + `preempt train`)"
+                        )
+                    set_dotted(data, "early_save.checkpoint", predictor or "<no predictor>")
+                reference = None
+                if arm.reference is not None:
+                    if arm.reference not in names:
+                        raise ConfigError(f"reference arm '{arm.reference}' must be among the arms run")
+                    reference = run_key(arm.reference, point)
+                    log = Path(out_dir) / "arms" / reference / "preemptions.parquet"
+                    set_dotted(data, "early_save.oracle_log", str(log))
+                config = build_config(data)
+            except ConfigError as err:
+                raise ConfigError(f"{path}: arm '{name}': {err}") from None
+            key = run_key(name, point)
+            parent = run_key(arm.parent, point) if arm.parent in names else None
+            runs.append(
+                ArmRun(key, name, parent, reference, point, dict(arm.set), arm.doc, config, skip_reason)
+            )
+            configs[key] = config
+
+    for run in runs:  # an oracle replays a run that differs from it only in early saves
+        if run.reference is None:
+            continue
+        ref = configs[run.reference]
+        if ref.early_save.policy != "none" or _without_early_save(ref) != _without_early_save(run.config):
+            raise ConfigError(
+                f"{path}: arm '{run.arm}': reference arm '{run.reference}' must have the same "
+                "config with early_save.policy none"
+            )
+    return AblationPlan(ablation, str(path), runs, base, predictor)

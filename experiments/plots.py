@@ -1,0 +1,191 @@
+"""Plots of an ablation (PNG, matplotlib's Agg backend, no display needed).
+
+Owns: the figures `preempt ablate` writes to `DIR/plots/` and logs to wandb: latency CDFs
+per SLA class (TTFT, TPOT), preemptions over time, goodput, stall per preemption, bytes
+saved per mode, and early-save precision/recall when the engine reports them. With a
+grid, one set per grid point (file names end with the point).
+
+Must never: compute a metric the table does not have (the bar charts plot the results
+rows; only the CDFs and the time series read the runs' parquet files), or fail the
+ablation because a run has nothing to plot (an empty panel says so instead).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never a window
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _styles(num: int) -> list[dict[str, Any]]:
+    """Distinct line styles for up to 40 runs: ten colours, then a new dash pattern."""
+    cmap = _pyplot().get_cmap("tab10")
+    dashes = ("-", "--", ":", "-.")
+    return [{"color": cmap(i % 10), "linestyle": dashes[(i // 10) % len(dashes)]} for i in range(num)]
+
+
+def _suffix(point: dict[str, Any]) -> str:
+    return "".join(f"-{k.rsplit('.', 1)[-1]}={v}" for k, v in point.items())
+
+
+def _finite(values: Sequence[Any]) -> bool:
+    return any(isinstance(v, int | float) and not math.isnan(v) for v in values)
+
+
+def latency_cdfs(runs: list[tuple[str, Path]], column: str, path: Path) -> Path:
+    """One panel per SLA class, one empirical CDF per run, of `column` (ttft_s, tpot_s)."""
+    plt = _pyplot()
+    tables = {
+        key: pq.read_table(run_dir / "requests.parquet", columns=["sla_level", column]).to_pydict()
+        for key, run_dir in runs
+    }
+    levels = sorted({level for t in tables.values() for level in t["sla_level"]})
+    fig, axes = plt.subplots(1, max(1, len(levels)), figsize=(5 * max(1, len(levels)), 4), squeeze=False)
+    for ax, level in zip(axes[0], levels, strict=False):
+        for (key, table), style in zip(tables.items(), _styles(len(tables)), strict=True):
+            values = np.sort(
+                [v for lv, v in zip(table["sla_level"], table[column], strict=True) if lv == level and v == v]
+            )
+            if len(values):
+                ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", label=key, **style)
+        ax.set_xscale("log")
+        ax.set_title(f"SLA level {level}")
+        ax.set_xlabel(f"{column} (virtual s, log)")
+        ax.set_ylabel("share of requests")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.suptitle(f"{column.removesuffix('_s').upper()} CDF per SLA class")
+    return _save(fig, path)
+
+
+def preemptions_over_time(runs: list[tuple[str, Path]], path: Path) -> Path:
+    """Cumulative preemptions (priority + memory) against simulated time, one line per run."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for (key, run_dir), style in zip(runs, _styles(len(runs)), strict=True):
+        rec = pq.read_table(
+            run_dir / "preemptions.parquet", columns=["time_s", "reason", "action"]
+        ).to_pydict()
+        times = sorted(
+            t
+            for t, reason, action in zip(rec["time_s"], rec["reason"], rec["action"], strict=True)
+            if reason in ("priority", "memory") and action != "none"
+        )
+        ax.step(
+            [0.0, *times], np.arange(len(times) + 1), where="post", label=f"{key} ({len(times)})", **style
+        )
+    ax.set_xlabel("simulated time (s)")
+    ax.set_ylabel("preemptions so far")
+    ax.set_title("Preemptions over time")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    return _save(fig, path)
+
+
+def bars(
+    rows: list[dict[str, Any]],
+    columns: list[tuple[str, str]],
+    path: Path,
+    title: str,
+    ylabel: str,
+    empty_note: str,
+) -> Path:
+    """Grouped bars of results columns per run; runs where all are NaN are left out."""
+    plt = _pyplot()
+    rows = [r for r in rows if _finite([r.get(c) for c, _ in columns])]
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows) + 2), 4.5))
+    if not rows:
+        ax.text(0.5, 0.5, empty_note, ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+    else:
+        width = 0.8 / len(columns)
+        x = np.arange(len(rows))
+        for i, (column, label) in enumerate(columns):
+            values = [float(r.get(column, math.nan)) for r in rows]
+            ax.bar(x + (i - (len(columns) - 1) / 2) * width, values, width, label=label)
+        ax.set_xticks(x, [r["run"] for r in rows], rotation=45, ha="right", fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+        if len(columns) > 1:
+            ax.legend(fontsize=8)
+    ax.set_title(title)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    _pyplot().close(fig)
+    return path
+
+
+def plot_ablation(
+    rows: list[dict[str, Any]], out_dir: Path, runs: list[tuple[str, dict[str, Any]]]
+) -> list[Path]:
+    """Every plot of the ablation under `out_dir/plots`; returns the files written."""
+    plots_dir = out_dir / "plots"
+    by_run = {row["run"]: row for row in rows}
+    points: dict[str, list[str]] = {}
+    for key, point in runs:
+        points.setdefault(_suffix(point), []).append(key)
+    written: list[Path] = []
+    for suffix, keys in points.items():
+        ok = [k for k in keys if by_run[k]["status"] == "ok"]
+        point_rows = [by_run[k] for k in ok]
+        run_dirs = [(k, out_dir / "arms" / k) for k in ok]
+        if not ok:
+            continue
+        written += [
+            latency_cdfs(run_dirs, "ttft_s", plots_dir / f"ttft_cdf{suffix}.png"),
+            latency_cdfs(run_dirs, "tpot_s", plots_dir / f"tpot_cdf{suffix}.png"),
+            preemptions_over_time(run_dirs, plots_dir / f"preemptions_over_time{suffix}.png"),
+            bars(
+                point_rows,
+                [("goodput_req_s", "goodput")],
+                plots_dir / f"goodput{suffix}.png",
+                "Goodput (requests within SLO per second)",
+                "req/s",
+                "no run finished",
+            ),
+            bars(
+                point_rows,
+                [("stall_per_preemption_ms", "stall per preemption")],
+                plots_dir / f"stall_per_preemption{suffix}.png",
+                "Compute stall per preemption (KV moves on the critical path)",
+                "ms",
+                "no preemptions",
+            ),
+            bars(
+                [r for r in point_rows if r.get("kv_saved_bytes_raw", 0)],
+                [("kv_saved_bytes_raw", "raw"), ("kv_saved_bytes_stored", "stored")],
+                plots_dir / f"bytes_saved{suffix}.png",
+                "KV bytes saved per arm (mode): raw vs stored in the host pool",
+                "bytes",
+                "no arm saved KV",
+            ),
+        ]
+        if any(_finite([r.get("early_save_precision"), r.get("early_save_recall")]) for r in point_rows):
+            written.append(
+                bars(
+                    point_rows,
+                    [("early_save_precision", "precision"), ("early_save_recall", "recall")],
+                    plots_dir / f"early_save_precision_recall{suffix}.png",
+                    "Early saves: precision and recall of the trigger",
+                    "share",
+                    "no early-save statistics",
+                )
+            )
+    return written
