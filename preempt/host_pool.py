@@ -66,7 +66,11 @@ class HostPool:
     """
 
     def __init__(
-        self, capacity_bytes: int | str, slot_bytes: int | str, pin_memory: bool | None = None
+        self,
+        capacity_bytes: int | str,
+        slot_bytes: int | str,
+        pin_memory: bool | None = None,
+        allocate: bool = True,
     ) -> None:
         capacity_bytes = parse_size(capacity_bytes)
         slot_bytes = parse_size(slot_bytes)
@@ -84,11 +88,16 @@ class HostPool:
         self.capacity_bytes = capacity_bytes
         self.slot_bytes = slot_bytes
         self.num_slots = capacity_bytes // slot_bytes
-        self.is_pinned = bool(is_cuda if pin_memory is None else pin_memory)
+        self.is_pinned = bool(is_cuda if pin_memory is None else pin_memory) and allocate
         # (num_slots * slot_bytes,) uint8. Pageable memory is committed on first touch, so an
-        # idle pool costs address space, not RSS; pinned memory is committed now.
-        self._buffer = torch.empty(self.num_slots * slot_bytes, dtype=torch.uint8, pin_memory=self.is_pinned)
+        # idle pool costs address space, not RSS; pinned memory is committed now. Without
+        # `allocate` (the null backend: sizes only, no KV data) there is no buffer at all,
+        # so a modelled 64 GB pool needs no 64 GB mapping; `store`/`load` then refuse.
+        self._buffer = torch.empty(
+            self.num_slots * slot_bytes if allocate else 0, dtype=torch.uint8, pin_memory=self.is_pinned
+        )
         self._array = self._buffer.numpy()  # same memory; numpy gives cheap memoryviews for load()
+        self.has_data = allocate
         self._lock = threading.Lock()
         # LIFO: the most recently freed slot is reused first, so pageable memory already touched
         # is reused and RSS stays near the peak working set instead of the whole capacity.
@@ -157,6 +166,8 @@ class HostPool:
         GIL released, instead of being joined into a bytes object first. A uint8 tensor may live
         on any device: a CUDA tensor is copied device-to-host straight into the (pinned) slot.
         """
+        if not self.has_data:
+            raise RuntimeError("this HostPool was made with allocate=False (sizes only): use reserve()")
         parts = [_as_bytes_source(part) for part in (blob if isinstance(blob, (list, tuple)) else [blob])]
         sizes = [part.numel() if isinstance(part, torch.Tensor) else part.nbytes for part in parts]
         nbytes = sum(sizes)

@@ -104,7 +104,7 @@ class Saver(KVMover):
         p = config.preemption
         self.config = p
         self.early_config = config.early_save
-        self.host_pool = HostPool(p.host_mem, p.slot_size)
+        self.host_pool = HostPool(p.host_mem, p.slot_size, allocate=kv_cache is not None)
         self.codecs = {
             "raw": make_codec("raw"),
             "zstd": make_codec("zstd", level=p.zstd_level, threads=p.zstd_threads, shuffle=p.zstd_shuffle),
