@@ -19,6 +19,9 @@ which reads the label on purpose and says so in its name).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -55,8 +58,23 @@ def rule_scores(table: FeatureTable) -> np.ndarray:
     return out
 
 
-def logreg_scores(table: FeatureTable, train_rows: np.ndarray, max_iter: int = 200) -> np.ndarray:
-    """P(positive) from a logistic regression on the last step, fitted on `train_rows`."""
+class LogReg(NamedTuple):
+    """A fitted logistic regression on standardised features (float64)."""
+
+    mean: torch.Tensor  # (8,)
+    std: torch.Tensor  # (8,)
+    weight: torch.Tensor  # (8,)
+    bias: torch.Tensor  # ()
+
+    def scores(self, table: FeatureTable) -> np.ndarray:
+        """P(positive) of every row of `table` (any table with the same feature columns)."""
+        with torch.no_grad():
+            z = (torch.from_numpy(table.features.astype(np.float64)) - self.mean) / self.std
+            return torch.sigmoid(z @ self.weight + self.bias).numpy()
+
+
+def fit_logreg(table: FeatureTable, train_rows: np.ndarray, max_iter: int = 200) -> LogReg:
+    """Logistic regression on the last step's features, fitted on `train_rows` only."""
     x_train = torch.from_numpy(table.features[train_rows].astype(np.float64))
     mean = x_train.mean(dim=0)
     std = x_train.std(dim=0).clamp_min(1e-6)
@@ -79,19 +97,27 @@ def logreg_scores(table: FeatureTable, train_rows: np.ndarray, max_iter: int = 2
         return loss
 
     optimizer.step(closure)
-    with torch.no_grad():
-        z = (torch.from_numpy(table.features.astype(np.float64)) - mean) / std
-        return torch.sigmoid(z @ weight + bias).numpy()
+    return LogReg(mean, std, weight.detach(), bias.detach())
+
+
+def logreg_scores(table: FeatureTable, train_rows: np.ndarray, max_iter: int = 200) -> np.ndarray:
+    """P(positive) of every row, from a logistic regression fitted on `train_rows`."""
+    return fit_logreg(table, train_rows, max_iter).scores(table)
 
 
 def oracle_scores(table: FeatureTable) -> np.ndarray:
     return table.label.astype(np.float64)
 
 
+def baseline_scorers(
+    fit_table: FeatureTable, train_rows: np.ndarray
+) -> dict[str, Callable[[FeatureTable], np.ndarray]]:
+    """Each baseline as a function from a table to one score per row; the fitted ones are
+    fitted on `train_rows` of `fit_table` (and may then score another trace's table)."""
+    logreg = fit_logreg(fit_table, train_rows)
+    return {"rule": rule_scores, "logreg": logreg.scores, "oracle": oracle_scores}
+
+
 def baseline_scores(table: FeatureTable, train_rows: np.ndarray) -> dict[str, np.ndarray]:
     """Scores of every row for each baseline (fitted ones fitted on `train_rows`)."""
-    return {
-        "rule": rule_scores(table),
-        "logreg": logreg_scores(table, train_rows),
-        "oracle": oracle_scores(table),
-    }
+    return {name: scorer(table) for name, scorer in baseline_scorers(table, train_rows).items()}

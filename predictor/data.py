@@ -1,23 +1,29 @@
-"""The features dataset as training windows: loading, the split by request, the windows.
+"""The features dataset as request histories: loading, the split by request, the batches.
 
 Owns: reading a `preempt collect` dataset (`datasets.load_from_disk`, local disk only),
 the deterministic split into train/val/test *by request* (a request's rows all land in
-one split, so no request's history leaks from train into evaluation), the windows of the
-last `seq_len` logged steps of a request (left-padded, with a mask), the feature
-statistics fitted on the train split, and `PreemptionDataModule`.
+one split, so no request's history leaks from train into evaluation), each request's
+rows as one sequence in step order (`Sequences`), batches of whole sequences of similar
+length, the feature statistics fitted on the train split, and `PreemptionDataModule`.
 
 Must never: split by row (neighbouring rows of one request are near-duplicates, and a
 row-level split would grade the model on its own training history), fit anything on
 val/test rows, or reach the network.
 
-Windows: row i's window holds the rows of the same request with step <= step_i, the last
-`seq_len` of them in step order, row i last. Earlier slots are padding (`mask` False);
-the model zeroes them after standardising, so padding reads as "average" input.
+Why whole histories, not windows (train/serve consistency): online, the engine advances
+each request's LSTM state by one step per logged step, from a zero state at the
+request's first step (predictor.online). A model trained on windows of the last k steps
+(each restarted from a zero state, earlier slots padded) would read states online that
+it never saw in training. So training runs the LSTM over each request's whole logged
+history from its first step, with a loss at every step, and the prediction for row i is
+the output at row i's step: the same computation as online, step for step. Backprop is
+truncated (predictor.model: `seq_len` steps), the forward pass never is.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -25,7 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 SPLITS = ("train", "val", "test")
 
@@ -104,75 +110,140 @@ def split_rows(group: np.ndarray, config: SplitConfig) -> dict[str, np.ndarray]:
     return {name: np.flatnonzero(np.isin(group, member[name])) for name in SPLITS}
 
 
-def window_index(group: np.ndarray, step: np.ndarray, seq_len: int) -> np.ndarray:
-    """(N, seq_len) int64 row indices of each row's window, oldest first; -1 = padding."""
-    order = np.lexsort((step, group))  # by request, then step
-    sorted_group = group[order]
-    is_start = np.ones(len(order), dtype=bool)
-    is_start[1:] = sorted_group[1:] != sorted_group[:-1]
-    start = np.maximum.accumulate(np.where(is_start, np.arange(len(order)), 0))
-    position = np.arange(len(order)) - start  # index of the row within its request
-    lags = np.arange(seq_len - 1, -1, -1)  # (T,): column T-1 is the row itself
-    sorted_index = np.arange(len(order))[:, None] - lags[None, :]  # (N, T) positions in `order`
-    valid = position[:, None] >= lags[None, :]
-    windows_sorted = np.where(valid, order[np.clip(sorted_index, 0, None)], -1)
-    windows = np.empty_like(windows_sorted)
-    windows[order] = windows_sorted
-    return windows
+class Sequences(NamedTuple):
+    """The rows of some requests as one sequence per request, in step order."""
+
+    rows: np.ndarray  # (num_rows,) int64 row indices, sorted by (request, step)
+    starts: np.ndarray  # (S,) int64: request k's rows are rows[starts[k] : starts[k] + lengths[k]]
+    lengths: np.ndarray  # (S,) int64, >= 1
 
 
-class WindowBatches(Dataset):
-    """Indexed by a *list* of row positions (use with a BatchSampler and batch_size=None):
-    one fancy-indexing gather per batch instead of a Python call per row."""
+def request_sequences(group: np.ndarray, step: np.ndarray, rows: np.ndarray) -> Sequences:
+    """The given rows as one sequence per request (group), each ordered by step."""
+    rows = np.asarray(rows, dtype=np.int64)
+    rows = rows[np.lexsort((step[rows], group[rows]))]  # by request, then step
+    sorted_group = group[rows]
+    starts = np.flatnonzero(np.r_[True, sorted_group[1:] != sorted_group[:-1]]) if len(rows) else rows[:0]
+    lengths = np.diff(np.r_[starts, len(rows)]).astype(np.int64)
+    return Sequences(rows=rows, starts=starts.astype(np.int64), lengths=lengths)
 
-    def __init__(self, table: FeatureTable, rows: np.ndarray, windows: np.ndarray) -> None:
-        # A zero row at the end stands for padding (index -1 reads it).
-        self.features = torch.from_numpy(np.concatenate([table.features, np.zeros((1, 8), np.float32)]))
-        self.rows = rows
-        self.windows = torch.from_numpy(windows[rows])  # (n, T)
-        self.label = torch.from_numpy(table.label[rows].astype(np.float32))
-        self.time_to = torch.from_numpy(table.time_to_preemption_s[rows])
+
+class LengthBatchSampler(Sampler[list[int]]):
+    """Lists of sequence indices whose padded size (count x longest) stays within
+    `max_rows` (a longer sequence goes alone). Sequences of similar length share a batch,
+    so little of a batch is padding.
+
+    Shuffled: each pass draws a new order (seeded by (seed, pass)), sorts pools of
+    `pool_size` sequences by length, cuts them into batches and shuffles the batches.
+    Not shuffled: all sequences sorted by length, longest first, then cut."""
+
+    def __init__(
+        self, lengths: np.ndarray, max_rows: int, shuffle: bool, seed: int = 0, pool_size: int = 256
+    ) -> None:
+        if max_rows < 1:
+            raise ValueError(f"batch_size (rows per batch) must be >= 1, got {max_rows}")
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.max_rows = max_rows
+        self.shuffle = shuffle
+        self.seed = seed
+        self.pool_size = pool_size
+        self.num_passes = 0
+
+    def _cut(self, order: np.ndarray) -> list[list[int]]:
+        batches: list[list[int]] = []
+        current: list[int] = []
+        longest = 0
+        for index in order.tolist():
+            length = int(self.lengths[index])
+            if current and max(longest, length) * (len(current) + 1) > self.max_rows:
+                batches.append(current)
+                current, longest = [], 0
+            current.append(index)
+            longest = max(longest, length)
+        if current:
+            batches.append(current)
+        return batches
+
+    def _batches(self) -> list[list[int]]:
+        if not self.shuffle:
+            return self._cut(np.argsort(-self.lengths, kind="stable"))
+        rng = np.random.default_rng([self.seed, self.num_passes])
+        order = rng.permutation(len(self.lengths))
+        batches: list[list[int]] = []
+        for first in range(0, len(order), self.pool_size):
+            pool = order[first : first + self.pool_size]
+            batches += self._cut(pool[np.argsort(-self.lengths[pool], kind="stable")])
+        return [batches[i] for i in rng.permutation(len(batches))]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = self._batches()
+        self.num_passes += 1
+        return iter(batches)
 
     def __len__(self) -> int:
-        return len(self.rows)
+        # Deterministic without shuffling; with shuffling, the count of the next pass.
+        if not self.shuffle:
+            return len(self._batches())
+        saved = self.num_passes
+        count = len(self._batches())
+        self.num_passes = saved
+        return count
+
+
+class SequenceBatches(Dataset):
+    """Whole request histories, indexed by a *list* of sequence indices (use with
+    `LengthBatchSampler` and batch_size=None): one fancy-indexing gather per batch.
+
+    A batch: x (B, T, 8) raw features, right-padded with zeros; mask (B, T) False on
+    padding; label (B, T) float; rows (B, T) int64 row index in the table, -1 on padding
+    (to put predictions back in row order)."""
+
+    def __init__(self, table: FeatureTable, rows: np.ndarray) -> None:
+        self.sequences = request_sequences(table.group, table.step, rows)
+        # A zero row at the end stands for padding (index -1 reads it).
+        self.features = torch.from_numpy(np.concatenate([table.features, np.zeros((1, 8), np.float32)]))
+        self.label = torch.from_numpy(np.r_[table.label.astype(np.float32), np.float32(0)])
+
+    def __len__(self) -> int:
+        return len(self.sequences.lengths)
 
     def __getitem__(self, index: list[int]) -> dict[str, torch.Tensor]:
-        windows = self.windows[index]  # (B, T)
+        starts = self.sequences.starts[index]  # (B,)
+        lengths = self.sequences.lengths[index]  # (B,)
+        position = np.arange(int(lengths.max()))  # (T,)
+        is_real = position[None, :] < lengths[:, None]  # (B, T)
+        flat = np.minimum(starts[:, None] + position[None, :], len(self.sequences.rows) - 1)
+        rows = torch.from_numpy(np.where(is_real, self.sequences.rows[flat], -1))  # (B, T)
         return {
-            "x": self.features[windows],  # (B, T, 8); -1 picks the zero row
-            "mask": windows >= 0,  # (B, T)
-            "label": self.label[index],  # (B,)
-            "time_to_preemption_s": self.time_to[index],  # (B,)
+            "x": self.features[rows],  # (B, T, 8); -1 picks the zero row
+            "mask": rows >= 0,  # (B, T)
+            "label": self.label[rows],  # (B, T)
+            "rows": rows,  # (B, T)
         }
 
 
 class PreemptionDataModule(pl.LightningDataModule):
-    """Train/val/test windows of one features dataset, split by request."""
+    """Train/val/test request histories of one features dataset, split by request."""
 
     def __init__(
         self,
         data_path: str | Path,
-        seq_len: int = 16,
-        batch_size: int = 512,
+        batch_size: int = 4096,
         split: SplitConfig | None = None,
     ) -> None:
         super().__init__()
-        if seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         self.data_path = Path(data_path)
-        self.seq_len = seq_len
         self.batch_size = batch_size
+        """Rows (logged steps, padding included) per batch."""
         self.split = split or SplitConfig()
         self.table: FeatureTable | None = None
         self.rows: dict[str, np.ndarray] = {}
-        self.windows: np.ndarray | None = None
 
     def setup(self, stage: str | None = None) -> None:
         if self.table is not None:
             return
         self.table = load_table(self.data_path)
         self.rows = split_rows(self.table.group, self.split)
-        self.windows = window_index(self.table.group, self.table.step, self.seq_len)
 
     # ----------------------------------------------------------------- fitted on train
     def feature_stats(self) -> tuple[np.ndarray, np.ndarray]:
@@ -188,20 +259,11 @@ class PreemptionDataModule(pl.LightningDataModule):
         return float(len(labels) - num_pos) / max(num_pos, 1)
 
     # ----------------------------------------------------------------- loaders
-    def batches(self, split: str) -> WindowBatches:
-        return WindowBatches(self.table, self.rows[split], self.windows)
+    def batches(self, split: str) -> SequenceBatches:
+        return SequenceBatches(self.table, self.rows[split])
 
     def loader(self, split: str, shuffle: bool = False) -> DataLoader:
-        data = self.batches(split)
-        if shuffle:
-            generator = torch.Generator().manual_seed(self.split.seed)
-            sampler = RandomSampler(data, generator=generator)
-        else:
-            sampler = SequentialSampler(data)
-        # batch_size=None: the BatchSampler's index lists reach __getitem__ whole.
-        return DataLoader(
-            data, sampler=BatchSampler(sampler, self.batch_size, drop_last=False), batch_size=None
-        )
+        return sequence_loader(self.batches(split), self.batch_size, shuffle=shuffle, seed=self.split.seed)
 
     def train_dataloader(self) -> DataLoader:
         return self.loader("train", shuffle=True)
@@ -211,3 +273,12 @@ class PreemptionDataModule(pl.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self.loader("test", shuffle=False)
+
+
+def sequence_loader(
+    data: SequenceBatches, batch_size: int, shuffle: bool = False, seed: int = 0
+) -> DataLoader:
+    """Batches of whole request histories of at most `batch_size` rows (padding included)."""
+    sampler = LengthBatchSampler(data.sequences.lengths, batch_size, shuffle=shuffle, seed=seed)
+    # batch_size=None: the sampler's index lists reach __getitem__ whole.
+    return DataLoader(data, sampler=sampler, batch_size=None)

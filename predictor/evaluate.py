@@ -2,8 +2,13 @@
 
 Owns: the metric definitions (AUROC, AUPRC, precision/recall/F1 at a threshold, lead
 time, event recall) in plain numpy, the choice of the operating threshold (max F1 on
-val), and `evaluate_checkpoint`, behind `preempt eval-predictor`. Every predictor is
-scored the same way: threshold chosen on val, metrics reported on the chosen split.
+val), and `evaluate_checkpoint`, behind `preempt eval-predictor` (and `python -m
+predictor.evaluate`, which adds the distribution-shift options). Every predictor is
+scored the same way: threshold chosen on val, metrics reported on the chosen split. In a
+distribution-shift test (`source`), val and the fitted baselines come from the training
+data, and the other dataset is only scored, as a deployed predictor would meet it.
+The LSTM's scores are its outputs over whole request histories, i.e. exactly what the
+online predictor returns (predictor.online).
 
 Must never: choose a threshold on the rows it reports (that would flatter every
 predictor alike, and hide how far the val choice transfers), or reach the network.
@@ -169,37 +174,81 @@ def load_predictor(ckpt: str | Path) -> PreemptionLSTM:
     return model.eval()
 
 
-def evaluate_checkpoint(ckpt: str | Path, data: str | Path, split: str = "test") -> dict[str, Any]:
-    """The LSTM of `ckpt` and every baseline on `split` of `data`, split as in training
-    (the checkpoint holds the split's seed and fractions)."""
-    from predictor.baselines import baseline_scores
-    from predictor.data import SPLITS, PreemptionDataModule, SplitConfig
+def evaluate_checkpoint(
+    ckpt: str | Path, data: str | Path, split: str = "test", source: str | Path | None = None
+) -> dict[str, Any]:
+    """The LSTM of `ckpt` and every baseline on `split` of `data`.
 
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got '{split}'")
+    Without `source`: `data` is the dataset the checkpoint was trained on, split as in
+    training (the checkpoint holds the split's seed and fractions); thresholds are chosen
+    on its val split and logreg is fitted on its train split.
+
+    With `source` (the dataset the checkpoint was trained on): a distribution-shift test,
+    as a deployment would see it. Thresholds are chosen on the source's val split and
+    logreg is fitted on the source's train split; `data` (another trace, or another slice
+    of the same one) is only scored: `split="all"` scores every row of it, a named split
+    scores that split of it (split with the checkpoint's seed)."""
+    from predictor.baselines import baseline_scorers
+    from predictor.data import (
+        SPLITS,
+        DataError,
+        PreemptionDataModule,
+        SequenceBatches,
+        SplitConfig,
+        load_table,
+        sequence_loader,
+        split_rows,
+    )
+
+    if split not in (*SPLITS, "all"):
+        raise ValueError(f"split must be one of {(*SPLITS, 'all')}, got '{split}'")
+    if split == "all" and source is None:
+        raise ValueError(
+            "split 'all' needs a source dataset: all rows of the training data include train rows"
+        )
     model = load_predictor(ckpt)
     hp = model.hparams
-    datamodule = PreemptionDataModule(
-        data,
-        seq_len=hp.seq_len,
-        split=SplitConfig(hp.split_seed, hp.val_fraction, hp.test_fraction),
-    )
-    datamodule.setup()
-    table = datamodule.table
-    val_rows, eval_rows = datamodule.rows["val"], datamodule.rows[split]
+    split_config = SplitConfig(hp.split_seed, hp.val_fraction, hp.test_fraction)
+    fit = PreemptionDataModule(source if source is not None else data, split=split_config)
+    fit.setup()
+    if source is None:
+        table, eval_rows = fit.table, fit.rows[split]
+    else:
+        table = load_table(data)
+        names = table.meta.get("feature_names")
+        if names and list(names) != list(hp.feature_names):
+            raise DataError(
+                f"{data} has features {names}, the checkpoint was trained on {list(hp.feature_names)}"
+            )
+        horizon_ms = table.meta.get("horizon_ms")
+        if horizon_ms is not None and float(horizon_ms) != float(hp.horizon_ms):
+            raise DataError(
+                f"{data} is labelled with a {horizon_ms} ms horizon, the checkpoint {hp.horizon_ms} ms"
+            )
+        eval_rows = (
+            np.arange(len(table.label)) if split == "all" else split_rows(table.group, split_config)[split]
+        )
+    val_rows = fit.rows["val"]
+    val_labels = fit.table.label[val_rows]
+    keys = event_keys(table)[eval_rows]
+
+    def score(val_scores: np.ndarray, eval_scores: np.ndarray) -> dict[str, float]:
+        threshold = best_f1_threshold(val_scores, val_labels)
+        return binary_metrics(
+            eval_scores, table.label[eval_rows], table.time_to_preemption_s[eval_rows], threshold, keys
+        )
+
+    eval_loader = sequence_loader(SequenceBatches(table, eval_rows), fit.batch_size)
     results: dict[str, Any] = {
-        "lstm": evaluate_scores(
-            table,
-            val_rows,
-            eval_rows,
-            model.predict_batches(datamodule.loader("val")),
-            model.predict_batches(datamodule.loader(split)),
+        "lstm": score(
+            model.predict_rows(fit.loader("val"), val_rows), model.predict_rows(eval_loader, eval_rows)
         )
     }
-    for name, scores in baseline_scores(table, datamodule.rows["train"]).items():
-        results[name] = evaluate_scores(table, val_rows, eval_rows, scores[val_rows], scores[eval_rows])
+    for name, scorer in baseline_scorers(fit.table, fit.rows["train"]).items():
+        results[name] = score(scorer(fit.table)[val_rows], scorer(table)[eval_rows])
     return {
         "data": str(data),
+        "source": None if source is None else str(source),
         "ckpt": str(ckpt),
         "split": split,
         "num_rows": len(eval_rows),
@@ -207,3 +256,42 @@ def evaluate_checkpoint(ckpt: str | Path, data: str | Path, split: str = "test")
         "horizon_ms": table.meta.get("horizon_ms"),
         "predictors": results,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m predictor.evaluate`: `preempt eval-predictor` with the distribution-shift
+    options (`--source-data`, `--split all`); one JSON object on stdout."""
+    import argparse
+    import json
+    import sys
+
+    import torch
+
+    from predictor.data import DataError
+    from predictor.online import PredictorCheckpointError, load_checkpoint
+
+    parser = argparse.ArgumentParser(prog="python -m predictor.evaluate", description=main.__doc__)
+    parser.add_argument("--ckpt", type=Path, required=True, help="predictor.ckpt from `preempt train`")
+    parser.add_argument("--data", type=Path, required=True, help="features dataset to score")
+    parser.add_argument(
+        "--source-data",
+        type=Path,
+        help="the dataset the checkpoint was trained on: thresholds and logreg come from it, "
+        "--data is only scored (distribution shift)",
+    )
+    parser.add_argument("--split", choices=("train", "val", "test", "all"), default="test")
+    parser.add_argument("--num-threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.num_threads)
+    try:
+        load_checkpoint(args.ckpt)  # a clear error before Lightning's
+        report = evaluate_checkpoint(args.ckpt, args.data, split=args.split, source=args.source_data)
+    except (PredictorCheckpointError, DataError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(jsonable(report)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

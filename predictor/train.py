@@ -36,19 +36,24 @@ CHECKPOINT_NAME = "predictor.ckpt"
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Defaults tuned on the default collect data (experiments/configs/collect.yaml), test
-    AUPRC by (lr, seq_len, epochs): (3e-3, 16, 4) 0.44, (3e-3, 16, 8) 0.54, (1e-2, 16, 4)
-    0.56, (1e-2, 8, 4) 0.57, (1e-2, 4, 6) 0.64, (1e-2, 8, 6) 0.68; one split, so +-0.05 is
-    noise. (1e-2, 8, 6) trains in ~25 s on one CPU thread."""
+    """Defaults chosen by val AUPRC on the default collect data (experiments/configs/
+    collect.yaml, azure-conv; docs/predictor.md), (batch_size, max_epochs, seq_len):
+    (4096, 6, 64) 0.54, (1024, 6, 64) 0.56, (1024, 12, 64) 0.71, (512, 12, 64) 0.67,
+    (1024, 12, 16) 0.55, (1024, 12, 256) 0.72, (1024, 12, whole) 0.69, (2048, 16, 256)
+    0.69; one split, so +-0.05 is noise. (1024, 12, 256) fits in ~25 s on one thread."""
 
-    max_epochs: int = 6
+    max_epochs: int = 12
     """Passes over the train split."""
-    seq_len: int = 8
-    """Logged steps per window (the LSTM's sequence length)."""
-    batch_size: int = 512
-    """512: the fastest rows/s of a 64-unit LSTM on one CPU thread (1024 ran 1.6x slower per row)."""
+    seq_len: int = 256
+    """Truncation of backprop through time, in logged steps. The forward pass always runs
+    over each request's whole history from its first logged step (as online); gradients
+    flow back at most this many steps."""
+    batch_size: int = 1024
+    """Rows (logged steps, padding included) per batch of whole request histories."""
     lr: float = 1e-2
     """Adam learning rate."""
+    gradient_clip: float | None = 1.0
+    """Clip the gradient norm (long histories can spike it); None: no clipping."""
     weight_decay: float = 0.0
     seed: int = 0
     """Seeds the split, the initial weights and the shuffle."""
@@ -139,7 +144,6 @@ def train(data: str | Path, out_dir: str | Path, config: TrainConfig | None = No
 
     datamodule = PreemptionDataModule(
         data,
-        seq_len=config.seq_len,
         batch_size=config.batch_size,
         split=SplitConfig(config.seed, config.val_fraction, config.test_fraction),
     )
@@ -156,6 +160,7 @@ def train(data: str | Path, out_dir: str | Path, config: TrainConfig | None = No
         split_seed=config.seed,
         val_fraction=config.val_fraction,
         test_fraction=config.test_fraction,
+        every_k_steps=int(table.meta.get("every_k_steps", 1)),
     )
     model.set_normalization(*datamodule.feature_stats())
 
@@ -186,6 +191,7 @@ def train(data: str | Path, out_dir: str | Path, config: TrainConfig | None = No
         deterministic=True,
         enable_progress_bar=config.progress,
         enable_model_summary=False,
+        gradient_clip_val=config.gradient_clip,
         limit_train_batches=config.limit_train_batches,
         num_sanity_val_steps=0,
         log_every_n_steps=10,
@@ -200,9 +206,9 @@ def train(data: str | Path, out_dir: str | Path, config: TrainConfig | None = No
 
     # Threshold on val, then (only now) the test rows, with the best checkpoint.
     best = PreemptionLSTM.load_from_checkpoint(str(checkpoint_path), map_location="cpu", weights_only=True)
-    val_scores = best.predict_batches(datamodule.loader("val"))
-    test_scores = best.predict_batches(datamodule.loader("test"))
     rows = datamodule.rows
+    val_scores = best.predict_rows(datamodule.loader("val"), rows["val"])
+    test_scores = best.predict_rows(datamodule.loader("test"), rows["test"])
     test = evaluate_scores(table, rows["val"], rows["test"], val_scores, test_scores)
     val = evaluate_scores(table, rows["val"], rows["val"], val_scores, val_scores)
     _store_threshold(checkpoint_path, test["threshold"])

@@ -41,11 +41,18 @@ def _early(quick: bool, model: str | None = None) -> dict[str, Any]:
     return bench_early(quick, model=model)
 
 
+def _predictor(quick: bool) -> dict[str, Any]:
+    from preempt.bench.predictor import bench_predictor
+
+    return bench_predictor(quick)
+
+
 BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "engine": _engine,
     "save": _save,
     "serve": _serve,
     "codec": _codec,
     "early": _early,
+    "predictor": _predictor,
 }
 """name -> fn(quick, **options); options (`--model`, `--plan`) only for those that take them."""

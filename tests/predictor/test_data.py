@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from predictor.baselines import rule_scores
-from predictor.data import PreemptionDataModule, SplitConfig, load_table, split_rows, window_index
+from predictor.data import (
+    LengthBatchSampler,
+    PreemptionDataModule,
+    SplitConfig,
+    load_table,
+    request_sequences,
+    split_rows,
+)
 from tests.predictor import COL, synthetic_dataset
 
 torch.set_num_threads(1)
@@ -43,29 +50,52 @@ def test_split_by_seed_and_request_id():
         split_rows(np.array([0, 1]), SplitConfig())
 
 
-def test_window_index_left_pads_in_step_order():
-    # Two requests, rows deliberately out of order.
-    group = np.array([1, 0, 1, 0, 1, 0])
-    step = np.array([7, 2, 5, 1, 9, 3])
-    windows = window_index(group, step, seq_len=3)
-    # Request 1 in step order: rows 2 (5), 0 (7), 4 (9); request 0: rows 3 (1), 1 (2), 5 (3).
-    expected = {2: [-1, -1, 2], 0: [-1, 2, 0], 4: [2, 0, 4], 3: [-1, -1, 3], 1: [-1, 3, 1], 5: [3, 1, 5]}
-    for row, window in expected.items():
-        assert windows[row].tolist() == window
+def test_request_sequences_in_step_order():
+    # Two requests, rows deliberately out of order; only the given rows are used.
+    group = np.array([1, 0, 1, 0, 1, 0, 2])
+    step = np.array([7, 2, 5, 1, 9, 3, 4])
+    sequences = request_sequences(group, step, np.arange(6))
+    # Request 0 in step order: rows 3 (1), 1 (2), 5 (3); request 1: rows 2 (5), 0 (7), 4 (9).
+    assert sequences.rows.tolist() == [3, 1, 5, 2, 0, 4]
+    assert sequences.starts.tolist() == [0, 3] and sequences.lengths.tolist() == [3, 3]
+    assert request_sequences(group, step, np.array([6])).lengths.tolist() == [1]
 
 
-def test_batches_gather_windows_with_mask(data_path):
-    datamodule = PreemptionDataModule(data_path, seq_len=4, batch_size=8)
+def test_length_batches_hold_every_sequence_once_within_the_budget():
+    lengths = np.random.default_rng(0).integers(1, 60, size=200)
+    sampler = LengthBatchSampler(lengths, max_rows=128, shuffle=True, seed=3)
+    passes = [list(sampler) for _ in range(2)]
+    for batches in passes:
+        assert sorted(i for batch in batches for i in batch) == list(range(200))
+        assert all(len(b) == 1 or len(b) * lengths[b].max() <= 128 for b in batches)
+    assert passes[0] != passes[1]  # a new order each pass
+    assert list(LengthBatchSampler(lengths, 128, shuffle=True, seed=3)) == passes[0]  # seeded
+    ordered = list(LengthBatchSampler(lengths, 128, shuffle=False))
+    assert ordered == list(LengthBatchSampler(lengths, 128, shuffle=False))
+    assert len(LengthBatchSampler(lengths, 128, shuffle=False)) == len(ordered)
+    with pytest.raises(ValueError, match="batch_size"):
+        LengthBatchSampler(lengths, 0, shuffle=False)
+
+
+def test_batches_are_whole_histories_right_padded(data_path):
+    datamodule = PreemptionDataModule(data_path, batch_size=64)
     datamodule.setup()
     batch = next(iter(datamodule.loader("test")))
-    assert batch["x"].shape == (8, 4, 8) and batch["mask"].shape == (8, 4)
-    table, windows = datamodule.table, datamodule.windows
-    rows = datamodule.rows["test"][:8]
-    for i, row in enumerate(rows):
-        np.testing.assert_array_equal(batch["mask"][i].numpy(), windows[row] >= 0)
-        np.testing.assert_array_equal(batch["x"][i, -1].numpy(), table.features[row])  # the row is last
-        assert not batch["x"][i][~batch["mask"][i]].any()  # padding is zero
-    assert batch["label"].tolist() == table.label[rows].tolist()
+    x, mask, rows = batch["x"], batch["mask"], batch["rows"]
+    num_seqs, num_steps = mask.shape
+    assert x.shape == (num_seqs, num_steps, 8) and num_seqs * num_steps <= 64 or num_seqs == 1
+    table = datamodule.table
+    test_groups = set(table.group[datamodule.rows["test"]].tolist())
+    for i in range(num_seqs):
+        real = rows[i][mask[i]].numpy()
+        assert len(set(table.group[real].tolist())) == 1 and table.group[real[0]] in test_groups
+        # The request's every row, from its first logged step, in step order.
+        all_rows = np.flatnonzero(table.group == table.group[real[0]])
+        assert real.tolist() == all_rows[np.argsort(table.step[all_rows])].tolist()
+        np.testing.assert_array_equal(x[i][mask[i]].numpy(), table.features[real])
+        assert mask[i].tolist() == sorted(mask[i].tolist(), reverse=True)  # padding at the end
+        assert not x[i][~mask[i]].any() and (rows[i][~mask[i]] == -1).all()
+        assert batch["label"][i][mask[i]].tolist() == table.label[real].tolist()
 
 
 def test_stats_and_pos_weight_come_from_train_only(data_path):

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from predictor.data import DataError, PreemptionDataModule, SplitConfig
+from predictor.data import DataError, PreemptionDataModule, SplitConfig, load_table
 from predictor.model import PreemptionLSTM
 from predictor.train import TrainConfig, resolve_wandb_mode, train
 from preempt.cli import main
@@ -48,13 +48,13 @@ def data_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained(data_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
-    config = TrainConfig(max_epochs=5, batch_size=64, seq_len=4, wandb="disabled", progress=False)
+    config = TrainConfig(max_epochs=5, batch_size=256, seq_len=4, wandb="disabled", progress=False)
     return out, train(data_path, out, config)
 
 
 def _train_loss(model: PreemptionLSTM, data_path) -> float:
     hp = model.hparams
-    datamodule = PreemptionDataModule(data_path, seq_len=hp.seq_len, split=SplitConfig(hp.split_seed))
+    datamodule = PreemptionDataModule(data_path, split=SplitConfig(hp.split_seed))
     datamodule.setup()
     model.eval()
     with torch.no_grad():
@@ -139,3 +139,19 @@ def test_missing_data_or_checkpoint_fails_with_one_line(tmp_path, capsys, traine
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("preempt: error: --") and len(err.splitlines()) == 1, err
+
+
+def test_distribution_shift_scores_another_dataset_with_the_source_thresholds(trained, data_path, tmp_path):
+    from predictor.evaluate import evaluate_checkpoint
+    from predictor.evaluate import main as evaluate_main
+
+    out, metrics = trained
+    other = synthetic_dataset(tmp_path / "other", num_requests=60, seed=5)
+    report = evaluate_checkpoint(out / "predictor.ckpt", other, split="all", source=data_path)
+    assert report["split"] == "all" and report["num_rows"] == len(load_table(other).label)
+    lstm = report["predictors"]["lstm"]
+    assert lstm["threshold"] == pytest.approx(metrics["threshold"])  # chosen on the source's val
+    assert report["predictors"]["oracle"]["auroc"] == 1.0 and lstm["auroc"] > 0.7
+    with pytest.raises(ValueError, match="source"):
+        evaluate_checkpoint(out / "predictor.ckpt", data_path, split="all")
+    assert evaluate_main(["--ckpt", str(tmp_path / "none.ckpt"), "--data", str(other)]) == 2

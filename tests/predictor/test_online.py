@@ -1,0 +1,212 @@
+"""Online stateful inference (predictor.online): parity with the offline model, state
+semantics, checkpoint loading and its errors. One module fixture trains a tiny checkpoint."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from predictor.data import PreemptionDataModule, SplitConfig, load_table
+from predictor.model import PreemptionLSTM
+from predictor.online import OnlinePredictor, PredictorCheckpointError
+from predictor.train import TrainConfig, train
+from tests.predictor import synthetic_dataset
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def data_path(tmp_path_factory):
+    return synthetic_dataset(tmp_path_factory.mktemp("data") / "features", num_requests=90)
+
+
+@pytest.fixture(scope="module")
+def trained(data_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("train")
+    config = TrainConfig(max_epochs=2, batch_size=256, seq_len=4, wandb="disabled", progress=False)
+    metrics = train(data_path, out, config)
+    return out / "predictor.ckpt", metrics
+
+
+@pytest.fixture(scope="module")
+def offline(trained):
+    model = PreemptionLSTM.load_from_checkpoint(trained[0], map_location="cpu", weights_only=True)
+    return model.eval()
+
+
+def _histories(data_path, lengths):
+    """Real feature histories of a few requests (step order), cut to `lengths`."""
+    table = load_table(data_path)
+    out = []
+    for group, length in zip(np.unique(table.group)[: len(lengths)], lengths, strict=True):
+        rows = np.flatnonzero(table.group == group)
+        rows = rows[np.argsort(table.step[rows])]
+        out.append(np.resize(table.features[rows], (length, 8)))  # repeats when too short
+    return out
+
+
+def test_online_steps_equal_the_offline_model_on_each_history(trained, offline, data_path):
+    # Requests of different lengths join at different steps, one pauses for a few steps
+    # (preempted: no rows, state kept), ids come in a shuffled order every step, and each
+    # is forgotten when it ends (its slot is then reused by a later one).
+    lengths = [1, 7, 23, 40, 12, 30]
+    joins = [0, 0, 3, 5, 9, 20]
+    histories = _histories(data_path, lengths)
+    ids = [101, 7, 55, 3, 900, 42]
+    paused = {3: range(10, 14)}  # request 3 logs no row at engine steps 10-13
+    predictor = OnlinePredictor.from_checkpoint(trained[0], capacity=2)  # forces growth too
+    got = {rid: [] for rid in ids}
+    position = dict.fromkeys(ids, 0)
+    rng = np.random.default_rng(0)
+    for engine_step in range(80):
+        active = [
+            i
+            for i, rid in enumerate(ids)
+            if joins[i] <= engine_step
+            and position[rid] < lengths[i]
+            and engine_step not in paused.get(rid, ())
+        ]
+        rng.shuffle(active)
+        if active:
+            features = np.stack([histories[i][position[ids[i]]] for i in active])
+            probs = predictor.step([ids[i] for i in active], features)
+            assert probs.dtype == np.float32 and probs.shape == (len(active),)
+            for i, p in zip(active, probs, strict=True):
+                got[ids[i]].append(p)
+                position[ids[i]] += 1
+        predictor.forget([ids[i] for i in active if position[ids[i]] == lengths[i]])
+    assert predictor.num_tracked == 0
+    for i, rid in enumerate(ids):
+        with torch.no_grad():
+            expected = offline.step_probs(torch.from_numpy(histories[i])[None])[0].numpy()
+        np.testing.assert_allclose(np.array(got[rid]), expected, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(predictor.history_probs(histories[i][None])[0], expected, atol=1e-6)
+
+
+def test_replaying_a_split_online_gives_the_evaluated_probabilities(trained, offline, data_path):
+    # The rows `preempt eval-predictor` scores, replayed as the engine would: one batched
+    # step per logged step with every request running at it, forget after a request's
+    # last row. The online probabilities are the evaluated ones, row for row.
+    hp = offline.hparams
+    datamodule = PreemptionDataModule(
+        data_path, split=SplitConfig(hp.split_seed, hp.val_fraction, hp.test_fraction)
+    )
+    datamodule.setup()
+    table, rows = datamodule.table, datamodule.rows["val"]
+    expected = offline.predict_rows(datamodule.loader("val"), rows)
+    last_step = {}
+    for row in rows:
+        last_step[table.group[row]] = max(last_step.get(table.group[row], -1), table.step[row])
+    predictor = OnlinePredictor.from_checkpoint(trained[0])
+    got = np.full(len(rows), np.nan, dtype=np.float32)
+    order = np.argsort(table.step[rows], kind="stable")
+    steps = table.step[rows][order]
+    starts = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]])
+    for lo, hi in zip(starts, np.r_[starts[1:], len(steps)], strict=True):
+        batch = order[lo:hi]  # positions in `rows` of one logged step
+        groups = table.group[rows[batch]]
+        got[batch] = predictor.step(groups.tolist(), table.features[rows[batch]])
+        predictor.forget([g for g in groups.tolist() if last_step[g] == steps[lo]])
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0)
+    assert predictor.num_tracked == 0
+
+
+def test_forget_and_reset_restart_from_the_zero_state(trained):
+    x = np.random.default_rng(1).random((4, 8), dtype=np.float32)
+    fresh = OnlinePredictor.from_checkpoint(trained[0]).step([1, 2, 3, 4], x)
+    predictor = OnlinePredictor.from_checkpoint(trained[0], capacity=4)
+    predictor.step([1, 2, 3, 4], x)
+    second = predictor.step([1, 2, 3, 4], x)
+    assert not np.allclose(second, fresh, atol=1e-6)  # the state carried forward
+    predictor.forget([2, 99])  # unknown ids are ignored
+    assert predictor.num_tracked == 3 and 2 not in predictor and 1 in predictor
+    again = predictor.step([4, 2, 1], x[[3, 1, 0]])
+    assert again[1] == pytest.approx(fresh[1], abs=1e-6)  # 2 starts over
+    assert not np.isclose(again[0], fresh[3], atol=1e-6)  # 4 and 1 kept their history
+    predictor.reset()
+    assert predictor.num_tracked == 0
+    np.testing.assert_allclose(predictor.step([1, 2, 3, 4], x), fresh, atol=1e-6)
+    # Churn within capacity reuses slots instead of growing.
+    for rid in range(100, 120):
+        predictor.forget([1, 2, 3, 4, rid - 1])
+        predictor.step([rid], x[:1])
+    assert predictor.capacity == 4
+    assert predictor.step([], np.zeros((0, 8), np.float32)).shape == (0,)
+
+
+def test_step_rejects_bad_input(trained):
+    predictor = OnlinePredictor.from_checkpoint(trained[0])
+    with pytest.raises(ValueError, match="twice"):
+        predictor.step([5, 5], np.zeros((2, 8), np.float32))
+    with pytest.raises(ValueError, match=r"\(3, 8\)"):
+        predictor.step([1, 2, 3], np.zeros((3, 7), np.float32))
+
+
+def test_threshold_comes_from_the_checkpoint_unless_overridden(trained):
+    path, metrics = trained
+    assert OnlinePredictor.from_checkpoint(path).threshold == pytest.approx(metrics["threshold"])
+    assert OnlinePredictor.from_checkpoint(path, threshold=0.3).threshold == 0.3
+    with pytest.raises(ValueError, match="threshold"):
+        OnlinePredictor.from_checkpoint(path, threshold=1.5)
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    assert checkpoint["hyper_parameters"]["history"] == "full"
+
+
+def test_loading_never_imports_lightning(trained):
+    code = (
+        "import sys, numpy as np\n"
+        "from predictor.online import OnlinePredictor\n"
+        f"p = OnlinePredictor.from_checkpoint({str(trained[0])!r})\n"
+        "assert p.step([1], np.zeros((1, 8), np.float32)).shape == (1,)\n"
+        "assert 'pytorch_lightning' not in sys.modules and 'lightning' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_missing_corrupt_and_foreign_checkpoints_fail_clearly(trained, tmp_path):
+    path = trained[0]
+    with pytest.raises(PredictorCheckpointError, match="not found.*preempt train"):
+        OnlinePredictor.from_checkpoint(tmp_path / "none.ckpt")
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(PredictorCheckpointError, match="cannot read predictor checkpoint"):
+        OnlinePredictor.from_checkpoint(truncated)
+    junk = tmp_path / "junk.ckpt"
+    junk.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(PredictorCheckpointError, match="cannot read"):
+        OnlinePredictor.from_checkpoint(junk)
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"weights": torch.zeros(3)}, foreign)
+    with pytest.raises(PredictorCheckpointError, match="no state_dict"):
+        OnlinePredictor.from_checkpoint(foreign)
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    checkpoint["state_dict"]["lstm.weight_hh_l0"] = torch.zeros(128, 32)
+    wrong = tmp_path / "wrong.ckpt"
+    torch.save(checkpoint, wrong)
+    with pytest.raises(PredictorCheckpointError, match="lstm.weight_hh_l0.*shape"):
+        OnlinePredictor.from_checkpoint(wrong)
+
+
+def test_window_trained_checkpoints_warn_about_the_skew(trained, tmp_path):
+    checkpoint = torch.load(trained[0], map_location="cpu", weights_only=True)
+    del checkpoint["hyper_parameters"]["history"]  # as written before whole-history training
+    old = tmp_path / "old.ckpt"
+    torch.save(checkpoint, old)
+    with pytest.warns(UserWarning, match="zero-started windows"):
+        OnlinePredictor.from_checkpoint(old)
+
+
+def test_bench_predictor_quick_reports_the_step_ratio():
+    from preempt.bench.predictor import bench_predictor
+
+    threads = torch.get_num_threads()
+    result = bench_predictor(quick=True)
+    assert torch.get_num_threads() == threads  # restored
+    assert result["num_running"] == 256 and result["null_engine_step_us_median"] > 0
+    ratio = result["predictor_step_us_median"] / result["null_engine_step_us_median"]
+    assert result["predictor_fraction_of_step"] == pytest.approx(ratio, abs=1e-4)
+    assert result["meets_target"] == (ratio <= result["target_fraction"])
