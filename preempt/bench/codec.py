@@ -109,13 +109,15 @@ def _plans(num_layers: int, num_kv_heads: int, plan_file: str | None) -> dict[st
         # the scores buy from what the shares buy.
         counts = plans["importance"]
         total = num_layers * num_kv_heads
-        plans["random_same_shares"] = HeadPlan.random(
+        same_shares = HeadPlan.random(
             num_layers,
             num_kv_heads,
             fp8_share=counts.num_fp8 / total,
             drop_share=counts.num_drop / total,
             seed=0,
         )
+        if same_shares.classes != plans["random"].classes:  # else `random` already is this control
+            plans["random_same_shares"] = same_shares
     return plans
 
 
