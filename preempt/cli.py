@@ -280,8 +280,10 @@ def cmd_importance(args: argparse.Namespace) -> int:
         for name in ("fp8_share", "drop_share", "calib_bytes", "eval_bytes", "seq_len", "seed", "num_random")
         if getattr(args, name) is not None
     }
+    if args.normalize is not None:
+        given["normalize"] = args.normalize
     try:
-        config = ImportanceConfig(**given)
+        config = ImportanceConfig(**given, single_head=args.single_head)
         read_tiny_lm(args.model)
     except ValueError as err:
         print(f"preempt: error: {err}", file=sys.stderr)
@@ -302,8 +304,11 @@ def cmd_importance(args: argparse.Namespace) -> int:
         "random_below_most": masking["random_below_most"],
         "corpus_matches_training": report["corpus"]["matches_training"],
     }
+    if report["single_head"] is not None:
+        summary["single_head_delta_bpb"] = report["single_head"]["delta_bpb"]
+        summary["single_head_rank_correlation"] = report["single_head"]["rank_correlation"]
     print(json.dumps(summary))
-    print(f"wrote {args.out} and {scores_path(args.out)}")
+    print(f"wrote {args.out} and {scores_path(args.out)}", file=sys.stderr)  # stdout: the JSON alone
     return 0
 
 
@@ -391,9 +396,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", type=Path, required=True, help="writes predictor.ckpt and metrics.json")
     # Defaults (None here) live in predictor.train.TrainConfig, which this parser must not
     # import (pytorch_lightning); the help repeats them.
-    train.add_argument("--max-epochs", type=_positive_int, help="passes over the train split (6)")
-    train.add_argument("--seq-len", type=_positive_int, help="logged steps per window (8)")
-    train.add_argument("--batch-size", type=_positive_int, help="(512)")
+    train.add_argument("--max-epochs", type=_positive_int, help="passes over the train split (12)")
+    train.add_argument(
+        "--seq-len",
+        type=_positive_int,
+        help="backprop truncation, in logged steps of a request's history (256)",
+    )
+    train.add_argument("--batch-size", type=_positive_int, help="rows per batch, whole histories (1024)")
     train.add_argument("--lr", type=float, help="Adam learning rate (1e-2)")
     train.add_argument("--seed", type=int, help="seeds the split, the weights and the shuffle (0)")
     train.add_argument(
@@ -467,6 +476,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     importance.add_argument("--seed", type=int, help="calibration windows and random masks (0)")
     importance.add_argument("--num-random", type=_positive_int, help="random masks averaged (8)")
+    importance.add_argument(
+        "--normalize",
+        choices=("layer", "none"),
+        help="none (default: raw scores, ranked across layers) or layer (per-layer L2, as Michel et al.)",
+    )
+    importance.add_argument(
+        "--single-head", action="store_true", help="also mask each KV head alone and rank-correlate"
+    )
     importance.add_argument("--num-threads", type=_positive_int, default=1, help="torch threads (default 1)")
     importance.set_defaults(func=cmd_importance)
 
