@@ -14,13 +14,12 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
-# Main job on embedded defaults: 2 minutes of the bundled Azure conversation trace at 2x
-# its rate through the tiny model on the virtual H200 clock, with the SPEC's design on
-# (serve_config.json: priority score, dynamic slices, zstd saves to a 4 GB host pool) and
-# a KV pool of 2,000 blocks (32k tokens) so that requests really are preempted.
+# Main job on embedded defaults (experiments/main.py): train the reference LM (cached in
+# runs/lm), head importance -> plan, collect features, train the predictor, the `quick`
+# ablation with wandb offline, the codec benchmark, the claims report. ~3 min after the
+# LM's first training (~5 min) on 2 cores.
 run: $(STAMP)
-	$(BIN)/preempt run --config serve_config.json --trace azure-conv --duration 120 --rate-scale 2 \
-		--set cache.num_blocks=2000 --out runs/main
+	$(BIN)/python -m experiments.main --out runs/main
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
