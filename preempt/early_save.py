@@ -164,7 +164,7 @@ class EarlySaver:
         if self.policy.needs_features:
             features = compute_features(
                 running,
-                engine.scheduler.waiting_requests(),
+                engine.scheduler.waiting_unordered(),
                 now,
                 engine.block_pool.num_free,
                 engine.block_pool.num_blocks,

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from preempt.config import PreemptionConfig
-from preempt.priority import priority_score, remaining_ktokens, time_slice_s
+from preempt.priority import priority_scores, remaining_ktokens, time_slice_s
 from preempt.request import Request
 
 if TYPE_CHECKING:
@@ -117,11 +117,11 @@ def compute_features(
 
     Uses only what the scheduler knows at `now`; never mutates anything."""
     weights = preemption.priority_weights
-    scores = np.fromiter((priority_score(r, now, weights) for r in running), np.float64, len(running))
+    scores = priority_scores(running, now, weights)
     sorted_scores = np.sort(scores)
     # Queue pressure: a waiting request w beats r when s_w > s_r + thr * max(|s_r|, floor);
     # with the waiting scores sorted, that is one searchsorted per running request.
-    waiting_scores = np.sort(np.fromiter((priority_score(w, now, weights) for w in waiting), np.float64))
+    waiting_scores = np.sort(priority_scores(waiting, now, weights))
     bars = scores + preemption.threshold * np.maximum(np.abs(scores), preemption.score_floor)
     num_beating = len(waiting_scores) - np.searchsorted(waiting_scores, bars, side="right")
     out = np.empty((len(running), NUM_FEATURES), dtype=np.float32)
@@ -164,7 +164,7 @@ class FeatureLogger:
         now = engine.clock.now()
         features = compute_features(
             running,
-            scheduler.waiting_requests(),
+            scheduler.waiting_unordered(),
             now,
             engine.block_pool.num_free,
             engine.block_pool.num_blocks,

@@ -15,6 +15,10 @@ for negative scores (20% of a negative number lowers the bar); measuring the mar
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
+
 from preempt.config import PreemptionConfig, PriorityWeights
 from preempt.request import Request
 
@@ -33,6 +37,28 @@ def priority_score(request: Request, now: float, weights: PriorityWeights) -> fl
         + request.sla_level * weights.sla
         - remaining_ktokens(request) * weights.tokens
     )
+
+
+def priority_scores(requests: Sequence[Request], now: float, weights: PriorityWeights) -> np.ndarray:
+    """`priority_score` of many requests at once, (N,) float64: one pass of attribute
+    reads, then numpy (the feature logger scores thousands of waiting requests a step)."""
+    fields = np.array(
+        [
+            (
+                r.arrival_s,
+                r.sla_level,
+                r.num_prompt_tokens,
+                r.num_computed_tokens,
+                r.max_tokens,
+                len(r.output_token_ids),
+            )
+            for r in requests
+        ],
+        dtype=np.float64,
+    ).reshape(len(requests), 6)
+    arrival, sla, prompt, computed, max_tokens, output = fields.T
+    remaining = (np.maximum(prompt - computed, 0) + np.maximum(max_tokens - output, 0)) / 1000.0
+    return (now - arrival) * weights.age + sla * weights.sla - remaining * weights.tokens
 
 
 def beats(challenger_score: float, incumbent_score: float, threshold: float, floor: float) -> bool:

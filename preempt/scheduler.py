@@ -162,6 +162,11 @@ class Scheduler:
         """Waiting requests in admission order (a copy; for inspection and tests)."""
         return [entry[2] for entry in sorted(self._waiting)]
 
+    def waiting_unordered(self) -> list[Request]:
+        """Waiting requests in no particular order (a copy, without the sort: for per-step
+        statistics over the queue)."""
+        return [entry[2] for entry in self._waiting]
+
     def preemptions_in_window(self, now: float) -> int:
         while self._window and self._window[0] <= now - RATE_WINDOW_S:
             self._window.popleft()

@@ -195,3 +195,19 @@ def test_collect_rejects_bad_feature_keys(tmp_path, capsys):
     assert "every_k_steps" in capsys.readouterr().err
     with pytest.raises(ValueError):
         FeatureConfig(horizon_ms=0)
+
+
+def test_vectorised_priority_scores_equal_the_scalar_score():
+    import numpy as np
+
+    from preempt.config import PriorityWeights
+    from preempt.priority import priority_score, priority_scores
+    from tests.conftest import make_request
+
+    requests = [make_request(i, 10 + i, 20, arrival_s=0.1 * i, sla_level=i % 3) for i in range(40)]
+    for request in requests[:10]:
+        request.num_computed_tokens, request.output_token_ids = 5, [1, 2, 3]
+    weights = PriorityWeights(age=0.3, sla=0.8, tokens=0.5)
+    expected = [priority_score(r, 7.0, weights) for r in requests]
+    assert priority_scores(requests, 7.0, weights).tolist() == expected  # same float ops, bit-equal
+    assert priority_scores([], 7.0, weights).shape == (0,)
