@@ -47,12 +47,19 @@ def _predictor(quick: bool) -> dict[str, Any]:
     return bench_predictor(quick)
 
 
+def _kernels(quick: bool) -> dict[str, Any]:
+    from preempt.bench.kernels import bench_kernels
+
+    return bench_kernels(quick)
+
+
 BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "engine": _engine,
     "save": _save,
     "serve": _serve,
     "codec": _codec,
     "early": _early,
+    "kernels": _kernels,
     "predictor": _predictor,
 }
 """name -> fn(quick, **options); options (`--model`, `--plan`) only for those that take them."""
