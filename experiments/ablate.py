@@ -41,9 +41,9 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from experiments.arms import AblationPlan, ArmRun, plan_ablation
+from preempt.tracking import resolve_wandb_mode
 
 NAN = float("nan")
-WANDB_MODES = ("online", "offline", "disabled")
 ONLINE_INIT_TIMEOUT_S = 15.0
 LOSSY_MODES = ("swap_mixed",)
 
@@ -629,14 +629,6 @@ def results_markdown(plan_info: dict[str, Any], rows: list[dict[str, Any]]) -> s
 
 
 # ---------------------------------------------------------------- wandb
-
-
-def resolve_wandb_mode(mode: str | None) -> str:
-    if mode is None:
-        return "online" if os.environ.get("WANDB_API_KEY") else "offline"
-    if mode not in WANDB_MODES:
-        raise ValueError(f"--wandb must be one of {', '.join(WANDB_MODES)}, got '{mode}'")
-    return mode
 
 
 class _WandbSink:

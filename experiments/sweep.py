@@ -57,9 +57,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def run(argv: list[str]) -> dict[str, Any]:
-    from experiments.ablate import _init_worker, resolve_wandb_mode, run_metrics
+    from experiments.ablate import _init_worker, run_metrics
     from experiments.arms import plan_ablation
     from preempt.replay import replay
+    from preempt.tracking import resolve_wandb_mode
 
     args, overrides = parse_args(argv)
     mode = resolve_wandb_mode(args.wandb)

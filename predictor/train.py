@@ -13,8 +13,6 @@ reproducible and the device free).
 from __future__ import annotations
 
 import json
-import logging
-import os
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -28,8 +26,8 @@ import torch
 from predictor.data import PreemptionDataModule, SplitConfig
 from predictor.evaluate import evaluate_scores, jsonable
 from predictor.model import PreemptionLSTM
+from preempt.tracking import quiet_lightning, resolve_wandb_mode
 
-WANDB_MODES = ("online", "offline", "disabled")
 ONLINE_INIT_TIMEOUT_S = 15.0
 CHECKPOINT_NAME = "predictor.ckpt"
 
@@ -69,14 +67,6 @@ class TrainConfig:
     64-unit LSTM are too small to split, and on shared cores a second OpenMP thread made
     each batch ~7x slower (24 ms -> 177 ms, measured on 2 busy cores)."""
     progress: bool = True
-
-
-def resolve_wandb_mode(mode: str | None) -> str:
-    if mode is None:
-        return "online" if os.environ.get("WANDB_API_KEY") else "offline"
-    if mode not in WANDB_MODES:
-        raise ValueError(f"--wandb must be one of {', '.join(WANDB_MODES)}, got '{mode}'")
-    return mode
 
 
 def make_logger(mode: str | None, save_dir: Path, project: str, config: dict[str, Any]) -> Any:
@@ -119,17 +109,6 @@ def make_logger(mode: str | None, save_dir: Path, project: str, config: dict[str
         return start(offline=True)
 
 
-def _quiet_lightning() -> None:
-    # Lightning's start-up banner (GPU/TPU availability, tips) and the num_workers advice
-    # would bury the one JSON line the CLI prints; the windows are gathered in-process.
-    logging.getLogger("pytorch_lightning").setLevel(logging.WARNING)
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
-    # D3 holds wandb/ and metrics.json next to the checkpoint on purpose.
-    warnings.filterwarnings("ignore", message=".*Checkpoint directory .* exists and is not empty.*")
-
-
 def train(data: str | Path, out_dir: str | Path, config: TrainConfig | None = None) -> dict[str, Any]:
     """Train, checkpoint the best val AUPRC to `out_dir/predictor.ckpt`, write and return
     the test metrics (`out_dir/metrics.json`)."""
@@ -137,7 +116,7 @@ def train(data: str | Path, out_dir: str | Path, config: TrainConfig | None = No
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    _quiet_lightning()
+    quiet_lightning()
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     pl.seed_everything(config.seed, workers=True, verbose=False)

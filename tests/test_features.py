@@ -198,7 +198,6 @@ def test_collect_rejects_bad_feature_keys(tmp_path, capsys):
 
 
 def test_vectorised_priority_scores_equal_the_scalar_score():
-    import numpy as np
 
     from preempt.config import PriorityWeights
     from preempt.priority import priority_score, priority_scores

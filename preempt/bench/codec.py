@@ -24,7 +24,6 @@ seeded random preset the JSON says so.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -33,6 +32,7 @@ import torch
 from kernels.plan import HeadPlan, bytes_per_token
 from kernels.quantize_heads import quantize_heads
 from kernels.restore_blocks import restore_blocks
+from preempt.bench.save import _median_s
 from preempt.codec import MixedCodec
 from preempt.config import build_config
 from preempt.model_runner import TinyModelRunner
@@ -261,12 +261,3 @@ def _speed(kv: torch.Tensor, plan: HeadPlan, clone_s: float) -> dict[str, float]
         "encode_vs_clone": round(clone_s / encode_s, 3),
         "decode_vs_clone": round(clone_s / decode_s, 3),
     }
-
-
-def _median_s(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return float(np.median(times))

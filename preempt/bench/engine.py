@@ -33,9 +33,9 @@ def _replay_speed(overrides: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _scheduler_overhead(num_running: int, num_waiting: int, num_steps: int) -> dict[str, Any]:
-    """Per-step cost of scheduling with `num_running` decoding and `num_waiting` queued
-    requests (null backend, so only engine + scheduler work is timed)."""
+def decoding_engine(num_running: int, num_waiting: int) -> Engine:
+    """A `null` engine with `num_running` requests decoding (64-1023 token prompts, seeded)
+    and `num_waiting` queued behind them: the state the per-step benchmarks time."""
     config = build_config(
         {
             "model": {"backend": "null"},
@@ -58,6 +58,13 @@ def _scheduler_overhead(num_running: int, num_waiting: int, num_steps: int) -> d
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
     ):
         engine.step()  # admit and prefill until every running request decodes
+    return engine
+
+
+def _scheduler_overhead(num_running: int, num_waiting: int, num_steps: int) -> dict[str, Any]:
+    """Per-step cost of scheduling with `num_running` decoding and `num_waiting` queued
+    requests (null backend, so only engine + scheduler work is timed)."""
+    engine = decoding_engine(num_running, num_waiting)
     schedule_s, step_s = [], []
     for _ in range(num_steps):
         started = time.perf_counter()

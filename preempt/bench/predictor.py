@@ -24,10 +24,9 @@ import numpy as np
 import torch
 
 from predictor.online import HIDDEN_SIZE, NUM_FEATURES, OnlinePredictor
-from preempt.config import build_config
+from preempt.bench.engine import decoding_engine
 from preempt.engine import Engine
 from preempt.features import compute_features
-from preempt.request import Request
 
 TARGET_FRACTION = 0.05
 
@@ -46,32 +45,6 @@ def random_predictor(seed: int = 0) -> OnlinePredictor:
     state["feature_mean"] = torch.zeros(NUM_FEATURES)
     state["feature_std"] = torch.ones(NUM_FEATURES)
     return OnlinePredictor(state, threshold=0.5)
-
-
-def _decoding_engine(num_running: int, num_waiting: int) -> Engine:
-    config = build_config(
-        {
-            "model": {"backend": "null"},
-            "scheduler": {"max_num_seqs": num_running, "max_num_batched_tokens": 8192},
-        }
-    )
-    engine = Engine(config)
-    rng = np.random.default_rng(0)
-    for index in range(num_running + num_waiting):
-        engine.add_request(
-            Request(
-                request_id=index,
-                arrival_s=0.0,
-                prompt_token_ids=rng.integers(32, 127, size=int(rng.integers(64, 1024)), dtype=np.int32),
-                max_tokens=10_000,
-                target_output_tokens=10_000,
-            )
-        )
-    while len(engine.scheduler.running) < num_running or any(
-        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
-    ):
-        engine.step()  # admit and prefill until every running request decodes
-    return engine
 
 
 def _features(engine: Engine) -> np.ndarray:
@@ -108,7 +81,7 @@ def bench_predictor(quick: bool = False) -> dict[str, Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        engine = _decoding_engine(num_running, num_waiting)
+        engine = decoding_engine(num_running, num_waiting)
         predictor = random_predictor()
         step_s, features_s, predictor_s = [], [], []
         for index in range(num_steps + 20):

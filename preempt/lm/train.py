@@ -18,10 +18,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import logging
 import math
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,7 @@ from preempt.lm import evaluate, next_byte_loss
 from preempt.lm.corpus import Corpus, CorpusConfig, tile_windows
 from preempt.model.checkpoint import checkpoint_meta, save_tiny_lm
 from preempt.model.tiny import PRESETS, TinyConfig, TinyLM
+from preempt.tracking import quiet_lightning, resolve_wandb_mode
 
 LM_FILE = "lm.pt"
 # Bump when a change to this module changes the model a config produces: the cache key
@@ -226,14 +225,6 @@ def cached_metrics(out_dir: str | Path, config: LMTrainConfig) -> dict[str, Any]
     return dict(meta.get("metrics", {}))
 
 
-def _quiet_lightning() -> None:
-    logging.getLogger("pytorch_lightning").setLevel(logging.WARNING)
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
-    warnings.filterwarnings("ignore", message=".*Checkpoint directory .* exists and is not empty.*")
-
-
 def train_lm(
     out_dir: str | Path, config: LMTrainConfig | None = None, *, force: bool = False
 ) -> dict[str, Any]:
@@ -248,11 +239,11 @@ def train_lm(
 
     import pytorch_lightning as pl  # ~5 s; only when training
 
-    from predictor.train import make_logger, resolve_wandb_mode
+    from predictor.train import make_logger
 
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    _quiet_lightning()
+    quiet_lightning()
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     pl.seed_everything(config.seed, workers=True, verbose=False)

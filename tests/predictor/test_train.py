@@ -10,8 +10,9 @@ import torch
 
 from predictor.data import DataError, PreemptionDataModule, SplitConfig, load_table
 from predictor.model import PreemptionLSTM
-from predictor.train import TrainConfig, resolve_wandb_mode, train
+from predictor.train import TrainConfig, train
 from preempt.cli import main
+from preempt.tracking import resolve_wandb_mode
 from tests.predictor import synthetic_dataset
 
 torch.set_num_threads(1)
