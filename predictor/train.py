@@ -67,6 +67,16 @@ class TrainConfig:
     64-unit LSTM are too small to split, and on shared cores a second OpenMP thread made
     each batch ~7x slower (24 ms -> 177 ms, measured on 2 busy cores)."""
     progress: bool = True
+    accelerator: str = "cpu"
+    """Lightning's `accelerator` (cpu, gpu, auto)."""
+    devices: int = 1
+    """Lightning's `devices`: processes (CPU) or GPUs that train together."""
+    strategy: str = "auto"
+    """Lightning's `strategy`, e.g. `ddp` (one process per device) or `ddp_spawn`. Only
+    the global-zero process evaluates and writes metrics.json."""
+    num_nodes: int = 1
+    """Lightning's `num_nodes`: machines, each running `devices` processes (launched by
+    torchrun/SLURM, which set MASTER_ADDR, NODE_RANK, ...; docs/experiments.md)."""
 
 
 def make_logger(mode: str | None, save_dir: Path, project: str, config: dict[str, Any]) -> Any:
@@ -163,8 +173,10 @@ def train(data: str | Path, out_dir: str | Path, config: TrainConfig | None = No
     was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     trainer = pl.Trainer(
         max_epochs=config.max_epochs,
-        accelerator="cpu",
-        devices=1,
+        accelerator=config.accelerator,
+        devices=config.devices,
+        strategy=config.strategy,
+        num_nodes=config.num_nodes,
         logger=logger,
         callbacks=[checkpoint],
         deterministic=True,
@@ -182,6 +194,8 @@ def train(data: str | Path, out_dir: str | Path, config: TrainConfig | None = No
     finally:
         torch.use_deterministic_algorithms(was_deterministic, warn_only=was_warn_only)
     fit_s = time.perf_counter() - fit_started
+    if not trainer.is_global_zero:  # DDP: the other ranks are done once the fit is
+        return {}
 
     # Threshold on val, then (only now) the test rows, with the best checkpoint.
     best = PreemptionLSTM.load_from_checkpoint(str(checkpoint_path), map_location="cpu", weights_only=True)

@@ -172,7 +172,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     given = {
         name: getattr(args, name)
-        for name in ("max_epochs", "seq_len", "batch_size", "lr", "seed", "num_threads")
+        for name in (
+            "max_epochs",
+            "seq_len",
+            "batch_size",
+            "lr",
+            "seed",
+            "num_threads",
+            "accelerator",
+            "devices",
+            "strategy",
+            "num_nodes",
+        )
         if getattr(args, name) is not None
     }
     config = TrainConfig(**given, wandb=args.wandb, progress=not args.no_progress)
@@ -181,6 +192,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     except DataError as err:
         print(f"preempt: error: --data: {err}", file=sys.stderr)
         return 2
+    if not metrics:  # a non-zero DDP rank: rank 0 reports
+        return 0
     keys = ("auroc", "auprc", "precision", "recall", "f1", "threshold", "mean_lead_time_s", "event_recall")
     print(
         json.dumps({k: metrics.get(k) for k in (*keys, "best_val_auprc", "fit_wall_s", "wall_s")}, indent=2)
@@ -412,6 +425,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--num-threads", type=_positive_int, help="torch threads (1)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--accelerator", help="Lightning accelerator: cpu (default), gpu, auto")
+    train.add_argument(
+        "--devices", type=_positive_int, help="devices (processes on CPU) training together (1)"
+    )
+    train.add_argument("--strategy", help="Lightning strategy, e.g. ddp or ddp_spawn (auto)")
+    train.add_argument("--num-nodes", type=_positive_int, help="machines training together (1)")
     train.set_defaults(func=cmd_train)
 
     evaluate = sub.add_parser(

@@ -156,3 +156,24 @@ def test_distribution_shift_scores_another_dataset_with_the_source_thresholds(tr
     with pytest.raises(ValueError, match="source"):
         evaluate_checkpoint(out / "predictor.ckpt", data_path, split="all")
     assert evaluate_main(["--ckpt", str(tmp_path / "none.ckpt"), "--data", str(other)]) == 2
+
+
+def test_two_process_ddp_training_writes_one_checkpoint(data_path, tmp_path):
+    """The scale-out path is Lightning's own: `--devices N --strategy ddp` (here two CPU
+    processes with ddp_spawn, gloo). Rank 0 alone evaluates and writes the files."""
+    out = tmp_path / "ddp"
+    config = TrainConfig(
+        max_epochs=1,
+        batch_size=256,
+        seq_len=4,
+        wandb="disabled",
+        progress=False,
+        devices=2,
+        strategy="ddp_spawn",
+        limit_train_batches=2,
+    )
+    metrics = train(data_path, out, config)
+    assert metrics["config"]["devices"] == 2 and 0.0 <= metrics["auroc"] <= 1.0
+    assert (out / "predictor.ckpt").is_file() and json.loads((out / "metrics.json").read_text())[
+        "split"
+    ] == "test"
