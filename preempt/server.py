@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import codecs
 import contextlib
 import itertools
 import json
@@ -58,7 +57,6 @@ DEFAULT_MAX_QUEUE = 256
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_SLA_LEVEL = 1000
-_TOKENIZER = ByteTokenizer()  # stateless
 _SSE_DONE = b"data: [DONE]\n\n"
 
 
@@ -101,6 +99,7 @@ class EngineFacts:
     max_model_len: int
     num_blocks: int
     block_size: int
+    vocab_size: int
 
 
 @dataclass(eq=False)
@@ -182,7 +181,11 @@ class EngineLoop:
         self.metrics.observe_step(self.engine)
         name = self.config.model.preset if self.config.model.backend == "tiny" else self.config.model.backend
         self.facts = EngineFacts(
-            name, self.config.model.max_model_len, self.engine.block_pool.num_blocks, self.engine.block_size
+            name,
+            self.config.model.max_model_len,
+            self.engine.block_pool.num_blocks,
+            self.engine.block_size,
+            self.engine.runner.vocab_size,
         )
         self._thread = threading.Thread(target=self._run, name="preempt-engine", daemon=True)
         self._thread.start()
@@ -706,7 +709,7 @@ def create_app(
             )
 
     protected = [Depends(authorize)]
-    handlers = _Handlers(engine_loop)
+    handlers = _Handlers(engine_loop, _tokenizer_for(engine_loop.config))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -739,16 +742,28 @@ def create_app(
     return app
 
 
+def _tokenizer_for(config: EngineConfig) -> Any:
+    """The text <-> ids mapping of the served model: bytes for `tiny`/`null`, the
+    checkpoint's own tokenizer for `hf`."""
+    if config.model.backend == "hf":
+        from preempt.model.hf import load_hf_tokenizer
+
+        return load_hf_tokenizer(config.model.checkpoint)
+    return ByteTokenizer()
+
+
 class _Handlers:
     """The generation routes: validate, submit, then answer whole or as events."""
 
-    def __init__(self, engine_loop: EngineLoop) -> None:
+    def __init__(self, engine_loop: EngineLoop, tokenizer: Any) -> None:
         self.loop = engine_loop
+        # ByteTokenizer for `tiny`; a checkpoint's tokenizer.json for `hf` (load_hf_tokenizer)
+        self.tokenizer = tokenizer
 
     # ----------------------------------------------------------------- routes
     async def generate(self, body: GenerateRequest, http: HTTPRequest) -> Response:
         stream = self._submit(
-            _TOKENIZER.encode(body.prompt), body.max_tokens, body.temperature, body.sla_level
+            self.tokenizer.encode(body.prompt), body.max_tokens, body.temperature, body.sla_level
         )
         rid = f"gen-{stream.request.request_id}"
         if body.stream:
@@ -761,7 +776,7 @@ class _Handlers:
         return JSONResponse(
             {
                 "id": rid,
-                "text": _TOKENIZER.decode(end.output_token_ids),
+                "text": self.tokenizer.decode(end.output_token_ids),
                 "token_ids": end.output_token_ids,
                 "finish_reason": "length",
                 "final_state": end.final_state,
@@ -776,12 +791,11 @@ class _Handlers:
     async def completions(self, body: CompletionRequest, http: HTTPRequest) -> Response:
         self._check_model(body.model)
         if isinstance(body.prompt, str):
-            prompt_ids = _TOKENIZER.encode(body.prompt)
+            prompt_ids = self.tokenizer.encode(body.prompt)
         else:
-            if any(not 0 <= t < _TOKENIZER.vocab_size for t in body.prompt):
-                raise APIError(
-                    400, f"prompt token ids must be in [0, {_TOKENIZER.vocab_size})", param="prompt"
-                )
+            vocab_size = self.loop.facts.vocab_size
+            if any(not 0 <= t < vocab_size for t in body.prompt):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
             prompt_ids = list(body.prompt)
         stream = self._submit(prompt_ids, *self._sampling(body, body.max_tokens))
         head = {
@@ -800,7 +814,7 @@ class _Handlers:
             return _error_response(_end_error(end))
         choice = {
             "index": 0,
-            "text": _TOKENIZER.decode(end.output_token_ids),
+            "text": self.tokenizer.decode(end.output_token_ids),
             "logprobs": None,
             "finish_reason": "length",
         }
@@ -810,7 +824,7 @@ class _Handlers:
         self._check_model(body.model)
         max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
         stream = self._submit(
-            _TOKENIZER.encode(render_chat(body.messages)), *self._sampling(body, max_tokens)
+            self.tokenizer.encode(render_chat(body.messages)), *self._sampling(body, max_tokens)
         )
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -827,7 +841,7 @@ class _Handlers:
             return Response(status_code=499)  # client closed the request: nobody reads this
         if end.final_state == RequestState.ABORTED.value:
             return _error_response(_end_error(end))
-        message = {"role": "assistant", "content": _TOKENIZER.decode(end.output_token_ids)}
+        message = {"role": "assistant", "content": self.tokenizer.decode(end.output_token_ids)}
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "length"}
         return JSONResponse({**head, "choices": [choice], "usage": _usage(end)})
 
@@ -905,10 +919,10 @@ class _Handlers:
         return _EngineStreamResponse(body, on_close)
 
     async def _generate_events(self, stream: RequestStream, rid: str) -> AsyncIterator[bytes]:
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        decoder = self.tokenizer.stream_decoder()
         async for event in stream.events():
             if isinstance(event, TokensEvent):
-                text = decoder.decode(bytes(event.token_ids))
+                text = decoder.push(event.token_ids)
                 yield _sse({"id": rid, "text": text, "token_ids": event.token_ids})
             elif event.final_state == RequestState.ABORTED.value:
                 yield _sse(_end_error(event).body)
@@ -916,7 +930,7 @@ class _Handlers:
                 yield _sse(
                     {
                         "id": rid,
-                        "text": decoder.decode(b"", final=True),
+                        "text": decoder.flush(),
                         "token_ids": [],
                         "finish_reason": "length",
                         "final_state": event.final_state,
@@ -932,9 +946,9 @@ class _Handlers:
     async def _openai_events(
         self, stream: RequestStream, head: dict[str, Any], is_chat: bool, include_usage: bool
     ) -> AsyncIterator[bytes]:
-        # A byte may end mid-character: the incremental decoder holds it until the
-        # character completes, so the streamed text concatenates to the whole text.
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # A token may end mid-character: the stream decoder holds it until the character
+        # completes, so the streamed text concatenates to the whole text.
+        decoder = self.tokenizer.stream_decoder()
 
         def chunk(text: str, finish_reason: str | None, first: bool = False) -> bytes:
             if is_chat:
@@ -951,13 +965,13 @@ class _Handlers:
             yield chunk("", None, first=True)
         async for event in stream.events():
             if isinstance(event, TokensEvent):
-                text = decoder.decode(bytes(event.token_ids))
+                text = decoder.push(event.token_ids)
                 if text:
                     yield chunk(text, None)
             elif event.final_state == RequestState.ABORTED.value:
                 yield _sse(_end_error(event).body)
             else:
-                yield chunk(decoder.decode(b"", final=True), "length")
+                yield chunk(decoder.flush(), "length")
                 if include_usage:
                     yield _sse({**head, "choices": [], "usage": _usage(event)})
         yield _SSE_DONE

@@ -322,6 +322,34 @@ class HFTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def stream_decoder(self) -> TextDiffStreamDecoder:
+        return TextDiffStreamDecoder(self)
+
+
+class TextDiffStreamDecoder:
+    """Streams a subword tokenizer's text: decode everything so far and emit what is new,
+    holding back a trailing U+FFFD (a character whose bytes span tokens not all here yet).
+    Quadratic in the output length, which is fine for one request's stream."""
+
+    def __init__(self, tokenizer: HFTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._sent = 0  # characters of the decoded text already emitted
+
+    def push(self, token_ids: list[int]) -> str:
+        self._ids.extend(token_ids)
+        text = self._tokenizer.decode(self._ids)
+        end = len(text) - 1 if text.endswith("\ufffd") else len(text)
+        if end <= self._sent:
+            return ""
+        piece, self._sent = text[self._sent : end], end
+        return piece
+
+    def flush(self) -> str:
+        text = self._tokenizer.decode(self._ids)
+        piece, self._sent = text[self._sent :], len(text)
+        return piece
+
 
 def load_hf_tokenizer(path: str | Path) -> HFTokenizer | ByteTokenizer:
     """The tokenizer of checkpoint directory `path`: its tokenizer.json when the optional

@@ -7,6 +7,8 @@ must never depend on a vocabulary file, so every machine tokenizes identically.
 
 from __future__ import annotations
 
+import codecs
+
 VOCAB_SIZE = 256
 
 
@@ -21,3 +23,21 @@ class ByteTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         # A sampled sequence need not be valid UTF-8: replace, never raise.
         return bytes(token_ids).decode("utf-8", errors="replace")
+
+    def stream_decoder(self) -> ByteStreamDecoder:
+        return ByteStreamDecoder()
+
+
+class ByteStreamDecoder:
+    """Streams text as tokens arrive: a byte may end mid-character, so the incremental
+    UTF-8 decoder holds it until the character completes; the pieces concatenate to
+    `decode(all ids)`."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_ids: list[int]) -> str:
+        return self._decoder.decode(bytes(token_ids))
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
