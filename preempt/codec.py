@@ -380,13 +380,21 @@ class MixedCodec(Codec):
                 f"shape mismatch: mixed KV must be (L, 2, T, H, D), header says {header.shape}"
             )
         num_layers, _, num_tokens, num_heads, head_dim = header.shape
+        num_codes = num_layers * num_heads
         data = np.frombuffer(payload, dtype=np.uint8)
         if header.flags & FLAG_ZSTD:
+            # Never trust the frame's own size: decompress into a buffer bounded by what the
+            # header allows (every head kept at full width), one byte over to see overflow.
+            bound = num_codes + num_codes * 2 * 4 + header.raw_nbytes
+            out = np.empty(bound + 1, dtype=np.uint8)
             try:
-                data = np.frombuffer(self._zstd._decompressor().decompress(bytes(payload)), dtype=np.uint8)
+                reader = self._zstd._decompressor().stream_reader(payload, read_across_frames=False)
+                filled = _readinto_full(reader, memoryview(out))
             except zstandard.ZstdError as exc:
                 raise CorruptBlobError(f"zstd payload does not decompress: {exc}") from exc
-        num_codes = num_layers * num_heads
+            if filled > bound:
+                raise CorruptBlobError(f"shape/length mismatch: mixed zstd payload exceeds {bound} bytes")
+            data = out[:filled]
         if data.size < num_codes:
             raise CorruptBlobError(f"truncated mixed payload: {data.size} bytes, the plan needs {num_codes}")
         try:

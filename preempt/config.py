@@ -254,6 +254,15 @@ class PreemptionConfig(_Section):
         return parse_size(value)
 
     @model_validator(mode="after")
+    def _plan_shares_fit(self) -> PreemptionConfig:
+        if self.head_plan_fp8_share + self.head_plan_drop_share > 1.0 + 1e-9:
+            raise ValueError(
+                f"head_plan_fp8_share + head_plan_drop_share must be <= 1, got "
+                f"{self.head_plan_fp8_share} + {self.head_plan_drop_share}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _slot_fits_pool(self) -> PreemptionConfig:
         if self.slot_size > self.host_mem:
             raise ValueError(

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from preempt.config import EarlySaveConfig, PreemptionConfig
+from preempt.config import ConfigError, EarlySaveConfig, PreemptionConfig
 from preempt.features import FEATURE_NAMES, compute_features
 from preempt.request import Request
 
@@ -79,7 +79,10 @@ class LSTMPolicy(EarlySavePolicy):
     def __init__(self, checkpoint: str, threshold: float | None) -> None:
         from predictor.online import OnlinePredictor  # torch, only when asked for
 
-        self.predictor = OnlinePredictor.from_checkpoint(checkpoint, threshold=threshold)
+        try:
+            self.predictor = OnlinePredictor.from_checkpoint(checkpoint, threshold=threshold)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"config key 'early_save.checkpoint': {exc}") from None
         self.last_probs: np.ndarray = np.zeros(0, dtype=np.float32)
 
     def select(self, running: Sequence[Request], features: np.ndarray, now: float) -> list[Request]:
@@ -118,7 +121,7 @@ def load_preemption_times(path: str) -> dict[int, np.ndarray]:
     try:
         table = pq.read_table(path, columns=["time_s", "request_id", "reason", "action"]).to_pydict()
     except (OSError, ValueError) as exc:
-        raise ValueError(f"config key 'early_save.oracle_log': cannot read {path}: {exc}") from None
+        raise ConfigError(f"config key 'early_save.oracle_log': cannot read {path}: {exc}") from None
     events: dict[int, list[float]] = {}
     for time_s, request_id, reason, action in zip(
         table["time_s"], table["request_id"], table["reason"], table["action"], strict=True

@@ -96,6 +96,8 @@ class Engine:
         """Abort a queued or running request (client gone, shutdown); frees its blocks."""
         if not request.state.is_final:
             self.scheduler.finish_request(request, RequestState.ABORTED)
+            if self.early_saver is not None:
+                self.early_saver.policy.forget([request])
             self._abort(request, reason)
 
     # ----------------------------------------------------------------- step

@@ -40,7 +40,7 @@ import numpy as np
 
 from preempt.block_pool import blocks_needed
 from preempt.codec import CorruptBlobError, MixedCodec, make_codec
-from preempt.config import EngineConfig, PreemptionConfig
+from preempt.config import ConfigError, EngineConfig, PreemptionConfig
 from preempt.cost_model import CostModel
 from preempt.host_pool import HostPool, PreemptionHandlerOOM, SlotHandle
 from preempt.kv_cache import KVCache
@@ -89,6 +89,7 @@ class _Segment:
     speculative: bool = False  # an early save not (yet) claimed by a preemption
     nbytes_stored: int = 0  # set when the blob is stored (by the worker on the wall clock)
     record: PreemptionRecord | None = None  # the preemption whose bytes_stored it counts in
+    copy_end_s: float = 0.0  # virtual: when its device-to-host copy ends (blocks reusable)
 
 
 @dataclass
@@ -123,7 +124,7 @@ class Saver(KVMover):
                 if kv_cache is not None:
                     self.plan.check_shape(*shape)
             except ValueError as err:
-                raise ValueError(f"config key 'preemption.head_plan': {err}") from None
+                raise ConfigError(f"config key 'preemption.head_plan': {err}") from None
             self.mixed_ratio = plan_size_ratio(self.plan)
             self.codecs["mixed"] = MixedCodec(self.plan, zstd=p.mixed_zstd, level=p.zstd_level)
         self.kv_cache = kv_cache
@@ -136,9 +137,12 @@ class Saver(KVMover):
         self._early_worker = None if self.is_virtual else ThreadPoolExecutor(1, thread_name_prefix="kv-early")
         self._num_pending = 0  # saves queued on the workers, each promised a slot
         self._pending_lock = threading.Lock()
-        self._saved: dict[int, _Saved] = {}  # id(request) -> host copy of a preempted request
-        self._early: dict[int, list[_Segment]] = {}  # id(request) -> early segments of a running one
-        self._d2h_free_at = 0.0
+        # Keyed by the request object (identity, and a live reference: an id() could be
+        # reused by a new request once an old one is garbage-collected).
+        self._saved: dict[Request, _Saved] = {}  # host copy of a preempted request
+        self._early: dict[Request, list[_Segment]] = {}  # early segments of a running one
+        self._d2h_free_at = 0.0  # virtual: demand saves' copy timeline
+        self._early_d2h_free_at = 0.0  # virtual: speculative copies, below demand saves
         self._h2d_free_at = 0.0
         self.save_copy_end_s = 0.0  # virtual: when the latest save's copy-out ends
         self.restore_end_s = 0.0  # virtual: when the latest restore's copy-in ends
@@ -157,7 +161,7 @@ class Saver(KVMover):
     def save(self, request: Request, codec: str, now: float, record: PreemptionRecord) -> str | None:
         started = time.perf_counter()
         num_tokens = request.num_computed_tokens
-        early = self._early.pop(id(request), [])
+        early = self._early.pop(request, [])
         covered = sum(segment.num_tokens for segment in early)
         if covered > num_tokens:  # cannot happen while KV only grows; never trust a stale copy
             self._free_segments(early, wasted=True)
@@ -176,6 +180,8 @@ class Saver(KVMover):
                 segment.record = record
                 record.bytes_stored += segment.nbytes_stored
         segments = [*early, tail] if tail.num_tokens else early
+        # The victim's blocks are reusable once its own copies are out (not anyone else's).
+        self.save_copy_end_s = max(self.save_copy_end_s, *(segment.copy_end_s for segment in segments))
         record.bytes_raw = tail.nbytes_raw
         record.bytes_early = sum(segment.nbytes_raw for segment in early)
         if self.is_virtual:
@@ -183,7 +189,7 @@ class Saver(KVMover):
         else:
             record.save_s = time.perf_counter() - started  # the engine thread's share
             self.engine_thread_s += record.save_s
-        self._saved[id(request)] = _Saved(segments, num_tokens)
+        self._saved[request] = _Saved(segments, num_tokens)
         self.bytes_raw += tail.nbytes_raw
         return None
 
@@ -192,7 +198,7 @@ class Saver(KVMover):
         running. False (nothing done) when there is nothing new, the speculation budget or
         the in-flight bound is reached, or the host pool has no slot to spare."""
         started = time.perf_counter()
-        segments = self._early.setdefault(id(request), [])
+        segments = self._early.setdefault(request, [])
         covered = sum(segment.num_tokens for segment in segments)
         end = request.num_computed_tokens // self.block_size * self.block_size  # full blocks only
         if end <= covered or not self._early_allowed(end - covered, now):
@@ -211,7 +217,7 @@ class Saver(KVMover):
 
     def discard_early(self, request: Request) -> None:
         """The request finished (or left the batch for good): its early copies were wasted."""
-        self._free_segments(self._early.pop(id(request), []), wasted=True)
+        self._free_segments(self._early.pop(request, []), wasted=True)
 
     def _early_codec(self) -> str:
         from preempt.scheduler import _MODE_CODEC
@@ -223,10 +229,7 @@ class Saver(KVMover):
         if self.speculative_bytes + self._raw_bytes(num_tokens) > cfg.host_budget:
             return False
         in_flight = sum(
-            1
-            for segments in self._early.values()
-            for segment in segments
-            if (not segment.handle.done() if isinstance(segment.handle, Future) else segment.ready_at_s > now)
+            1 for segments in self._early.values() for segment in segments if _in_flight(segment, now)
         )
         if in_flight >= cfg.max_inflight:
             return False
@@ -270,7 +273,9 @@ class Saver(KVMover):
         if failure is not None:
             return failure
         if self.is_virtual:
-            segment.ready_at_s = self._model_save_time(segment.num_tokens, codec, now)
+            segment.copy_end_s, segment.ready_at_s = self._model_save_time(
+                segment.num_tokens, codec, now, speculative
+            )
         return segment
 
     def _prepare(self, block_ids: list[int], segment: _Segment) -> tuple[Callable[[], list], int]:
@@ -289,10 +294,10 @@ class Saver(KVMover):
             quantized = gather_quantize_heads(self.kv_cache.kv, block_ids[:num_blocks], num_tokens, self.plan)
             quantized = quantized.to("cpu")
             mixed = self.codecs["mixed"]
-            return (lambda: mixed.encode_quantized(quantized)), quantized.nbytes + _HEADER_SLACK
+            return (lambda: mixed.encode_quantized(quantized)), _blob_bound(quantized.nbytes)
         kv = self.kv_cache.read_blocks(block_ids[:num_blocks])  # (L, 2, n, bs, H, D), a copy
         codec = self.codecs[segment.codec]
-        return (lambda: codec.encode_parts(kv)), segment.nbytes_raw + _HEADER_SLACK
+        return (lambda: codec.encode_parts(kv)), _blob_bound(segment.nbytes_raw)
 
     def _store(self, make_parts: Callable[[], list], segment: _Segment) -> str | None:
         try:
@@ -332,11 +337,12 @@ class Saver(KVMover):
 
     def _reserve_modelled(self, segment: _Segment) -> str | None:
         segment.nbytes_raw = self._raw_bytes(segment.num_tokens)
-        ratio = (
-            1 / self.mixed_ratio if segment.codec == "mixed" else self.config.modelled_ratio[segment.codec]
+        # Stored share of the raw bytes: the plan's for mixed (0 for an all-DROP plan).
+        share = (
+            self.mixed_ratio if segment.codec == "mixed" else 1 / self.config.modelled_ratio[segment.codec]
         )
         try:
-            segment.handle = self.host_pool.reserve(int(segment.nbytes_raw / ratio))
+            segment.handle = self.host_pool.reserve(int(segment.nbytes_raw * share))
         except PreemptionHandlerOOM as err:
             return err.reason
         segment.nbytes_stored = segment.handle.nbytes
@@ -345,12 +351,21 @@ class Saver(KVMover):
             segment.record.bytes_stored += segment.nbytes_stored
         return None
 
-    def _model_save_time(self, num_tokens: int, codec: str, now: float) -> float:
+    def _model_save_time(
+        self, num_tokens: int, codec: str, now: float, speculative: bool
+    ) -> tuple[float, float]:
+        """(copy end, host copy ready) of a save starting at `now`. Demand saves have
+        priority on the device-to-host link (as on a dedicated high-priority stream):
+        they queue only behind each other; speculative copies go when it is free."""
         device_s, copy_bytes = self._modelled_device_side(num_tokens, codec)
-        start = max(now, self._d2h_free_at)
-        self._d2h_free_at = start + device_s + self.cost_model.pcie_time_s(copy_bytes)
-        self.save_copy_end_s = max(self.save_copy_end_s, self._d2h_free_at)
-        return self._d2h_free_at + self._modelled_host_s(copy_bytes, codec, self.config.codec_encode_mb_s)
+        duration = device_s + self.cost_model.pcie_time_s(copy_bytes)
+        if speculative:
+            start = max(now, self._d2h_free_at, self._early_d2h_free_at)
+            self._early_d2h_free_at = copy_end = start + duration
+        else:
+            start = max(now, self._d2h_free_at)
+            self._d2h_free_at = copy_end = start + duration
+        return copy_end, copy_end + self._modelled_host_s(copy_bytes, codec, self.config.codec_encode_mb_s)
 
     def _modelled_device_side(self, num_tokens: int, codec: str) -> tuple[float, float]:
         """(device kernel seconds, bytes over PCIe) of moving `num_tokens` of the
@@ -365,13 +380,13 @@ class Saver(KVMover):
     def _modelled_host_s(self, nbytes: float, codec: str, mb_s: dict[str, float]) -> float:
         host_s = _codec_time_s(nbytes, mb_s.get(codec, 0.0))
         if codec == "mixed" and self.config.mixed_zstd:
-            host_s += _codec_time_s(nbytes, mb_s["zstd"])
+            host_s += _codec_time_s(nbytes, mb_s.get("zstd", 0.0))
         return host_s
 
     # ----------------------------------------------------------------- restore
     def restore(self, request: Request, now: float, record: PreemptionRecord) -> bool:
         started = time.perf_counter()
-        saved = self._saved.pop(id(request))
+        saved = self._saved.pop(request)
         handles = [_resolve(segment.handle) for segment in saved.segments]
         dropped = None if self.kv_cache is None else np.zeros(self._heads_shape, dtype=bool)
         ok = all(handle is not None for handle in handles) and (
@@ -469,7 +484,7 @@ class Saver(KVMover):
     # ----------------------------------------------------------------- cleanup
     def discard(self, request: Request) -> None:
         """Drop every host copy of an aborted request (saved or early)."""
-        saved = self._saved.pop(id(request), None)
+        saved = self._saved.pop(request, None)
         if saved is not None:
             self._free_segments(saved.segments, wasted=False)
         self.discard_early(request)
@@ -502,13 +517,23 @@ class Saver(KVMover):
                 worker.shutdown(wait=True)
 
 
+def _in_flight(segment: _Segment, now: float) -> bool:
+    handle = segment.handle  # read once: the early worker may replace it meanwhile
+    return not handle.done() if isinstance(handle, Future) else segment.ready_at_s > now
+
+
 def _resolve(handle: SlotHandle | Future | None) -> SlotHandle | None:
     return handle.result() if isinstance(handle, Future) else handle
 
 
-# Header and zstd framing above the payload: the header is 36 + 8 * ndim bytes, zstd adds
-# a few bytes per 128 KB block of incompressible data.
+# Header and zstd framing above the payload: the header is 36 + 8 * ndim bytes; zstd adds
+# 3 bytes per 128 KB block of incompressible data (ZSTD_compressBound), bounded here by
+# 1/1024 of the payload.
 _HEADER_SLACK = 4096
+
+
+def _blob_bound(payload_nbytes: int) -> int:
+    return payload_nbytes + payload_nbytes // 1024 + _HEADER_SLACK
 
 
 def _codec_time_s(nbytes: float, mb_per_s: float) -> float:

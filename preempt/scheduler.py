@@ -258,7 +258,7 @@ class Scheduler:
         request.saved_kv = None
         if not ok:
             self.num_restore_fallbacks += 1
-            request.num_computed_tokens = 0
+            _recompute_from_scratch(request)
         else:  # a lossy restore's last tokens are recomputed at full precision (SPEC §9)
             request.num_computed_tokens -= record.warmup_tokens
         return ok
@@ -317,7 +317,7 @@ class Scheduler:
         else:
             record.action = "recompute"
             victim.kv_location = None
-            victim.num_computed_tokens = 0
+            _recompute_from_scratch(victim)
 
     # ----------------------------------------------------------------- preemption
     def _memory_candidates(self) -> list[Request]:
@@ -385,7 +385,7 @@ class Scheduler:
             self.paused.append(victim)
         elif mode == "recompute":
             self._release_blocks(victim)
-            victim.num_computed_tokens = 0
+            _recompute_from_scratch(victim)
             victim.kv_location = None
         else:
             # A forced preemption must free the blocks, so `pause` saves here too.
@@ -440,8 +440,9 @@ class Scheduler:
             if request in self.paused:
                 self.paused.remove(request)
             if request.kv_location == "host":
-                self.mover.discard(request)
                 request.saved_kv = None
+        if self.mover is not None:  # its host copy, and any early (speculative) copies
+            self.mover.discard(request)
         request.kv_location = None
         self._release_blocks(request)
         request.state = state
@@ -460,3 +461,10 @@ class Scheduler:
     def _release_blocks(self, request: Request) -> None:
         self.block_pool.free(request.block_ids)
         request.block_ids = []
+
+
+def _recompute_from_scratch(request: Request) -> None:
+    """The request's KV is gone: it will be recomputed from token 0 at full precision, so
+    no head's prefix stays masked."""
+    request.num_computed_tokens = 0
+    request.kv_masked_until = None

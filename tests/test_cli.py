@@ -87,6 +87,32 @@ def test_swap_runs_are_reproducible_too(tmp_path):
     ("argv", "message"),
     [
         (["run", "--out", "x", "--set", "scheduler.nope=1"], "unknown config key 'scheduler.nope'"),
+        (
+            [
+                "run",
+                "--out",
+                "x",
+                "--set",
+                "preemption.head_plan_fp8_share=0.8",
+                "--set",
+                "preemption.head_plan_drop_share=0.5",
+            ],
+            "head_plan_fp8_share + head_plan_drop_share must be <= 1",
+        ),
+        (
+            [
+                "run",
+                "--out",
+                "x",
+                "--set",
+                "preemption.mode=swap",
+                "--set",
+                "early_save.policy=oracle",
+                "--set",
+                "early_save.oracle_log=missing.parquet",
+            ],
+            "early_save.oracle_log",
+        ),
         (["run", "--out", "x", "--rate-scale", "-1"], "workload.rate_scale"),
         (["run", "--out", "x", "--trace", "no-such-trace"], "no-such-trace"),
         (["run", "--out", "x", "--config", "missing.yaml"], "config file not found"),

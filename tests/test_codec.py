@@ -383,3 +383,16 @@ def test_mixed_payload_with_a_bad_plan_or_length_is_refused():
         codec.decode(reblob(bytes(payload[:-1])))
     with pytest.raises(ValueError, match="needs a head plan"):
         MixedCodec().encode(kv_like((2, 2, 4, 2, 16), torch.float16))
+
+
+def test_mixed_zstd_payload_is_bounded_by_the_header():
+    """A zstd frame claiming far more than the header's shape allows is refused without
+    inflating it (never a huge allocation from a blob)."""
+    import zstandard
+
+    from preempt.codec import FLAG_ZSTD
+
+    payload = zstandard.ZstdCompressor(level=3).compress(bytes(8 << 20))  # 8 MiB of zeros
+    blob = pack_header(MixedCodec.codec_id, FLAG_ZSTD, torch.float16, (1, 2, 1, 1, 8), payload) + payload
+    with pytest.raises(CorruptBlobError, match="mixed zstd payload exceeds"):
+        MixedCodec().decode_quantized(blob)

@@ -36,11 +36,11 @@ def test_incremental_early_saves_plus_tail_restore_bit_identical_kv(mode):
         engine.step()
     assert saver.early_save(request, 0.0)  # 1st snapshot: the full blocks so far
     assert not saver.early_save(request, 0.0)  # nothing new since
-    first = saver._early[id(request)][0].num_tokens
+    first = saver._early[request][0].num_tokens
     for _ in range(9):
         engine.step()
     assert saver.early_save(request, 0.0)  # 2nd: only the blocks written since
-    segments = saver._early[id(request)]
+    segments = saver._early[request]
     assert [s.start for s in segments] == [0, first] and segments[1].num_tokens > 0
     for _ in range(3):
         engine.step()
@@ -185,3 +185,45 @@ def test_wall_clock_early_saves_on_their_own_worker_change_no_output():
     saver = engine.saver
     assert saver.num_early_saves > 0 and saver.early_thread_s > 0
     assert saver.host_pool.num_used_slots == 0 and saver.speculative_bytes == 0
+
+
+@pytest.mark.parametrize("mode", ["swap", "pause"])
+def test_aborting_a_request_frees_its_early_copies(mode):
+    engine = Engine(small_config(preemption={"mode": mode}, early_save={"policy": "always"}))
+    saver = engine.saver
+    request = make_request(0, 21, 60)
+    engine.add_request(request)
+    for _ in range(5):
+        engine.step()
+    assert saver.host_pool.num_used_slots > 0 and saver.speculative_bytes > 0
+    engine.abort_request(request, "client gone")
+    assert saver.host_pool.num_used_slots == 0 and saver.speculative_bytes == 0
+    assert not saver._early and saver.early_bytes_wasted == saver.early_bytes_raw
+
+
+def test_a_victims_blocks_wait_only_for_its_own_copies():
+    # A's KV was fully copied early; B's big speculative copy is still on the link when A
+    # is preempted: the step that reuses A's blocks must not wait for B's copy.
+    def run(policy):
+        config = small_config(
+            model={"backend": "null"},
+            cache={"block_size": 4, "num_blocks": 16 + 16 + 1001},
+            scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 8192, "policy": "vllm_priority"},
+            preemption={"mode": "swap", "host_mem": "8GB", "slot_size": "1GB"},
+            early_save={"policy": policy},
+        )
+        engine = Engine(config)
+        x, a = make_request(0, 63, 50, sla_level=1), make_request(1, 63, 50, sla_level=0)
+        engine.add_request(x)
+        engine.add_request(a)
+        engine.step()
+        engine.add_request(make_request(2, 4001, 50, sla_level=1))
+        engine.step()
+        output = engine.step()  # x needs a 17th block: a is the memory victim
+        (record,) = [r for r in output.scheduled.records if r.request_id == 1]
+        return record, output.stall_s
+
+    plain, plain_stall = run("none")
+    early, early_stall = run("always")
+    assert early.bytes_raw == 0 and early.bytes_early == plain.bytes_raw  # all copied ahead
+    assert early_stall < plain_stall

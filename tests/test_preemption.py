@@ -200,7 +200,7 @@ def test_corrupted_blob_falls_back_to_recompute(preemption, unpreempted):
     def corrupting_save(request, codec, now, record):
         failure = original_save(request, codec, now, record)
         if failure is None:
-            handle = saver._saved[id(request)].segments[-1].handle
+            handle = saver._saved[request].segments[-1].handle
             saver.host_pool.load_tensor(handle)[-1] ^= 0xFF  # flip the payload's last byte
         return failure
 

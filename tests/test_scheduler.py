@@ -121,3 +121,18 @@ def test_finish_request_from_waiting_and_running():
     scheduler.finish_request(b, RequestState.ABORTED)
     scheduler.finish_request(a, RequestState.ABORTED)
     assert not scheduler.has_unfinished and scheduler.block_pool.num_free == 64
+
+
+def test_recompute_from_scratch_clears_masked_prefixes():
+    """KV recomputed from token 0 is exact: no head's prefix may stay masked after a restore
+    fallback (or a recompute preemption)."""
+    import numpy as np
+
+    from preempt.scheduler import _recompute_from_scratch
+    from tests.conftest import make_request
+
+    request = make_request(0, 10, 5)
+    request.num_computed_tokens = 10
+    request.kv_masked_until = np.array([[8, 0]])
+    _recompute_from_scratch(request)
+    assert request.num_computed_tokens == 0 and request.kv_masked_until is None
