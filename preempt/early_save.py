@@ -167,7 +167,7 @@ class EarlySaver:
         if self.policy.needs_features:
             features = compute_features(
                 running,
-                engine.scheduler.waiting_unordered(),
+                engine.scheduler.waiting_scores(now),
                 now,
                 engine.block_pool.num_free,
                 engine.block_pool.num_blocks,

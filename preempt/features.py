@@ -107,13 +107,15 @@ class FeatureConfig:
 
 def compute_features(
     running: Sequence[Request],
-    waiting: Sequence[Request],
+    waiting: Sequence[Request] | np.ndarray,
     now: float,
     num_free_blocks: int,
     num_blocks: int,
     preemption: PreemptionConfig,
 ) -> np.ndarray:
     """The features of each running request, (R, 8) float32 in FEATURE_NAMES order.
+    `waiting`: the waiting requests, or their priority scores at `now` already computed
+    (`Scheduler.waiting_scores`, the fast path the engine hooks use).
 
     Uses only what the scheduler knows at `now`; never mutates anything."""
     weights = preemption.priority_weights
@@ -121,7 +123,9 @@ def compute_features(
     sorted_scores = np.sort(scores)
     # Queue pressure: a waiting request w beats r when s_w > s_r + thr * max(|s_r|, floor);
     # with the waiting scores sorted, that is one searchsorted per running request.
-    waiting_scores = np.sort(priority_scores(waiting, now, weights))
+    waiting_scores = np.sort(
+        waiting if isinstance(waiting, np.ndarray) else priority_scores(waiting, now, weights)
+    )
     bars = scores + preemption.threshold * np.maximum(np.abs(scores), preemption.score_floor)
     num_beating = len(waiting_scores) - np.searchsorted(waiting_scores, bars, side="right")
     out = np.empty((len(running), NUM_FEATURES), dtype=np.float32)
@@ -164,7 +168,7 @@ class FeatureLogger:
         now = engine.clock.now()
         features = compute_features(
             running,
-            scheduler.waiting_unordered(),
+            scheduler.waiting_scores(now),
             now,
             engine.block_pool.num_free,
             engine.block_pool.num_blocks,

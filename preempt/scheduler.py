@@ -38,10 +38,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 from preempt.block_pool import BlockPool, blocks_needed
 from preempt.config import PreemptionConfig, SchedulerConfig
 from preempt.policies import SchedulingPolicy
-from preempt.priority import time_slice_s
+from preempt.priority import remaining_ktokens, time_slice_s
 from preempt.request import Request, RequestState, ScheduledChunk
 
 RATE_WINDOW_S = 60.0
@@ -130,6 +132,7 @@ class Scheduler:
         # Heap of (policy key, insertion counter, request): the counter keeps equal keys
         # FIFO and stops heapq from ever comparing Request objects.
         self._waiting: list[tuple[tuple, int, Request]] = []
+        self._score_parts: dict[Request, float] = {}  # waiting request -> `_score_part`
         self._counter = itertools.count()
         self.paused: list[Request] = []  # preempted, KV still on the device, oldest first
         self.records: list[PreemptionRecord] = []
@@ -157,6 +160,24 @@ class Scheduler:
         if request.state is not RequestState.PREEMPTED:
             request.state = RequestState.WAITING
         heapq.heappush(self._waiting, (self.policy.admission_key(request), next(self._counter), request))
+        self._score_parts[request] = self._score_part(request)
+
+    def _score_part(self, request: Request) -> float:
+        """The part of a waiting request's SPEC score that does not move while it waits
+        (score = this + now * w_age): its remaining work is fixed until it runs again."""
+        weights = self.preemption.priority_weights
+        return (
+            request.sla_level * weights.sla
+            - remaining_ktokens(request) * weights.tokens
+            - request.arrival_s * weights.age
+        )
+
+    def waiting_scores(self, now: float) -> np.ndarray:
+        """SPEC priority scores of all waiting requests at `now`, (N,) float64, in no
+        particular order: O(N) numpy instead of N score evaluations (the feature logger
+        and early-save policies need them every step)."""
+        parts = np.fromiter(self._score_parts.values(), dtype=np.float64, count=len(self._score_parts))
+        return parts + now * self.preemption.priority_weights.age
 
     def waiting_requests(self) -> list[Request]:
         """Waiting requests in admission order (a copy; for inspection and tests)."""
@@ -233,6 +254,7 @@ class Scheduler:
             if not self._allocate_for(request, num_new):
                 break  # never skip the head
             heapq.heappop(self._waiting)
+            del self._score_parts[request]
             if request.kv_location == "host":
                 self._restore(request, now)  # may lower num_computed_tokens (fallback, warm-up)
                 num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -296,6 +318,7 @@ class Scheduler:
             self.records.append(record)
             failure = self._save(victim, self.preemption.reclaim_codec, record)
             self._free_after_save(victim, record, failure)
+            self._score_parts[victim] = self._score_part(victim)  # still waiting; its KV may be gone
             if failure is not None:
                 self._fail(victim, record, failure)
 
@@ -436,6 +459,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self._waiting = [entry for entry in self._waiting if entry[2] is not request]
+            self._score_parts.pop(request, None)
             heapq.heapify(self._waiting)
             if request in self.paused:
                 self.paused.remove(request)

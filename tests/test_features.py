@@ -210,3 +210,36 @@ def test_vectorised_priority_scores_equal_the_scalar_score():
     expected = [priority_score(r, 7.0, weights) for r in requests]
     assert priority_scores(requests, 7.0, weights).tolist() == expected  # same float ops, bit-equal
     assert priority_scores([], 7.0, weights).shape == (0,)
+
+
+@pytest.mark.parametrize("mode", ["pause", "swap", "recompute"])
+def test_scheduler_waiting_scores_track_the_queue(mode):
+    """The scheduler's cached waiting scores equal scoring the queue from scratch at every
+    step, through admissions, preemptions, pauses and reclaims (paused requests whose KV
+    is reclaimed while they wait)."""
+    import numpy as np
+
+    from preempt.engine import Engine
+    from preempt.priority import priority_scores
+    from tests.conftest import small_config
+    from tests.test_preemption import AGGRESSIVE, _workload
+
+    config = small_config(
+        cache={"num_blocks": 30},
+        scheduler={"max_num_seqs": 4, "policy": "priority_score"},
+        preemption={"mode": mode, **AGGRESSIVE},
+        model={"backend": "null"},
+    )
+    engine = Engine(config)
+    for request in _workload():
+        engine.add_request(request)
+    scheduler, weights = engine.scheduler, config.preemption.priority_weights
+    steps = 0
+    while scheduler.has_unfinished:
+        engine.step()
+        steps += 1
+        now = engine.clock.now()
+        fast = np.sort(scheduler.waiting_scores(now))
+        slow = np.sort(priority_scores(scheduler.waiting_requests(), now, weights))
+        np.testing.assert_allclose(fast, slow, rtol=0, atol=1e-9)
+    assert steps > 10 and engine.scheduler.num_preemptions > 0

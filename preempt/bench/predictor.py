@@ -49,10 +49,11 @@ def random_predictor(seed: int = 0) -> OnlinePredictor:
 
 def _features(engine: Engine) -> np.ndarray:
     scheduler = engine.scheduler
+    now = engine.clock.now()
     return compute_features(
         scheduler.running,
-        scheduler.waiting_requests(),
-        engine.clock.now(),
+        scheduler.waiting_scores(now),  # as the engine's hooks do
+        now,
         engine.block_pool.num_free,
         engine.block_pool.num_blocks,
         engine.config.preemption,
