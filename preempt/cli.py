@@ -207,14 +207,17 @@ def cmd_eval_predictor(args: argparse.Namespace) -> int:
 
     from predictor.data import DataError
     from predictor.evaluate import evaluate_checkpoint, jsonable
+    from predictor.online import PredictorCheckpointError, load_checkpoint
 
-    if not args.ckpt.is_file():
-        print(f"preempt: error: --ckpt: checkpoint not found: {args.ckpt}", file=sys.stderr)
-        return 2
     torch.set_num_threads(args.num_threads)
     try:
-        report = evaluate_checkpoint(args.ckpt, args.data, split=args.split)
-    except DataError as err:
+        load_checkpoint(args.ckpt)  # a clear error before Lightning's
+    except PredictorCheckpointError as err:
+        print(f"preempt: error: --ckpt: {err}", file=sys.stderr)
+        return 2
+    try:
+        report = evaluate_checkpoint(args.ckpt, args.data, split=args.split, source=args.source_data)
+    except (DataError, ValueError) as err:
         print(f"preempt: error: --data: {err}", file=sys.stderr)
         return 2
     print(json.dumps(jsonable(report)))
@@ -440,9 +443,15 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--data", type=Path, required=True, help="features dataset")
     evaluate.add_argument(
         "--split",
-        choices=("train", "val", "test"),
+        choices=("train", "val", "test", "all"),
         default="test",
-        help="rows to report (split as in training)",
+        help="rows to report (split as in training; all: every row, with --source-data)",
+    )
+    evaluate.add_argument(
+        "--source-data",
+        type=Path,
+        help="the dataset the checkpoint was trained on: thresholds and logreg come from it, "
+        "--data is only scored (distribution shift)",
     )
     evaluate.add_argument("--num-threads", type=_positive_int, default=1, help="torch threads (default 1)")
     evaluate.set_defaults(func=cmd_eval_predictor)

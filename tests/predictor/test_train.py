@@ -144,7 +144,6 @@ def test_missing_data_or_checkpoint_fails_with_one_line(tmp_path, capsys, traine
 
 def test_distribution_shift_scores_another_dataset_with_the_source_thresholds(trained, data_path, tmp_path):
     from predictor.evaluate import evaluate_checkpoint
-    from predictor.evaluate import main as evaluate_main
 
     out, metrics = trained
     other = synthetic_dataset(tmp_path / "other", num_requests=60, seed=5)
@@ -155,7 +154,9 @@ def test_distribution_shift_scores_another_dataset_with_the_source_thresholds(tr
     assert report["predictors"]["oracle"]["auroc"] == 1.0 and lstm["auroc"] > 0.7
     with pytest.raises(ValueError, match="source"):
         evaluate_checkpoint(out / "predictor.ckpt", data_path, split="all")
-    assert evaluate_main(["--ckpt", str(tmp_path / "none.ckpt"), "--data", str(other)]) == 2
+    argv = ["eval-predictor", "--ckpt", str(out / "predictor.ckpt"), "--data", str(other)]
+    assert main([*argv, "--source-data", str(data_path), "--split", "all"]) == 0
+    assert main(["eval-predictor", "--ckpt", str(tmp_path / "none.ckpt"), "--data", str(other)]) == 2
 
 
 def test_two_process_ddp_training_writes_one_checkpoint(data_path, tmp_path):
