@@ -156,7 +156,7 @@ class HostPool:
 
     # ---- store / load / free ----------------------------------------------------------------
 
-    def store(self, blob: Blob | list[Blob] | tuple[Blob, ...]) -> SlotHandle:
+    def store(self, blob: Blob | list[Blob] | tuple[Blob, ...], into: SlotHandle | None = None) -> SlotHandle:
         """Copy `blob` into a free slot. Raises PreemptionHandlerOOM (and holds nothing) when the
         blob is larger than a slot (checked first: no amount of waiting fixes it) or no slot is
         free.
@@ -165,13 +165,17 @@ class HostPool:
         the raw codec's payload then goes from the KV tensor into the slot in one copy, with the
         GIL released, instead of being joined into a bytes object first. A uint8 tensor may live
         on any device: a CUDA tensor is copied device-to-host straight into the (pinned) slot.
+
+        `into`: a slot claimed earlier with `reserve(upper bound)` (a save whose failure must
+        be known before its blob is encoded); the blob goes there and the slot's byte count
+        shrinks to the blob's size. On any failure that slot is released.
         """
         if not self.has_data:
             raise RuntimeError("this HostPool was made with allocate=False (sizes only): use reserve()")
         parts = [_as_bytes_source(part) for part in (blob if isinstance(blob, (list, tuple)) else [blob])]
         sizes = [part.numel() if isinstance(part, torch.Tensor) else part.nbytes for part in parts]
         nbytes = sum(sizes)
-        handle = self.reserve(nbytes)
+        handle = self.reserve(nbytes) if into is None else self._shrink(into, nbytes)
         slot = handle.slot
         offset = slot * self.slot_bytes
         try:
@@ -235,6 +239,22 @@ class HostPool:
         with self._lock:
             self._validate(handle, "free")
             self._release(handle.slot, handle.nbytes)
+
+    def _shrink(self, reservation: SlotHandle, nbytes: int) -> SlotHandle:
+        """The reserved slot, now recorded as holding `nbytes` (<= its reservation)."""
+        with self._lock:
+            self._validate(reservation, "store into")
+            if nbytes > reservation.nbytes:
+                self._release(reservation.slot, reservation.nbytes)
+                raise PreemptionHandlerOOM(
+                    "slot_too_small",
+                    f"KV blob of {format_size(nbytes)} exceeds its reservation of "
+                    f"{format_size(reservation.nbytes)}",
+                    nbytes=nbytes,
+                )
+            self._nbytes[reservation.slot] = nbytes
+            self._bytes_used -= reservation.nbytes - nbytes
+            return SlotHandle(slot=reservation.slot, nbytes=nbytes, generation=reservation.generation)
 
     # ---- internals (call with the lock held) ------------------------------------------------
 

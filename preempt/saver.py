@@ -135,8 +135,7 @@ class Saver(KVMover):
         # speculative work never delays a preemption's save.
         self._worker = None if self.is_virtual else ThreadPoolExecutor(1, thread_name_prefix="kv-saver")
         self._early_worker = None if self.is_virtual else ThreadPoolExecutor(1, thread_name_prefix="kv-early")
-        self._num_pending = 0  # saves queued on the workers, each promised a slot
-        self._pending_lock = threading.Lock()
+        self._lock = threading.Lock()  # stored-byte counts, written by the workers too
         # Keyed by the request object (identity, and a live reference: an id() could be
         # reused by a new request once an old one is garbage-collected).
         self._saved: dict[Request, _Saved] = {}  # host copy of a preempted request
@@ -176,7 +175,7 @@ class Saver(KVMover):
             segment.speculative = False
             self.speculative_bytes -= segment.nbytes_raw
             self.early_bytes_used += segment.nbytes_raw
-            with self._pending_lock:  # its size may still be on the early worker
+            with self._lock:  # its size may still be on the early worker
                 segment.record = record
                 record.bytes_stored += segment.nbytes_stored
         segments = [*early, tail] if tail.num_tokens else early
@@ -233,8 +232,7 @@ class Saver(KVMover):
         )
         if in_flight >= cfg.max_inflight:
             return False
-        with self._pending_lock:  # keep a slot free for the next demand save
-            return self.host_pool.num_free_slots - self._num_pending > 1
+        return self.host_pool.num_free_slots > 1  # keep a slot free for the next demand save
 
     def _evict_speculative(self) -> bool:
         """Free every unclaimed early copy (of running requests) to make room for a demand
@@ -299,12 +297,21 @@ class Saver(KVMover):
         codec = self.codecs[segment.codec]
         return (lambda: codec.encode_parts(kv)), _blob_bound(segment.nbytes_raw)
 
-    def _store(self, make_parts: Callable[[], list], segment: _Segment) -> str | None:
+    def _store(
+        self, make_parts: Callable[[], list], segment: _Segment, into: SlotHandle | None = None
+    ) -> str | None:
+        """Encode and store the segment's blob (into the reserved slot `into`, if given)."""
         try:
-            segment.handle = self.host_pool.store(make_parts())
+            parts = make_parts()
+        except BaseException:
+            if into is not None:
+                self.host_pool.free(into)
+            raise
+        try:
+            segment.handle = self.host_pool.store(parts, into=into)  # releases `into` if it fails
         except PreemptionHandlerOOM as err:
             return err.reason
-        with self._pending_lock:
+        with self._lock:
             segment.nbytes_stored = segment.handle.nbytes
             self.bytes_stored += segment.nbytes_stored
             if segment.record is not None:
@@ -314,22 +321,16 @@ class Saver(KVMover):
     def _store_async(
         self, make_parts: Callable[[], list], bound: int, segment: _Segment, worker: ThreadPoolExecutor
     ) -> str | None:
-        # Failures must be known now (the scheduler decides on them), so check before
-        # queueing: `bound` bounds the blob (the packed or raw size plus header/zstd
-        # framing), and every queued save holds the promise of one free slot.
-        if bound > self.host_pool.slot_bytes:
-            return "slot_too_small"
-        with self._pending_lock:
-            if self.host_pool.num_free_slots - self._num_pending <= 0:
-                return "pool_full"
-            self._num_pending += 1
+        # Failures must be known now (the scheduler decides on them): reserve the slot now
+        # for `bound` bytes (the packed or raw size plus header/zstd framing); the worker
+        # fills it and shrinks the reservation to the blob's real size.
+        try:
+            reservation = self.host_pool.reserve(bound)
+        except PreemptionHandlerOOM as err:
+            return err.reason
 
         def work() -> SlotHandle | None:
-            try:
-                failure = self._store(make_parts, segment)
-            finally:
-                with self._pending_lock:
-                    self._num_pending -= 1
+            failure = self._store(make_parts, segment, into=reservation)
             return None if failure else segment.handle  # lost: the restore recomputes
 
         segment.handle = worker.submit(work)

@@ -282,3 +282,23 @@ def test_store_parts_back_to_back():
     assert info.value.nbytes == 21
     assert pool.num_free_slots == 1
     pool.check()
+
+
+def test_store_into_a_reservation_shrinks_it_to_the_blob():
+    """A save decided now and encoded later: the slot is reserved for an upper bound, then
+    filled; accounting ends at the blob's real size, and an oversized blob releases it."""
+    pool = HostPool(4096, 1024, pin_memory=False)
+    reservation = pool.reserve(1000)
+    assert pool.num_free_slots == 3 and pool.bytes_used == 1000
+    handle = pool.store(b"x" * 600, into=reservation)
+    assert handle.slot == reservation.slot and handle.nbytes == 600 and pool.bytes_used == 600
+    assert bytes(pool.load(handle)) == b"x" * 600
+    pool.free(handle)
+    too_small = pool.reserve(100)
+    with pytest.raises(PreemptionHandlerOOM, match="exceeds its reservation") as err:
+        pool.store(b"y" * 101, into=too_small)
+    assert err.value.reason == "slot_too_small"
+    assert pool.num_free_slots == 4 and pool.bytes_used == 0  # nothing leaked
+    with pytest.raises(HostPoolError, match="already freed"):
+        pool.store(b"z", into=too_small)
+    pool.check()
