@@ -740,22 +740,14 @@ def _git_rev() -> str:
     """The checkout's commit (+ '-dirty' with uncommitted changes to tracked files); read only."""
     repo = Path(__file__).resolve().parents[1]
     try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=repo,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=repo,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        ).stdout.strip()
+
+        def git(*args: str) -> str:
+            return subprocess.run(
+                ["git", *args], cwd=repo, capture_output=True, text=True, timeout=5, check=True
+            ).stdout.strip()
+
+        rev = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
         return rev + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"

@@ -311,12 +311,16 @@ class Saver(KVMover):
             segment.handle = self.host_pool.store(parts, into=into)  # releases `into` if it fails
         except PreemptionHandlerOOM as err:
             return err.reason
+        self._count_stored(segment)
+        return None
+
+    def _count_stored(self, segment: _Segment) -> None:
+        """The segment's blob is in the pool: count its size (workers call this too)."""
         with self._lock:
             segment.nbytes_stored = segment.handle.nbytes
             self.bytes_stored += segment.nbytes_stored
             if segment.record is not None:
                 segment.record.bytes_stored += segment.nbytes_stored
-        return None
 
     def _store_async(
         self, make_parts: Callable[[], list], bound: int, segment: _Segment, worker: ThreadPoolExecutor
@@ -346,10 +350,7 @@ class Saver(KVMover):
             segment.handle = self.host_pool.reserve(int(segment.nbytes_raw * share))
         except PreemptionHandlerOOM as err:
             return err.reason
-        segment.nbytes_stored = segment.handle.nbytes
-        self.bytes_stored += segment.nbytes_stored
-        if segment.record is not None:
-            segment.record.bytes_stored += segment.nbytes_stored
+        self._count_stored(segment)
         return None
 
     def _model_save_time(

@@ -45,3 +45,11 @@ def small_config(**sections) -> EngineConfig:
 @pytest.fixture
 def request_factory():
     return make_request
+
+
+@pytest.fixture
+def no_wandb_network(monkeypatch):
+    """No key, and a server address nothing listens on: any attempt to go online fails."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")

@@ -20,11 +20,7 @@ from tests.lm import TEST_ARCH, write_corpus
 torch.set_num_threads(1)
 
 
-@pytest.fixture(autouse=True)
-def no_wandb_network(monkeypatch):
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+pytestmark = pytest.mark.usefixtures("no_wandb_network")
 
 
 @pytest.fixture(scope="module")

@@ -33,12 +33,7 @@ METRICS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def no_wandb_network(monkeypatch):
-    # No key, and a server address nothing listens on: any attempt to go online would fail.
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+pytestmark = pytest.mark.usefixtures("no_wandb_network")
 
 
 @pytest.fixture(scope="module")
