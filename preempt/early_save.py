@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from preempt.config import ConfigError, EarlySaveConfig, PreemptionConfig
-from preempt.features import FEATURE_NAMES, compute_features
+from preempt.config import ConfigError, EarlySaveConfig
+from preempt.features import FEATURE_NAMES, engine_features
 from preempt.request import Request
 
 if TYPE_CHECKING:
@@ -148,9 +148,8 @@ class EarlySaver:
     """`hook(engine, output)` after each engine step: forget finished requests (their
     early copies were wasted), then save early whom the policy picks."""
 
-    def __init__(self, policy: EarlySavePolicy, preemption: PreemptionConfig) -> None:
+    def __init__(self, policy: EarlySavePolicy) -> None:
         self.policy = policy
-        self.preemption = preemption
         self.num_selected = 0  # picks, including those the saver skipped (nothing new, budget)
 
     def __call__(self, engine: Engine, output: StepOutput) -> None:
@@ -163,16 +162,7 @@ class EarlySaver:
         if not output.scheduled.chunks or not running:
             return
         now = engine.clock.now()
-        features = None
-        if self.policy.needs_features:
-            features = compute_features(
-                running,
-                engine.scheduler.waiting_scores(now),
-                now,
-                engine.block_pool.num_free,
-                engine.block_pool.num_blocks,
-                self.preemption,
-            )
+        features = engine_features(engine) if self.policy.needs_features else None
         chosen = self.policy.select(running, features, now)
         self.num_selected += len(chosen)
         for request in chosen:

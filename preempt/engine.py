@@ -61,7 +61,7 @@ class Engine:
         if config.early_save.policy != "none":
             from preempt.early_save import EarlySaver, make_policy
 
-            self.early_saver = EarlySaver(make_policy(config.early_save), config.preemption)
+            self.early_saver = EarlySaver(make_policy(config.early_save))
         self.clock = make_clock(config.clock.kind)
         self.num_steps = 0
         self.stall_s = 0.0  # compute waiting for KV moves (saves' copy-out, restores)

@@ -140,6 +140,21 @@ def compute_features(
     return out
 
 
+def engine_features(engine: Engine) -> np.ndarray:
+    """`compute_features` of the engine's running requests now, (R, 8): what the feature
+    logger records and what the early-save policies decide on."""
+    scheduler = engine.scheduler
+    now = engine.clock.now()
+    return compute_features(
+        scheduler.running,
+        scheduler.waiting_scores(now),
+        now,
+        engine.block_pool.num_free,
+        engine.block_pool.num_blocks,
+        engine.config.preemption,
+    )
+
+
 class FeatureLogger:
     """An `on_step` hook (`hook(engine, output)`) that records features of running requests.
 
@@ -166,14 +181,7 @@ class FeatureLogger:
         if not running:
             return
         now = engine.clock.now()
-        features = compute_features(
-            running,
-            scheduler.waiting_scores(now),
-            now,
-            engine.block_pool.num_free,
-            engine.block_pool.num_blocks,
-            engine.config.preemption,
-        )
+        features = engine_features(engine)
         self._request_ids.append(np.fromiter((r.request_id for r in running), np.int64, len(running)))
         self._steps.append(engine.num_steps)
         self._counts.append(len(running))

@@ -45,7 +45,7 @@ from preempt.cost_model import CostModel
 from preempt.host_pool import HostPool, PreemptionHandlerOOM, SlotHandle
 from preempt.kv_cache import KVCache
 from preempt.request import Request
-from preempt.scheduler import KVMover, PreemptionRecord
+from preempt.scheduler import MODE_CODEC, KVMover, PreemptionRecord
 
 
 def head_plan_for(config: PreemptionConfig, num_layers: int, num_kv_heads: int, seed: int):
@@ -219,9 +219,7 @@ class Saver(KVMover):
         self._free_segments(self._early.pop(request, []), wasted=True)
 
     def _early_codec(self) -> str:
-        from preempt.scheduler import _MODE_CODEC
-
-        return _MODE_CODEC.get(self.config.mode, self.config.reclaim_codec)
+        return MODE_CODEC.get(self.config.mode, self.config.reclaim_codec)
 
     def _early_allowed(self, num_tokens: int, now: float) -> bool:
         cfg = self.early_config

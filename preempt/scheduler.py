@@ -47,7 +47,7 @@ from preempt.priority import remaining_ktokens, time_slice_s
 from preempt.request import Request, RequestState, ScheduledChunk
 
 RATE_WINDOW_S = 60.0
-_MODE_CODEC = {"swap": "raw", "swap_zstd": "zstd", "swap_mixed": "mixed"}
+MODE_CODEC = {"swap": "raw", "swap_zstd": "zstd", "swap_mixed": "mixed"}
 
 
 @dataclass
@@ -182,11 +182,6 @@ class Scheduler:
     def waiting_requests(self) -> list[Request]:
         """Waiting requests in admission order (a copy; for inspection and tests)."""
         return [entry[2] for entry in sorted(self._waiting)]
-
-    def waiting_unordered(self) -> list[Request]:
-        """Waiting requests in no particular order (a copy, without the sort: for per-step
-        statistics over the queue)."""
-        return [entry[2] for entry in self._waiting]
 
     def preemptions_in_window(self, now: float) -> int:
         while self._window and self._window[0] <= now - RATE_WINDOW_S:
@@ -413,7 +408,7 @@ class Scheduler:
         else:
             # A forced preemption must free the blocks, so `pause` saves here too.
             record.action = "save"
-            failure = self._save(victim, _MODE_CODEC.get(mode, self.preemption.reclaim_codec), record)
+            failure = self._save(victim, MODE_CODEC.get(mode, self.preemption.reclaim_codec), record)
             if failure is not None and not forced:
                 self._fail(victim, record, failure)  # keeps running with its KV
                 return False

@@ -25,8 +25,7 @@ import torch
 
 from predictor.online import HIDDEN_SIZE, NUM_FEATURES, OnlinePredictor
 from preempt.bench.engine import decoding_engine
-from preempt.engine import Engine
-from preempt.features import compute_features
+from preempt.features import engine_features
 
 TARGET_FRACTION = 0.05
 
@@ -45,19 +44,6 @@ def random_predictor(seed: int = 0) -> OnlinePredictor:
     state["feature_mean"] = torch.zeros(NUM_FEATURES)
     state["feature_std"] = torch.ones(NUM_FEATURES)
     return OnlinePredictor(state, threshold=0.5)
-
-
-def _features(engine: Engine) -> np.ndarray:
-    scheduler = engine.scheduler
-    now = engine.clock.now()
-    return compute_features(
-        scheduler.running,
-        scheduler.waiting_scores(now),  # as the engine's hooks do
-        now,
-        engine.block_pool.num_free,
-        engine.block_pool.num_blocks,
-        engine.config.preemption,
-    )
 
 
 def _median_us(samples: list[float]) -> float:
@@ -89,7 +75,7 @@ def bench_predictor(quick: bool = False) -> dict[str, Any]:
             started = time.perf_counter()
             engine.step()
             stepped = time.perf_counter()
-            features = _features(engine)
+            features = engine_features(engine)
             ids = [r.request_id for r in engine.scheduler.running]
             featured = time.perf_counter()
             probs = predictor.step(ids, features)

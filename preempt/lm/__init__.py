@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from preempt.model.tiny import TinyLM, apply_rope, rope_cos_sin
+from preempt.model.tiny import TinyLM, rope_cos_sin
 
 
 def forward_batch(
@@ -48,12 +48,9 @@ def forward_batch(
     hidden = F.embedding(input_ids, model.embed_tokens)  # (B, T, hidden)
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
-        x = layer.input_layernorm(hidden)
-        q = attn.q_proj(x).view(batch, num_tokens, cfg.num_heads, cfg.head_dim)
-        k = attn.k_proj(x).view(batch, num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = attn.v_proj(x).view(batch, num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        q = apply_rope(q, cos, sin).transpose(1, 2)  # (B, Hq, T, D)
-        k = apply_rope(k, cos, sin).transpose(1, 2).repeat_interleave(group, dim=1)  # (B, Hq, T, D)
+        q, k, v = attn.qkv(layer.input_layernorm(hidden), cos, sin)  # (B, T, H, D)
+        q = q.transpose(1, 2)  # (B, Hq, T, D)
+        k = k.transpose(1, 2).repeat_interleave(group, dim=1)  # (B, Hq, T, D)
         v = v.transpose(1, 2).repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scale)  # (B, Hq, T, D)
         if head_gates is not None:
@@ -61,7 +58,7 @@ def forward_batch(
             out = out * gates.reshape(-1 if gates.dim() == 2 else 1, cfg.num_heads, 1, 1)
         hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, num_tokens, -1))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    return model.lm_head(model.norm(hidden))  # (B, T, V)
+    return model.logits(hidden)  # (B, T, V)
 
 
 def next_byte_loss(

@@ -38,26 +38,7 @@ LM_FILE = "lm.pt"
 # includes it, so stale `lm.pt` files are retrained instead of trusted.
 TRAIN_VERSION = 1
 
-LM_PRESETS: dict[str, TinyConfig] = {
-    # ~1.05M parameters. 4 layers x 4 KV heads = 16 KV heads, so the SPEC's "10% dropped"
-    # is 2 whole heads (with 2 KV heads per layer it would round to 1 of 8); GQA with 2
-    # query heads per KV head as in Llama-3. ~6.8k tokens/s of training on one core.
-    "lm-4l": TinyConfig(
-        vocab_size=256,
-        num_layers=4,
-        hidden_size=128,
-        num_heads=8,
-        num_kv_heads=4,
-        head_dim=32,
-        intermediate_size=384,
-    ),
-}
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
-
-
-def all_presets() -> dict[str, TinyConfig]:
-    """LM presets plus the engine's (`preempt.model.tiny.PRESETS`)."""
-    return {**PRESETS, **LM_PRESETS}
 
 
 @dataclass(frozen=True)
@@ -101,7 +82,7 @@ class LMTrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        presets = all_presets()
+        presets = PRESETS
         if self.preset not in presets:
             raise ValueError(f"unknown LM preset '{self.preset}'; valid: {', '.join(sorted(presets))}")
         unknown = sorted(set(self.arch) - set(ARCH_FIELDS))
@@ -118,7 +99,7 @@ class LMTrainConfig:
 
     @property
     def model_config(self) -> TinyConfig:
-        base = all_presets()[self.preset]
+        base = PRESETS[self.preset]
         return dataclasses.replace(base, **self.arch) if self.arch else base
 
     def key(self) -> str:
