@@ -60,7 +60,8 @@ class CacheConfig(_Section):
     block_size: int = Field(16, gt=0)
     """Tokens per KV block."""
     num_blocks: int | None = Field(None, gt=0)
-    """Physical blocks in the pool. None: the target's KV capacity (clock.target)."""
+    """Usable blocks in the pool. None: the target's KV capacity (clock.target) less the one
+    block vLLM keeps as its null block (so `num_blocks` here is vLLM's `num_gpu_blocks` - 1)."""
 
 
 class SchedulerConfig(_Section):
@@ -70,6 +71,12 @@ class SchedulerConfig(_Section):
     """Token budget of one step (decode tokens + prefill chunks)."""
     policy: str = "vllm_fcfs"
     """Victim/admission policy by name (preempt.policies.POLICIES)."""
+    reserve_full_sequence: bool = True
+    """Admit a waiting (or preempted) request only when blocks for its whole current
+    sequence (prompt + tokens generated so far) are free, although blocks are still
+    allocated chunk by chunk. Mirrors vLLM 0.32's `scheduler_reserve_full_isl` (on by
+    default there); off, only the first chunk must fit, as vLLM did before it, which admits
+    long prompts that are preempted a few steps later."""
 
     @field_validator("policy")
     @classmethod
@@ -200,6 +207,11 @@ class PreemptionConfig(_Section):
     max_consecutive_preemptions: int = Field(3, gt=0)
     """A request already preempted this many times is marked PREEMPTION_FAILED instead of
     preempted again, and runs to completion."""
+    failure_fallback: bool | None = None
+    """The failure fallback (PREEMPTION_FAILED after `max_consecutive_preemptions` or a
+    failed save, protected victims, admission backoff). None: the policy's own default --
+    on for `priority_score`, off for the vLLM and SGLang baselines, which have none of it
+    (a failed save there simply drops the KV for recompute)."""
     backoff: BackoffConfig = BackoffConfig()
     host_mem: int | str = "4GB"
     """Host pool for saved KV (`--preemption-host-mem`), in the KV bytes of the backend

@@ -39,7 +39,9 @@ class Engine:
         self.config = config
         self.cost_model = CostModel(get_target(config.clock.target))
         self.block_size = config.cache.block_size
-        num_blocks = config.cache.num_blocks or self.cost_model.kv_capacity_blocks(self.block_size)
+        # A capacity from the target counts blocks as vLLM's `num_gpu_blocks`, of which it
+        # keeps one as its null block; an explicit `cache.num_blocks` is the usable count.
+        num_blocks = config.cache.num_blocks or self.cost_model.kv_capacity_blocks(self.block_size) - 1
         self.block_pool = BlockPool(num_blocks)
         self.runner = create_model_runner(config, num_blocks, self.block_size)
         self.saver = None

@@ -27,10 +27,14 @@ class SchedulingPolicy(ABC):
     - `priority_victim` returns a running request the challenger may displace, or None.
       The scheduler has already filtered `candidates` (slice used if `uses_time_slices`,
       not PREEMPTION_FAILED); the policy only compares importance.
+    - `uses_failure_fallback` is the default of `preemption.failure_fallback`: whether the
+      scheduler applies the SPEC design's PREEMPTION_FAILED fallback and backoff. A
+      baseline named after a system keeps it off unless that system has one.
     """
 
     name: str
     uses_time_slices: bool = False
+    uses_failure_fallback: bool = False
 
     def __init__(self, config: PreemptionConfig) -> None:
         self.config = config
@@ -51,7 +55,8 @@ class SchedulingPolicy(ABC):
 
 
 class VllmFcfsPolicy(SchedulingPolicy):
-    """vLLM V1 FCFS: admit by arrival; the victim is the last admitted request."""
+    """vLLM V1 FCFS (vllm/v1/core/sched/scheduler.py, 0.32.0): admit by arrival; the victim
+    is the last admitted request (`self.running.pop()`)."""
 
     name = "vllm_fcfs"
 
@@ -65,9 +70,11 @@ class VllmFcfsPolicy(SchedulingPolicy):
 
 
 class VllmPriorityPolicy(SchedulingPolicy):
-    """vLLM V1 priority scheduling: admit by (priority, arrival); the victim is the worst
-    by (priority, arrival). vLLM's smaller `priority` value is more important; our
-    `sla_level` is the opposite, hence the negation. Preempts only for memory."""
+    """vLLM V1 priority scheduling (0.32.0): admit by (priority, arrival, request id), as
+    `Request.__lt__` orders its heap; the victim is `max(running, key=(priority,
+    arrival_time))`, so among equals the earliest in running order. vLLM's smaller
+    `priority` value is more important; our `sla_level` is the opposite, hence the
+    negation. Preempts only for memory."""
 
     name = "vllm_priority"
 
@@ -75,7 +82,8 @@ class VllmPriorityPolicy(SchedulingPolicy):
         return (-request.sla_level, request.arrival_s, request.request_id)
 
     def select_victim(self, running: Sequence[Request], now: float) -> Request:
-        return max(running, key=self.admission_key)
+        # No request id in the key: vLLM breaks ties by running order (max keeps the first).
+        return max(running, key=lambda r: (-r.sla_level, r.arrival_s))
 
 
 class SglangThresholdPolicy(VllmPriorityPolicy):
@@ -102,6 +110,7 @@ class PriorityScorePolicy(SchedulingPolicy):
 
     name = "priority_score"
     uses_time_slices = True
+    uses_failure_fallback = True
 
     def admission_key(self, request: Request) -> tuple:
         # Every waiting request ages at the same rate, so ordering by the score at time 0

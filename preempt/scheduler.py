@@ -14,19 +14,26 @@ One step (`schedule(now)`):
 1. Running requests, in admission order, get their next tokens (1 for decode, a prompt
    chunk otherwise) within the token budget. When blocks run out, paused requests'
    blocks are reclaimed first, then the policy picks a victim among the running
-   requests (a forced preemption); if the victim is the requester itself, it waits.
+   requests (a forced preemption); if the victim is the requester itself, it waits and
+   the pass over running requests ends there.
 2. Unless step 1 preempted someone, waiting requests are admitted in policy order while
-   the budget, `max_num_seqs` and free blocks allow; the head is never skipped. A
+   the budget, `max_num_seqs` and free blocks allow (with `reserve_full_sequence`, blocks
+   for the whole current sequence must be free); the head is never skipped. A
    preempted request resumes by re-pointing its blocks (`pause`), restoring its saved KV
    (`swap*`) or recomputing it.
+
+With the vLLM policies and the SPEC fallback off (their default) steps 1 and 2 are vLLM
+0.32's V1 `Scheduler.schedule()` without prefix caching, step for step: `preempt parity
+vllm` drives vLLM's own scheduler beside this one and compares every step.
 
 What happens to a victim's KV (`preemption.mode`): `recompute` drops it; `swap` /
 `swap_zstd` save it to host memory and free the blocks; `pause` keeps the blocks
 resident (zero copy) and saves them (`reclaim_codec`) only when someone needs blocks.
-A failed save (host pool full, blob over one slot) or a request already preempted
-`max_consecutive_preemptions` times takes the fallback: the request is marked
-PREEMPTION_FAILED and runs to completion (a forced preemption still drops its KV, since
-the blocks are needed), and new admissions back off exponentially.
+With the failure fallback on (the SPEC design's default), a failed save (host pool full,
+blob over one slot) or a request already preempted `max_consecutive_preemptions` times
+takes the fallback: the request is marked PREEMPTION_FAILED and runs to completion (a
+forced preemption still drops its KV, since the blocks are needed), and new admissions
+back off exponentially. Without it a failed save only drops the KV for recompute.
 """
 
 from __future__ import annotations
@@ -125,6 +132,10 @@ class Scheduler:
         if self.preemption.mode != "recompute" and mover is None:
             raise ValueError(f"preemption.mode '{self.preemption.mode}' needs a KV mover (saver)")
         self.policy = policy
+        # The SPEC design's fallback (PREEMPTION_FAILED, protected victims, backoff) runs only
+        # where the policy has it by default or the config asks for it: vLLM has none.
+        fallback = self.preemption.failure_fallback
+        self.uses_failure_fallback = policy.uses_failure_fallback if fallback is None else fallback
         self.block_pool = block_pool
         self.block_size = block_size
         self.mover = mover
@@ -207,6 +218,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            preempted_itself = False
             while not self._allocate_for(request, num_new):
                 victim = self.policy.select_victim(self._memory_candidates(), now)
                 victim_chunk = chunks.pop(id(victim), None)
@@ -219,11 +231,15 @@ class Scheduler:
                 if victim_index < index:
                     index -= 1
                 if victim is request:
+                    preempted_itself = True
                     break
-            else:
-                chunks[id(request)] = ScheduledChunk(request, num_new)
-                budget -= num_new
-                index += 1
+            if preempted_itself:
+                # As vLLM: a request that could only make room by preempting itself ends the
+                # pass over running requests; those after it wait for the next step.
+                break
+            chunks[id(request)] = ScheduledChunk(request, num_new)
+            budget -= num_new
+            index += 1
 
         if not memory_preempted:
             self._admit_waiting(chunks, budget, now)
@@ -246,7 +262,7 @@ class Scheduler:
             if self._held_by_backoff(request, now):
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_for(request, num_new):
+            if not self._whole_sequence_fits(request) or not self._allocate_for(request, num_new):
                 break  # never skip the head
             heapq.heappop(self._waiting)
             del self._score_parts[request]
@@ -281,6 +297,30 @@ class Scheduler:
         return ok
 
     # ----------------------------------------------------------------- blocks
+    def _admission_missing_blocks(self, request: Request) -> int:
+        """Blocks a waiting request must find free to be admitted: for its whole current
+        sequence with `reserve_full_sequence` (vLLM 0.32's `scheduler_reserve_full_isl`,
+        `full_sequence_must_fit` in `KVCacheManager.allocate_slots`), else for its first
+        chunk only."""
+        if self.config.reserve_full_sequence:
+            num_tokens = request.num_tokens
+        else:
+            num_tokens = request.num_computed_tokens + min(
+                request.num_tokens - request.num_computed_tokens, self.config.max_num_batched_tokens
+            )
+        return blocks_needed(num_tokens, self.block_size) - len(request.block_ids)
+
+    def _whole_sequence_fits(self, request: Request) -> bool:
+        """The admission gate for the whole sequence (a no-op without reserve_full_sequence:
+        the first chunk's allocation is the only check then)."""
+        if not self.config.reserve_full_sequence:
+            return True
+        num_missing = self._admission_missing_blocks(request)
+        if num_missing <= 0 or self.block_pool.can_allocate(num_missing):
+            return True
+        self._reclaim_paused(num_missing, exclude=request)
+        return self.block_pool.can_allocate(num_missing)
+
     def _allocate_for(self, request: Request, num_new: int) -> bool:
         """Grow the request's block table to cover `num_new` more tokens, if possible,
         reclaiming paused requests' blocks first."""
@@ -368,12 +408,7 @@ class Scheduler:
     def _can_admit(self, request: Request) -> bool:
         if len(self.running) >= self.config.max_num_seqs:
             return False
-        first_chunk = min(
-            request.num_tokens - request.num_computed_tokens, self.config.max_num_batched_tokens
-        )
-        num_missing = blocks_needed(request.num_computed_tokens + first_chunk, self.block_size) - len(
-            request.block_ids
-        )
+        num_missing = self._admission_missing_blocks(request)
         reclaimable = sum(len(r.block_ids) for r in self.paused if r is not request)
         return num_missing <= self.block_pool.num_free + reclaimable
 
@@ -393,7 +428,11 @@ class Scheduler:
             slice_s=time_slice_s(victim, self.preemption),
         )
         self.records.append(record)
-        if not forced and victim.num_preemptions >= self.preemption.max_consecutive_preemptions:
+        if (
+            self.uses_failure_fallback
+            and not forced
+            and victim.num_preemptions >= self.preemption.max_consecutive_preemptions
+        ):
             self._fail(victim, record, "consecutive_limit")
             return False
         failure = None
@@ -424,20 +463,30 @@ class Scheduler:
         # way it is flagged after leaving `running`, so the record keeps its action.
         if failure is not None:
             self._fail(victim, record, failure)
-        elif forced and victim.num_preemptions >= self.preemption.max_consecutive_preemptions:
+        elif (
+            self.uses_failure_fallback
+            and forced
+            and victim.num_preemptions >= self.preemption.max_consecutive_preemptions
+        ):
             # It has paid enough: from now on only a victim of last resort.
             self._fail(victim, record, "consecutive_limit")
         return True
 
     def _fail(self, request: Request, record: PreemptionRecord, failure: str) -> None:
-        """The SPEC's fallback: mark PREEMPTION_FAILED (runs to completion, never a
-        priority victim again) and back new admissions off exponentially."""
+        """A preemption could not go as planned (`failure` says why). With the SPEC's
+        fallback: mark PREEMPTION_FAILED (runs to completion, never a priority victim
+        again) and back new admissions off exponentially. Without it (the baselines), only
+        the record says what happened."""
         record.failure = failure
+        is_running = request in self.running
+        if is_running:
+            record.action = "none"  # kept running with its KV
+        if not self.uses_failure_fallback:
+            return
         if not request.preemption_failed:
             request.preemption_failed = True
             self.num_preemption_failed += 1
-        if request in self.running:
-            record.action = "none"
+        if is_running:
             request.state = RequestState.PREEMPTION_FAILED
         backoff = self.preemption.backoff
         if self._now - self._last_failure_s > backoff.reset_after_s:
