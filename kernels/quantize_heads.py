@@ -13,6 +13,10 @@ Packed layout (`QuantizedKV`), heads of a class in (layer, head) row-major slot 
 - scales  (n_fp8, 2) float32: per (head, K or V), amax over (T, D) / 448; 1.0 for an
           all-zero head. Dequantized value = float(fp8) * scale.
 - DROP heads: nothing stored; the plan says which.
+- extra     one (n_c, row_bytes) uint8 tensor per class of `plan.EXTRA_CLASSES`
+          (FP8_TOKEN: kernels/fp8_token.py, KIVI4/KIVI2: kernels/kivi.py), each head one
+          row in slot order; empty () when the plan uses none of them. The kernel here
+          leaves those heads alone; their own kernels (or references) pack them.
 Per head, K and V sit next to each other and each is one contiguous (T, D) run, so the
 kernel writes long runs and the codec can ship each class as one buffer.
 
@@ -45,7 +49,7 @@ import triton
 import triton.language as tl
 
 from kernels import dispatch
-from kernels.plan import HeadClass, HeadPlan
+from kernels.plan import EXTRA_CLASSES, KIVI_BITS, HeadClass, HeadPlan
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _TILE_ELEMS = 4096
@@ -61,15 +65,35 @@ class QuantizedKV(NamedTuple):
     kept: torch.Tensor  # (n_fp16, 2, T, D) dtype
     fp8: torch.Tensor  # (n_fp8, 2, T, D) float8_e4m3fn
     scales: torch.Tensor  # (n_fp8, 2) float32
+    extra: tuple[torch.Tensor, ...] = ()  # per EXTRA_CLASSES class: (n_c, row_bytes) uint8
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.kept, self.fp8, self.scales))
+        tensors = (self.kept, self.fp8, self.scales, *self.extra)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> QuantizedKV:
         """The same KV on another device (e.g. to the host after a save, back for a restore)."""
-        moved = (t.to(device, non_blocking=non_blocking) for t in (self.kept, self.fp8, self.scales))
-        return self._replace(**dict(zip(("kept", "fp8", "scales"), moved, strict=True)))
+        moved = [t.to(device, non_blocking=non_blocking) for t in (self.kept, self.fp8, self.scales)]
+        extra = tuple(t.to(device, non_blocking=non_blocking) for t in self.extra)
+        return self._replace(kept=moved[0], fp8=moved[1], scales=moved[2], extra=extra)
+
+
+def pack_extra(plan: HeadPlan, select, use_triton: bool | None) -> tuple[torch.Tensor, ...]:
+    """The `extra` rows of a plan: `select(cls)` gives that class's heads (n, 2, T, D)."""
+    from kernels.fp8_token import quantize_fp8_token
+    from kernels.kivi import quantize_kivi
+
+    if not any(plan.count(cls) for cls in EXTRA_CLASSES):
+        return ()
+    packed = []
+    for cls in EXTRA_CLASSES:
+        selected = select(cls)
+        if cls == HeadClass.FP8_TOKEN:
+            packed.append(quantize_fp8_token(selected, use_triton=use_triton))
+        else:
+            packed.append(quantize_kivi(selected, KIVI_BITS[cls], plan.params(), use_triton=use_triton))
+    return tuple(packed)
 
 
 @triton.jit
@@ -225,7 +249,10 @@ def _launch(src: torch.Tensor, block_ids: torch.Tensor, num_tokens: int, plan: H
     """src: (L, 2, num_blocks, block_size, H, D) with contiguous (H, D) rows."""
     num_layers, _, _, block_size, num_heads, head_dim = src.shape
     result = _empty_result(plan, num_tokens, head_dim, src.dtype, src.device)
-    if num_tokens == 0 or plan.num_drop == num_layers * num_heads:
+    if any(plan.count(cls) for cls in EXTRA_CLASSES):
+        select = _paged_selector(src, block_ids, num_tokens, plan)
+        result = result._replace(extra=pack_extra(plan, select, use_triton=True))
+    if num_tokens == 0 or plan.num_fp16 + plan.num_fp8 == 0:
         return result
     src_bits, kind = dispatch.storage_view(src)
     kept_bits, _ = dispatch.storage_view(result.kept)
@@ -268,7 +295,8 @@ def quantize_heads_ref(kv: torch.Tensor, plan: HeadPlan) -> QuantizedKV:  # kv: 
         return kv[layers, :, :, heads, :]
 
     fp8, scales = quantize_fp8_ref(select(HeadClass.FP8))
-    return QuantizedKV(plan, num_tokens, head_dim, kv.dtype, select(HeadClass.FP16), fp8, scales)
+    extra = pack_extra(plan, select, use_triton=False)
+    return QuantizedKV(plan, num_tokens, head_dim, kv.dtype, select(HeadClass.FP16), fp8, scales, extra)
 
 
 def gather_quantize_heads_ref(
@@ -282,7 +310,19 @@ def gather_quantize_heads_ref(
         from kernels.gather_blocks import gather_blocks_ref
 
         return quantize_heads_ref(gather_blocks_ref(kv_cache, block_ids, num_tokens), plan)
-    flat = kv_cache.view(num_layers, 2, num_blocks * block_size, num_heads, head_dim)
+    select = _paged_selector(kv_cache, block_ids, num_tokens, plan)
+    fp8, scales = quantize_fp8_ref(select(HeadClass.FP8))
+    extra = pack_extra(plan, select, use_triton=False)
+    return QuantizedKV(
+        plan, num_tokens, head_dim, kv_cache.dtype, select(HeadClass.FP16), fp8, scales, extra
+    )
+
+
+def _paged_selector(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int, plan: HeadPlan):
+    """cls -> that class's heads (n, 2, T, D), picked from the paged cache with one advanced
+    index (a copy of just those heads). Needs blocks and rows that merge into one dim."""
+    num_layers, _, num_blocks, block_size, num_heads, head_dim = kv_cache.shape
+    flat = kv_cache.reshape(num_layers, 2, num_blocks * block_size, num_heads, head_dim)
     t = torch.arange(num_tokens, device=kv_cache.device)
     slots = block_ids.to(torch.int64)[t // block_size] * block_size + t % block_size  # (T,)
     kv_index = torch.arange(2, device=kv_cache.device)[None, :, None]
@@ -293,8 +333,7 @@ def gather_quantize_heads_ref(
         )
         return flat[layers, kv_index, slots[None, None, :], heads]
 
-    fp8, scales = quantize_fp8_ref(select(HeadClass.FP8))
-    return QuantizedKV(plan, num_tokens, head_dim, kv_cache.dtype, select(HeadClass.FP16), fp8, scales)
+    return select
 
 
 def quantize_fp8_ref(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

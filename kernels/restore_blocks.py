@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels import dispatch
-from kernels.plan import HeadClass
+from kernels.plan import EXTRA_CLASSES, KIVI_BITS, HeadClass
 from kernels.quantize_heads import QuantizedKV, plan_tables
 
 _TILE_ELEMS = 4096
@@ -142,7 +142,38 @@ def restore_blocks(
             BLOCK_T=block_t,
             BLOCK_D=block_d,
         )
+    if quantized.extra:  # the kernel wrote zeros for these heads; their values go on top
+        _scatter_extra(quantized, kv_cache, block_ids)
     return quantized.plan.dropped_mask(kv_cache.device)
+
+
+def dequantize_extra_ref(quantized: QuantizedKV, cls: HeadClass) -> torch.Tensor:
+    """The heads of one `EXTRA_CLASSES` class, dequantized: (n_c, 2, T, D) of the cache dtype."""
+    from kernels.fp8_token import dequantize_fp8_token_ref
+    from kernels.kivi import dequantize_kivi_ref
+
+    rows = quantized.extra[EXTRA_CLASSES.index(cls)]
+    if cls == HeadClass.FP8_TOKEN:
+        return dequantize_fp8_token_ref(rows, quantized.num_tokens, quantized.head_dim, quantized.dtype)
+    bits = KIVI_BITS[cls]
+    params = quantized.plan.params()
+    return dequantize_kivi_ref(rows, bits, quantized.num_tokens, quantized.head_dim, quantized.dtype, params)
+
+
+def _scatter_extra(quantized: QuantizedKV, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """Write the extra classes' dequantized heads into their tokens' slots (torch ops, on
+    any device: the dequantization is a few elementwise passes)."""
+    num_layers, _, num_blocks, block_size, num_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(num_layers, 2, num_blocks * block_size, num_heads, head_dim)
+    t = torch.arange(quantized.num_tokens, device=kv_cache.device)
+    slots = block_ids.to(torch.int64)[t // block_size] * block_size + t % block_size  # (T,)
+    kv_index = torch.arange(2, device=kv_cache.device)[None, :, None]
+    for cls in EXTRA_CLASSES:
+        layers, heads = (
+            torch.as_tensor(i, device=kv_cache.device)[:, None, None] for i in quantized.plan.heads_of(cls)
+        )
+        if layers.numel():
+            flat[layers, kv_index, slots[None, None, :], heads] = dequantize_extra_ref(quantized, cls)
 
 
 def _check(quantized: QuantizedKV, kv_cache: torch.Tensor, block_ids) -> torch.Tensor:
@@ -158,6 +189,8 @@ def _check(quantized: QuantizedKV, kv_cache: torch.Tensor, block_ids) -> torch.T
         tensor = getattr(quantized, name)
         if tensor.device != kv_cache.device or not tensor.is_contiguous():
             raise ValueError(f"quantized.{name} must be contiguous on {kv_cache.device} (use .to(device))")
+    if any(t.device != kv_cache.device for t in quantized.extra):
+        raise ValueError(f"quantized.extra must be on {kv_cache.device} (use .to(device))")
     block_ids = torch.as_tensor(block_ids, device=kv_cache.device)
     needed = triton.cdiv(quantized.num_tokens, block_size)
     if block_ids.ndim != 1 or block_ids.numel() < needed:
@@ -180,6 +213,10 @@ def dequantize_heads_ref(quantized: QuantizedKV, out: torch.Tensor | None = None
     out[layers, :, :, heads, :] = quantized.kept
     layers, heads = (torch.as_tensor(i, device=device) for i in plan.heads_of(HeadClass.FP8))
     out[layers, :, :, heads, :] = dequantize_fp8_ref(quantized.fp8, quantized.scales, quantized.dtype)
+    for cls in EXTRA_CLASSES if quantized.extra else ():
+        layers, heads = (torch.as_tensor(i, device=device) for i in plan.heads_of(cls))
+        if layers.numel():
+            out[layers, :, :, heads, :] = dequantize_extra_ref(quantized, cls)
     return out
 
 

@@ -52,6 +52,11 @@ _DIM = struct.Struct("<Q")
 _CRC = struct.Struct("<I")
 FLAG_SHUFFLED = 0x01
 FLAG_ZSTD = 0x02  # mixed: the packed payload is zstd-compressed (kept section byte-shuffled)
+# mixed: the payload starts with the plan's KIVI parameters and may hold the classes after
+# DROP (FP8_TOKEN, KIVI4, KIVI2). Blobs without it are the original layout, unchanged; an
+# older reader refuses a blob with it as "unknown flags".
+FLAG_FORMATS = 0x04
+_FORMAT_PARAMS = struct.Struct("<III")  # group_size, num_sink, num_recent
 
 # dtype code -> torch dtype. Codes are part of the format: never renumber, only append.
 _DTYPES: dict[int, torch.dtype] = {
@@ -324,6 +329,12 @@ class MixedCodec(Codec):
     (n_fp16, 2, T, D) in the cache dtype, FP8 heads (n_fp8, 2, T, D) as bytes. The plan
     codes fix every section's size, so a payload of any other length is refused. With
     `zstd=True` the payload is zstd-compressed, the kept section byte-shuffled first.
+
+    A plan with the newer classes (FP8_TOKEN, KIVI4, KIVI2: kernels/plan.py) or non-default
+    KIVI parameters sets FLAG_FORMATS: the payload then starts with (group_size, num_sink,
+    num_recent) as three u32, and after the FP8 heads come the `QuantizedKV.extra` rows of
+    each newer class in code order (sizes from `kernels.plan.head_bytes`). Legacy plans
+    write exactly the old layout.
     """
 
     name = "mixed"
@@ -357,11 +368,15 @@ class MixedCodec(Codec):
             _tensor_bytes(quantized.fp8),
         ]
         flags = 0
+        if not plan.is_legacy:
+            flags = FLAG_FORMATS
+            params = np.frombuffer(_FORMAT_PARAMS.pack(*plan.params()), dtype=np.uint8)
+            sections = [params, *sections, *(_tensor_bytes(rows) for rows in quantized.extra)]
         if self.zstd:
             payload: bytes | np.ndarray = self._zstd._compressor().compress(
                 b"".join(memoryview(section) for section in sections)
             )
-            flags = FLAG_ZSTD
+            flags |= FLAG_ZSTD
             return [pack_header(self.codec_id, flags, quantized.dtype, shape, payload), payload]
         payload_view = np.concatenate(sections) if any(s.size for s in sections) else np.empty(0, np.uint8)
         return [pack_header(self.codec_id, flags, quantized.dtype, shape, payload_view), payload_view]
@@ -369,11 +384,11 @@ class MixedCodec(Codec):
     def decode_quantized(self, blob: bytes | bytearray | memoryview | np.ndarray) -> Any:
         """Blob -> `QuantizedKV` on the CPU (the plan comes from the blob). Raises
         CorruptBlobError on any inconsistency."""
-        from kernels.plan import HeadPlan
+        from kernels.plan import EXTRA_CLASSES, HeadPlan, head_bytes
         from kernels.quantize_heads import QuantizedKV
 
         header, payload = unpack_blob(blob, self.codec_id)
-        if header.flags & ~FLAG_ZSTD:
+        if header.flags & ~(FLAG_ZSTD | FLAG_FORMATS):
             raise CorruptBlobError(f"unknown flags {header.flags:#x} for codec 'mixed'")
         if len(header.shape) != 5 or header.shape[1] != 2:
             raise CorruptBlobError(
@@ -382,10 +397,16 @@ class MixedCodec(Codec):
         num_layers, _, num_tokens, num_heads, head_dim = header.shape
         num_codes = num_layers * num_heads
         data = np.frombuffer(payload, dtype=np.uint8)
+        has_formats = bool(header.flags & FLAG_FORMATS)
         if header.flags & FLAG_ZSTD:
             # Never trust the frame's own size: decompress into a buffer bounded by what the
-            # header allows (every head kept at full width), one byte over to see overflow.
+            # header allows (every head at its largest class), one byte over to see overflow.
+            # (a KIVI head is at most its raw bytes plus params; FP8_TOKEN at most 2 T (D + 4))
+            largest = header.raw_nbytes // max(1, num_codes) + 2 * num_tokens * (head_dim + 4)
+            largest += 8 * (num_tokens + 1) * head_dim
             bound = num_codes + num_codes * 2 * 4 + header.raw_nbytes
+            if has_formats:
+                bound = _FORMAT_PARAMS.size + num_codes * (1 + 8 + largest)
             out = np.empty(bound + 1, dtype=np.uint8)
             try:
                 reader = self._zstd._decompressor().stream_reader(payload, read_across_frames=False)
@@ -395,30 +416,47 @@ class MixedCodec(Codec):
             if filled > bound:
                 raise CorruptBlobError(f"shape/length mismatch: mixed zstd payload exceeds {bound} bytes")
             data = out[:filled]
+        params = None
+        if has_formats:
+            if data.size < _FORMAT_PARAMS.size:
+                raise CorruptBlobError(f"truncated mixed payload: {data.size} bytes, no format parameters")
+            params = _FORMAT_PARAMS.unpack(data[: _FORMAT_PARAMS.size].tobytes())
+            data = data[_FORMAT_PARAMS.size :]
         if data.size < num_codes:
             raise CorruptBlobError(f"truncated mixed payload: {data.size} bytes, the plan needs {num_codes}")
         try:
-            plan = HeadPlan.from_codes(data[:num_codes].view(np.int8).reshape(num_layers, num_heads))
+            codes = data[:num_codes].view(np.int8).reshape(num_layers, num_heads)
+            plan = HeadPlan.from_codes(codes, params=params) if params else HeadPlan.from_codes(codes)
+            if not has_formats and not plan.is_legacy:
+                raise ValueError("newer head classes in a blob without the formats flag")
+            extra_sizes = [
+                plan.count(cls) * head_bytes(cls, num_tokens, head_dim, header.dtype.itemsize, plan.params())
+                for cls in EXTRA_CLASSES
+            ] if has_formats else []  # fmt: skip
         except ValueError as exc:
             raise CorruptBlobError(f"bad head plan in mixed blob: {exc}") from None
         itemsize = header.dtype.itemsize
         row = 2 * num_tokens * head_dim
-        sizes = (plan.num_fp8 * 2 * 4, plan.num_fp16 * row * itemsize, plan.num_fp8 * row)
+        sizes = (plan.num_fp8 * 2 * 4, plan.num_fp16 * row * itemsize, plan.num_fp8 * row, *extra_sizes)
         if data.size != num_codes + sum(sizes):
             raise CorruptBlobError(
                 f"shape/length mismatch: mixed payload is {data.size} bytes, plan and shape need "
                 f"{num_codes + sum(sizes)}"
             )
         offsets = np.cumsum([num_codes, *sizes])
-        scales_bytes, kept_bytes, fp8_bytes = (
-            data[offsets[i] : offsets[i + 1]].copy() for i in range(3)
+        scales_bytes, kept_bytes, fp8_bytes, *extra_bytes = (
+            data[offsets[i] : offsets[i + 1]].copy() for i in range(len(sizes))
         )  # copies: the tensors must not alias a host slot that is about to be freed
         if header.flags & FLAG_ZSTD:
             kept_bytes = byte_unshuffle(kept_bytes, itemsize)
         kept = _bytes_as(kept_bytes, header.dtype, (plan.num_fp16, 2, num_tokens, head_dim))
         fp8 = _bytes_as(fp8_bytes, torch.float8_e4m3fn, (plan.num_fp8, 2, num_tokens, head_dim))
         scales = _bytes_as(scales_bytes, torch.float32, (plan.num_fp8, 2))
-        return QuantizedKV(plan, num_tokens, head_dim, header.dtype, kept, fp8, scales)
+        extra = tuple(
+            _bytes_as(rows, torch.uint8, (plan.count(cls), rows.size // max(1, plan.count(cls))))
+            for cls, rows in zip(EXTRA_CLASSES, extra_bytes, strict=True)
+        ) if has_formats else ()  # fmt: skip
+        return QuantizedKV(plan, num_tokens, head_dim, header.dtype, kept, fp8, scales, extra)
 
     def decode(self, blob: bytes | bytearray | memoryview | np.ndarray) -> torch.Tensor:
         from kernels.restore_blocks import dequantize_heads_ref
