@@ -92,15 +92,21 @@ class ClockConfig(_Section):
     kind: Literal["virtual", "wall"] = "virtual"
     """`virtual`: step durations from the target's cost model (deterministic)."""
     target: str = "h200-llama3-8b"
-    """Deployment the virtual clock models (preempt.cost_model.TARGETS)."""
+    """Deployment the virtual clock models: a built-in name (preempt.cost_model.TARGETS)
+    or a profile file (`*.json`, as `preempt calibrate` writes; docs/clock.md)."""
 
     @field_validator("target")
     @classmethod
     def _known_target(cls, name: str) -> str:
-        from preempt.cost_model import TARGETS
+        from preempt.cost_model import TARGETS, ProfileError, load_target
 
-        if name not in TARGETS:
-            raise ValueError(f"unknown target '{name}'; choose one of {sorted(TARGETS)}")
+        if name.endswith(".json"):
+            try:
+                load_target(name)  # refused here, with the missing field named, not mid-run
+            except ProfileError as err:
+                raise ValueError(str(err)) from None
+        elif name not in TARGETS:
+            raise ValueError(f"unknown target '{name}'; choose one of {sorted(TARGETS)} or a profile .json file")
         return name
 
 

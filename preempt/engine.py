@@ -190,7 +190,7 @@ class Engine:
             # token at position p attends to p+1 keys: sum_{p=start}^{end-1} (p+1)
             sum_attn_ctx += (start + 1 + end) * num_new // 2
             sum_kv_read += end
-        return StepShape(scheduled.num_batched_tokens, sum_attn_ctx, sum_kv_read)
+        return StepShape(scheduled.num_batched_tokens, sum_attn_ctx, sum_kv_read, len(scheduled.chunks))
 
     # ----------------------------------------------------------------- loops
     def run(

@@ -358,7 +358,9 @@ class Saver(KVMover):
         priority on the device-to-host link (as on a dedicated high-priority stream):
         they queue only behind each other; speculative copies go when it is free."""
         device_s, copy_bytes = self._modelled_device_side(num_tokens, codec)
-        duration = device_s + self.cost_model.pcie_time_s(copy_bytes)
+        # One duplex link: a copy-out while a restore still streams in shares the both-ways rate.
+        both_ways = self._h2d_free_at > now
+        duration = device_s + self.cost_model.copy_time_s(copy_bytes, both_ways=both_ways)
         if speculative:
             start = max(now, self._d2h_free_at, self._early_d2h_free_at)
             self._early_d2h_free_at = copy_end = start + duration
@@ -414,7 +416,8 @@ class Saver(KVMover):
             for segment in saved.segments:
                 device_s, copy_bytes = self._modelled_device_side(segment.num_tokens, segment.codec)
                 end += self._modelled_host_s(copy_bytes, segment.codec, self.config.codec_decode_mb_s)
-                end += self.cost_model.pcie_time_s(copy_bytes) + device_s
+                both_ways = max(self._d2h_free_at, self._early_d2h_free_at) > end  # saves still copying out
+                end += self.cost_model.copy_time_s(copy_bytes, both_ways=both_ways) + device_s
             self._h2d_free_at = end
             self.restore_end_s = max(self.restore_end_s, end)
             record.restore_s = end - now

@@ -1,36 +1,76 @@
 import pytest
 
 from preempt.clock import VirtualClock, WallClock
-from preempt.cost_model import TARGETS, CostModel, StepShape, get_target
+from preempt.cost_model import TARGETS, CostModel, StepShape, get_target, smooth_max
 
 
 def test_llama3_8b_kv_bytes_and_capacity():
     target = get_target("h200-llama3-8b")
     # 2 (K,V) x 32 layers x 8 KV heads x 128 dims x 2 bytes = 128 KiB per token
     assert target.kv_bytes_per_token == 131072
-    # (141 GB x 0.9 - 2 GB reserve - 16.06 GB weights) / 128 KiB ~ 830k tokens
-    assert 800_000 < target.kv_capacity_tokens < 860_000
+    assert target.model.num_params == pytest.approx(8.03e9, rel=0.002)  # config.json's count
+    # vLLM: 143,771 MiB x 0.9 - 2 GB reserve - 16.06 GB weights, / 128 KiB ~ 898k tokens
+    expected = (143771 * 2**20 * 0.9 - 2e9 - target.weight_bytes) // 131072
+    assert target.kv_capacity_tokens == expected
+    assert 890_000 < target.kv_capacity_tokens < 905_000  # not 141e9 bytes (~830k)
 
 
-def test_decode_is_memory_bound_and_prefill_compute_bound():
+def test_decode_is_weight_bound_and_prefill_compute_bound():
     cost = CostModel(get_target("h200-llama3-8b"))
-    decode = cost.step_time_s(StepShape(num_tokens=1, sum_attn_ctx=1000, sum_kv_read=1000))
-    # one 8B decode step streams 16 GB of weights at 0.8 x 4.8 TB/s ~ 4.2 ms (+1 ms overhead)
-    assert 0.004 < decode < 0.007
-    prefill = cost.step_time_s(StepShape(num_tokens=2048, sum_attn_ctx=2048 * 1024, sum_kv_read=2048))
-    assert prefill > 10 * decode  # 2k-token prefill is compute bound
-    assert cost.step_time_s(StepShape(0, 0, 0)) == 0.0
+    decode = cost.step_time_s(StepShape(1, 1000, 1000, 1))
+    # one decode streams ~16 GB of weights: at 4.8 TB/s that alone is 3.3 ms, plus floors + 1 ms host
+    weights_s = get_target("h200-llama3-8b").weight_bytes / 4.8e12
+    assert weights_s + 1e-3 < decode < 2 * weights_s + 1e-3
+    prefill = cost.step_time_s(StepShape(2048, 2048 * 1024, 2048, 1))
+    assert prefill > 5 * decode  # 2k-token prefill is compute bound
+    assert cost.step_time_s(StepShape(0, 0, 0, 0)) == 0.0
+
+
+def test_lm_head_only_for_sampled_positions():
+    cost = CostModel(get_target("h200-llama3-8b"))
+    one_sampled = cost.op_times(StepShape(2048, 2048 * 1024, 2048, 1))
+    all_sampled = cost.op_times(StepShape(2048, 2048 * 1024, 2048))  # num_seqs unknown: every token
+    assert one_sampled.lm_head < all_sampled.lm_head / 10  # 1 row: weight-bound; 2048 rows: FLOP-bound
+    assert one_sampled.linear == all_sampled.linear
+
+
+def test_smooth_max_rounds_the_knee():
+    assert smooth_max(3.0, 0.0, 2.0) == 3.0
+    assert smooth_max(1.0, 1.0, 2.0) == pytest.approx(2**0.5)
+    assert max(1.0, 1.0) < smooth_max(1.0, 1.0, 4.0) < smooth_max(1.0, 1.0, 2.0)
+
+
+def test_tensor_parallel_pays_two_all_reduces_a_layer():
+    target = get_target("4xh200-llama3-70b")
+    cost = CostModel(target)
+    times = cost.op_times(StepShape(1, 500, 500, 1))
+    latency, _ = target.device.all_reduce[4]
+    assert times.all_reduce >= 2 * target.num_layers * latency
+    assert CostModel(get_target("h200-llama3-8b")).op_times(StepShape(1, 500, 500, 1)).all_reduce == 0.0
 
 
 def test_more_work_never_takes_less_time():
     cost = CostModel(get_target("4xh200-llama3-70b"))
-    times = [cost.step_time_s(StepShape(n, n * 500, n * 500)) for n in (1, 8, 64, 512, 4096)]
+    times = [cost.step_time_s(StepShape(n, n * 500, n * 500, n)) for n in (1, 8, 64, 512, 4096)]
     assert times == sorted(times)
 
 
-def test_every_target_states_its_sources():
+def test_duplex_copy_link():
+    cost = CostModel(get_target("h200-llama3-8b"))
+    device = cost.target.device
+    one_way = cost.copy_time_s(1e9)
+    both = cost.copy_time_s(1e9, both_ways=True)
+    assert one_way == pytest.approx(device.copy_latency_s + 1e9 / device.copy_one_way_bytes_per_s)
+    assert both == pytest.approx(device.copy_latency_s + 2e9 / device.copy_both_ways_bytes_per_s)
+    assert one_way < both < 2 * one_way  # sharing the link is slower, but not serial
+    assert cost.pcie_time_s(1e9) == one_way
+
+
+def test_every_target_and_constant_states_its_source():
     for target in TARGETS.values():
-        assert target.sources and target.kv_capacity_tokens > 0
+        assert target.kv_capacity_tokens > 0
+        for name in ("linear_flops_per_s", "attn_floor_s", "all_reduce", "mem_total_bytes", "copy_latency_s"):
+            assert target.device.sources.get(name), (target.name, name)
 
 
 def test_unknown_target_names_the_choices():

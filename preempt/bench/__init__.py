@@ -53,6 +53,12 @@ def _kernels(quick: bool) -> dict[str, Any]:
     return bench_kernels(quick)
 
 
+def _clock(quick: bool) -> dict[str, Any]:
+    from preempt.bench.clock import bench_clock
+
+    return bench_clock(quick)
+
+
 BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "engine": _engine,
     "save": _save,
@@ -61,5 +67,6 @@ BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "early": _early,
     "kernels": _kernels,
     "predictor": _predictor,
+    "clock": _clock,
 }
 """name -> fn(quick, **options); options (`--model`, `--plan`) only for those that take them."""

@@ -1,0 +1,170 @@
+"""`preempt bench clock`: the virtual clock's fidelity against measured GPU times.
+
+For every measured point in the bundled Vidur profiles, predicted / measured through
+`CostModel` (the same code the engine runs), by operator, by whole layer (the layer's
+GEMMs + elementwise kernels at one token count), decode-like (<= 128 tokens) and
+prefill-like (>= 512 tokens) shapes, attention decode/prefill and all-reduce; RMS log
+error per data set, and whether the set was used in the fit. Plus a transfer check: the
+H100 fit carried to the A100 by datasheet ratios (the method that gives the H200
+profile), scored on the A100's measurements.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+from preempt.calibrate import vidur
+from preempt.calibrate.fit import FIT_SETS, LINEAR_OPS, derive_device
+from preempt.cost_model import ELEMENTWISE_OPS, MODELS, CostModel, DeviceProfile, TargetProfile, load_device
+
+DECODE_MAX_TOKENS = 128
+PREFILL_MIN_TOKENS = 512
+# Datasheet dense bf16 FLOP/s, only for the transfer check's compute ratio
+DATASHEET_FLOPS = {"a100": 312e12, "h100": 989e12}
+
+
+def summarise(ratios: Iterable[float]) -> dict[str, Any]:
+    """n, RMS of log(predicted/measured), worst ratio, share within +-10% / +-15%."""
+    r = [x for x in ratios if x > 0]
+    if not r:
+        return {"n": 0}
+    logs = [math.log(x) for x in r]
+    worst = max(r, key=lambda x: abs(math.log(x)))
+    return {
+        "n": len(r),
+        "rms_log": round(math.sqrt(sum(v * v for v in logs) / len(logs)), 4),
+        "worst_ratio": round(worst, 3),
+        "within_10pct": round(sum(0.9 <= x <= 1.1 for x in r) / len(r), 3),
+        "within_15pct": round(sum(0.85 <= x <= 1.15 for x in r) / len(r), 3),
+    }
+
+
+def _cost(model: str, tp: int, device: DeviceProfile) -> CostModel:
+    return CostModel(TargetProfile(f"{device.name}-{model}", MODELS[model], tp, device))
+
+
+def op_fidelity(device: DeviceProfile, points: list[vidur.OpPoint]) -> dict[str, Any]:
+    """Per operator and per whole layer, for one (gpu, model) data set."""
+    by_op: dict[str, list[float]] = defaultdict(list)
+    layers: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
+    costs: dict[int, CostModel] = {}
+    layer_ops = set(LINEAR_OPS) | set(ELEMENTWISE_OPS)
+    for p in points:
+        cost = costs.setdefault(p.tp, _cost(p.model, p.tp, device))
+        if p.op in LINEAR_OPS:
+            predicted = cost.layer_linear_s(p.num_tokens)[p.op]
+        else:
+            predicted = cost.elementwise_s(p.op, p.num_tokens)
+        by_op[p.op].append(predicted / p.measured_s)
+        if p.op in layer_ops:
+            acc = layers[(p.tp, p.num_tokens)]
+            acc[0] += predicted
+            acc[1] += p.measured_s
+            acc[2] += 1
+    full = {k: v for k, v in layers.items() if v[2] == len(layer_ops)}
+    layer_ratio = {k: v[0] / v[1] for k, v in full.items()}
+    return {
+        "by_op": {op: summarise(r) for op, r in sorted(by_op.items())},
+        "layer": summarise(layer_ratio.values()),
+        "layer_decode_like": summarise(r for (_, t), r in layer_ratio.items() if t <= DECODE_MAX_TOKENS),
+        "layer_prefill_like": summarise(r for (_, t), r in layer_ratio.items() if t >= PREFILL_MIN_TOKENS),
+        "all_points": summarise(x for r in by_op.values() for x in r),
+    }
+
+
+def attention_fidelity(device: DeviceProfile, points: list[vidur.AttnPoint]) -> dict[str, Any]:
+    cost = _cost("llama3-70b", 2, device)  # the attention file's shape: 64 q / 8 kv heads, TP 2
+    decode, prefill = [], []
+    for p in points:
+        ratio = cost.attention_s(p.sum_attn_ctx, p.sum_kv_read) / p.measured_s
+        (prefill if p.is_prefill else decode).append(ratio)
+    return {"decode": summarise(decode), "prefill": summarise(prefill)}
+
+
+def all_reduce_fidelity(device: DeviceProfile, points: list[vidur.AllReducePoint]) -> dict[str, Any]:
+    out = {}
+    for n in sorted({p.num_gpus for p in points}):
+        if n not in device.all_reduce:
+            continue
+        latency, rate = device.all_reduce[n]
+        out[str(n)] = summarise(
+            (latency + 2 * p.num_bytes / rate) / p.measured_s for p in points if p.num_gpus == n
+        )
+    return out
+
+
+def layer_table(device: DeviceProfile, points: list[vidur.OpPoint], tp: int = 1) -> list[dict[str, Any]]:
+    """Whole-layer predicted vs measured at a few token counts (the docs' table)."""
+    wanted = (1, 8, 32, 128, 256, 384, 512, 1024, 2048, 4096)
+    cost = None
+    layer_ops = set(LINEAR_OPS) | set(ELEMENTWISE_OPS)
+    sums: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for p in points:
+        if p.tp != tp or p.num_tokens not in wanted or p.op not in layer_ops:
+            continue
+        cost = cost or _cost(p.model, tp, device)
+        predicted = (
+            cost.layer_linear_s(p.num_tokens)[p.op]
+            if p.op in LINEAR_OPS
+            else cost.elementwise_s(p.op, p.num_tokens)
+        )
+        sums[p.num_tokens][0] += predicted
+        sums[p.num_tokens][1] += p.measured_s
+    return [
+        {
+            "tokens": t,
+            "predicted_us": round(v[0] * 1e6, 1),
+            "measured_us": round(v[1] * 1e6, 1),
+            "ratio": round(v[0] / v[1], 3),
+        }
+        for t, v in sorted(sums.items())
+    ]
+
+
+def bench_clock(quick: bool = False) -> dict[str, Any]:
+    """Fidelity of the bundled device profiles (quick: the same; it takes seconds)."""
+    ops, attention, all_reduce = vidur.load_ops(), vidur.load_attention(), vidur.load_all_reduce()
+    devices = {gpu: load_device(gpu) for gpu in ("h100", "a100")}
+    datasets = []
+    for gpu, model in sorted({(p.gpu, p.model) for p in ops}):
+        points = [p for p in ops if p.gpu == gpu and p.model == model]
+        datasets.append(
+            {
+                "gpu": gpu,
+                "model": model,
+                "used_in_fit": model in FIT_SETS[gpu],
+                **op_fidelity(devices[gpu], points),
+            }
+        )
+    transfer = derive_device(
+        devices["h100"], "a100", "h100", compute_ratio=DATASHEET_FLOPS["a100"] / DATASHEET_FLOPS["h100"]
+    )
+    return {
+        "source": "Vidur profiles (microsoft/vidur, MIT), bundled in preempt/profiles/vidur",
+        "decode_like_max_tokens": DECODE_MAX_TOKENS,
+        "prefill_like_min_tokens": PREFILL_MIN_TOKENS,
+        "datasets": datasets,
+        "attention_a100": {"used_in_fit": True, **attention_fidelity(devices["a100"], attention)},
+        "all_reduce": {
+            gpu: all_reduce_fidelity(devices[gpu], [p for p in all_reduce if p.gpu == gpu]) for gpu in devices
+        },
+        "layer_table_h100_llama2_7b_tp1": layer_table(
+            devices["h100"], [p for p in ops if p.gpu == "h100" and p.model == "llama2-7b"]
+        ),
+        "layer_table_h100_llama2_70b_tp4": layer_table(
+            devices["h100"], [p for p in ops if p.gpu == "h100" and p.model == "llama2-70b"], tp=4
+        ),
+        "transfer_h100_to_a100": {
+            "method": "H100 fit, bandwidths x HBM datasheet ratio, FLOP/s x datasheet bf16 ratio",
+            **{
+                model: op_fidelity(transfer, [p for p in ops if p.gpu == "a100" and p.model == model])[
+                    "layer"
+                ]
+                for model in ("llama3-8b", "llama3-70b")
+            },
+            "attention_a100_from_h100": "n/a (H100 attention is itself carried from the A100)",
+        },
+    }

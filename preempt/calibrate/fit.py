@@ -1,0 +1,303 @@
+"""Fit the cost model's device constants to measured operator times.
+
+Owns: the least-squares fit (Levenberg-Marquardt on log time, so a 10 us kernel and a
+10 ms GEMM weigh the same), which measured sets fit which constants, and the derivation
+of a device nobody profiled (H200) from one that was (H100). Each fitted constant is
+written with its source. Deterministic: same data -> same constants.
+
+Which data fits what (`FIT_SETS`; the rest is held out and reported by `preempt bench clock`):
+- H100: linear + elementwise from Llama-2-7B at TP 1/2/4/8; all-reduce from H100 DGX.
+  Attention: none measured on H100 -> A100's fit with its rates scaled (stated below).
+- A100: linear + elementwise from Llama-3-8B at TP 1/2/4/8; attention from the A100
+  attention file (Llama-70B shape over 2 GPUs); all-reduce from A100 DGX.
+Held out: H100 Llama-2-70B, A100 Llama-3-70B and Llama-2-7B.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from preempt.calibrate.vidur import AllReducePoint, AttnPoint, OpPoint
+from preempt.cost_model import ELEMENTWISE_OPS, MODELS, CostModel, DeviceProfile, TargetProfile
+
+LINEAR_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
+FIT_SETS = {"h100": ("llama2-7b",), "a100": ("llama3-8b",)}
+VIDUR = "Vidur profiles (microsoft/vidur, MIT; preempt/profiles/vidur)"
+
+# Datasheet rates used only to carry a fit from one GPU to another (ratios, never as peaks)
+HBM_BYTES_PER_S = {"a100": 2.039e12, "h100": 3.35e12, "h200": 4.8e12}  # NVIDIA datasheets (SXM)
+
+# Stated assumptions for what Vidur does not measure (replaced by `calibrate --device cuda`).
+# Issue #13's duplex PCIe Gen5 x16 measurement: ~50 GB/s one way, ~83 GB/s both ways together.
+COPY_ONE_WAY = 50e9
+COPY_BOTH_WAYS = 83e9
+COPY_ONE_WAY_A100 = 25e9  # PCIe Gen4 x16: half of Gen5 (assumption)
+COPY_BOTH_WAYS_A100 = 41.5e9
+CPU_STEP_OVERHEAD_S = 1e-3  # vLLM V1 scheduler + input prep + sampling per step (assumption)
+# nvidia-smi memory.total: H200 143771 MiB, H100 81559 MiB, A100-80GB 81920 MiB (public
+# nvidia-smi logs; modal-labs/modal-client#2797 lists H100 and A100).
+MEM_TOTAL = {"h200": 143771 * 2**20, "h100": 81559 * 2**20, "a100": 81920 * 2**20}
+
+
+# ------------------------------------------------------------------------ solver
+def levenberg_marquardt(
+    residuals: Callable[[np.ndarray], np.ndarray], x0: Sequence[float], max_iter: int = 200
+) -> np.ndarray:
+    """Minimise sum(residuals(x)^2) from x0 (numeric Jacobian; a handful of parameters)."""
+    x = np.asarray(x0, dtype=float)
+    r = residuals(x)
+    cost = float(r @ r)
+    lam = 1e-3
+    for _ in range(max_iter):
+        jac = np.empty((r.size, x.size))
+        for i in range(x.size):
+            step = 1e-6 * max(1.0, abs(x[i]))
+            xp = x.copy()
+            xp[i] += step
+            jac[:, i] = (residuals(xp) - r) / step
+        jtj, jtr = jac.T @ jac, jac.T @ r
+        improved = False
+        while lam < 1e10:
+            delta = np.linalg.solve(jtj + lam * np.diag(np.diag(jtj) + 1e-12), -jtr)
+            candidate = x + delta
+            rc = residuals(candidate)
+            cost_c = float(rc @ rc)
+            if np.isfinite(cost_c) and cost_c < cost:
+                improved = True
+                converged = cost - cost_c < 1e-12 * max(cost, 1e-30)
+                x, r, cost, lam = candidate, rc, cost_c, max(lam / 3, 1e-9)
+                break
+            lam *= 4
+        if not improved or converged:
+            break
+    return x
+
+
+def _exponent(q: float) -> float:
+    """p = 1 + e^q in (1, 33]: 33 is already a sharp max (it differs from max() by < 2.2%)."""
+    return float(1.0 + min(math.exp(min(q, 10.0)), 32.0))
+
+
+def _smooth_max(a: np.ndarray, b: np.ndarray, p: float) -> np.ndarray:
+    hi = np.maximum(a, b)
+    return hi * ((a / hi) ** p + (b / hi) ** p) ** (1.0 / p)
+
+
+# ---------------------------------------------------------------- fitted pieces
+def linear_features(points: Sequence[OpPoint]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(flops, bytes, measured_s) of each GEMM point, per GPU shard."""
+    flops, nbytes, measured = [], [], []
+    dims: dict[tuple[str, int], dict[str, tuple[int, int]]] = {}
+    for p in points:
+        key = (p.model, p.tp)
+        if key not in dims:
+            dims[key] = {op: (k, n) for op, k, n in _cost(p.model, p.tp)._layer_gemms}
+        k, n = dims[key][p.op]
+        m = p.num_tokens
+        flops.append(2.0 * m * k * n)
+        nbytes.append(2.0 * (k * n + m * k + m * n))
+        measured.append(p.measured_s)
+    return np.array(flops), np.array(nbytes), np.array(measured)
+
+
+def linear_predict(params: np.ndarray, flops: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """params: log(flops/s), log(bytes/s), log(p - 1), log(floor_s)."""
+    f, b, p, floor = np.exp(params[0]), np.exp(params[1]), _exponent(params[2]), np.exp(params[3])
+    return floor + _smooth_max(flops / f, nbytes / b, p)
+
+
+def fit_linear(points: Sequence[OpPoint]) -> dict[str, float]:
+    flops, nbytes, measured = linear_features(points)
+    x0 = [math.log(5e14), math.log(2.5e12), math.log(3.0), math.log(3e-6)]
+    x = levenberg_marquardt(lambda q: np.log(linear_predict(q, flops, nbytes) / measured), x0)
+    return {
+        "linear_flops_per_s": float(np.exp(x[0])),
+        "linear_bytes_per_s": float(np.exp(x[1])),
+        "linear_exponent": _exponent(x[2]),
+        "linear_floor_s": float(np.exp(x[3])),
+    }
+
+
+def elementwise_bytes(points: Sequence[OpPoint]) -> np.ndarray:
+    out = []
+    for p in points:
+        cost = _cost(p.model, p.tp)
+        per_token = cost._elementwise_bytes[p.op] if p.op != "emb" else 2 * cost._allreduce_bytes_per_token
+        out.append(float(per_token * p.num_tokens))
+    return np.array(out)
+
+
+def fit_elementwise(points: Sequence[OpPoint]) -> tuple[float, float]:
+    """(floor_s, bytes_per_s) of one elementwise op."""
+    nbytes = elementwise_bytes(points)
+    measured = np.array([p.measured_s for p in points])
+    x = levenberg_marquardt(
+        lambda q: np.log((np.exp(q[0]) + nbytes / np.exp(q[1])) / measured), [math.log(3e-6), math.log(1e12)]
+    )
+    return float(np.exp(x[0])), float(np.exp(x[1]))
+
+
+def attention_features(points: Sequence[AttnPoint]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(KV bytes read, FLOPs, measured_s) per layer on one GPU."""
+    kv = np.array([p.sum_kv_read * 4.0 * p.num_kv_heads / p.tp * p.head_dim for p in points])
+    flops = np.array([p.sum_attn_ctx * 4.0 * p.num_q_heads / p.tp * p.head_dim for p in points])
+    return kv, flops, np.array([p.measured_s for p in points])
+
+
+def attention_predict(params: np.ndarray, kv: np.ndarray, flops: np.ndarray) -> np.ndarray:
+    """params: log(kv bytes/s), log(flops/s), log(p - 1), log(floor_s)."""
+    b, f, p, floor = np.exp(params[0]), np.exp(params[1]), _exponent(params[2]), np.exp(params[3])
+    return floor + _smooth_max(kv / b, flops / f, p)
+
+
+def fit_attention(points: Sequence[AttnPoint]) -> dict[str, float]:
+    kv, flops, measured = attention_features(points)
+    x0 = [math.log(1.5e12), math.log(1.5e14), math.log(2.0), math.log(1.5e-5)]
+    x = levenberg_marquardt(lambda q: np.log(attention_predict(q, kv, flops) / measured), x0)
+    return {
+        "attn_kv_bytes_per_s": float(np.exp(x[0])),
+        "attn_flops_per_s": float(np.exp(x[1])),
+        "attn_exponent": _exponent(x[2]),
+        "attn_floor_s": float(np.exp(x[3])),
+    }
+
+
+def fit_all_reduce(points: Sequence[AllReducePoint]) -> tuple[float, float]:
+    """(latency_s, bytes_per_s) for one GPU count; Vidur's size is fp16 elements."""
+    nbytes = np.array([2.0 * p.num_bytes for p in points])
+    measured = np.array([p.measured_s for p in points])
+    x = levenberg_marquardt(
+        lambda q: np.log((np.exp(q[0]) + nbytes / np.exp(q[1])) / measured), [math.log(2e-5), math.log(2e11)]
+    )
+    return float(np.exp(x[0])), float(np.exp(x[1]))
+
+
+def _cost(model: str, tp: int) -> CostModel:
+    return CostModel(TargetProfile(f"fit-{model}", MODELS[model], tp, _SHAPE_ONLY))
+
+
+# A device whose constants are never read: CostModel's shape bookkeeping only.
+_SHAPE_ONLY = DeviceProfile(
+    "shape-only",
+    1,
+    1,
+    2,
+    0,
+    {op: (0, 1) for op in (*ELEMENTWISE_OPS, "emb")},
+    1,
+    1,
+    2,
+    0,
+    {n: (0, 1) for n in (2, 4, 8)},
+    0,
+    1,
+    1,
+    0,
+    1,
+)
+
+
+# ------------------------------------------------------------------- devices
+def fit_device(
+    gpu: str,
+    ops: Sequence[OpPoint],
+    attention: Sequence[AttnPoint],
+    all_reduce: Sequence[AllReducePoint],
+    models: Sequence[str] | None = None,
+    attention_from: tuple[dict[str, float], str] | None = None,
+) -> DeviceProfile:
+    """A DeviceProfile for `gpu` from the Vidur points of `models` (default FIT_SETS)."""
+    models = tuple(models or FIT_SETS[gpu])
+    mine = [p for p in ops if p.gpu == gpu and p.model in models]
+    if not mine:
+        raise ValueError(f"no operator points for {gpu} {models}")
+    sets = "+".join(models)
+    sources: dict[str, str] = {}
+    values: dict[str, object] = dict(fit_linear([p for p in mine if p.op in LINEAR_OPS]))
+    for key in values:
+        sources[key] = f"fit: {VIDUR} {gpu} {sets} QKV/O/up/down GEMMs, TP 1-8"
+    values["elementwise"] = {
+        op: fit_elementwise([p for p in mine if p.op == op]) for op in (*ELEMENTWISE_OPS, "emb")
+    }
+    sources["elementwise"] = f"fit per op: {VIDUR} {gpu} {sets}"
+    attn = [p for p in attention if p.gpu == gpu]
+    if attn:
+        values.update(fit_attention(attn))
+        for key in ("attn_kv_bytes_per_s", "attn_flops_per_s", "attn_exponent", "attn_floor_s"):
+            sources[key] = f"fit: {VIDUR} {gpu} attention (Llama-70B shape, TP 2, decode + prefill)"
+    elif attention_from is not None:
+        values.update(attention_from[0])
+        sources.update({k: attention_from[1] for k in attention_from[0]})
+    else:
+        raise ValueError(f"no attention points for {gpu} and no attention_from")
+    counts = sorted({p.num_gpus for p in all_reduce if p.gpu == gpu})
+    values["all_reduce"] = {
+        n: fit_all_reduce([p for p in all_reduce if p.gpu == gpu and p.num_gpus == n]) for n in counts
+    }
+    sources["all_reduce"] = f"fit per GPU count: {VIDUR} {gpu} DGX all-reduce (NVLink, one node)"
+    values["cpu_step_overhead_s"] = CPU_STEP_OVERHEAD_S
+    sources["cpu_step_overhead_s"] = "assumption: vLLM V1 ~1 ms host work per step (not in Vidur's data)"
+    gen4 = gpu == "a100"
+    values["copy_one_way_bytes_per_s"] = COPY_ONE_WAY_A100 if gen4 else COPY_ONE_WAY
+    values["copy_both_ways_bytes_per_s"] = COPY_BOTH_WAYS_A100 if gen4 else COPY_BOTH_WAYS
+    values["copy_latency_s"] = 0.0
+    link = "PCIe Gen4: half of Gen5's" if gen4 else "PCIe Gen5 x16 duplex figures quoted in issue #13"
+    sources["copy_one_way_bytes_per_s"] = sources["copy_both_ways_bytes_per_s"] = f"assumption: {link}"
+    sources["copy_latency_s"] = "not measured (0) until `preempt calibrate --device cuda`"
+    values["mem_total_bytes"] = float(MEM_TOTAL[gpu])
+    sources["mem_total_bytes"] = f"nvidia-smi memory.total of {gpu.upper()} ({MEM_TOTAL[gpu] // 2**20} MiB)"
+    return DeviceProfile(name=gpu, sources=sources, **values)  # type: ignore[arg-type]
+
+
+def derive_device(base: DeviceProfile, name: str, base_gpu: str, compute_ratio: float = 1.0) -> DeviceProfile:
+    """`base` carried to GPU `name`: every bandwidth term scaled by the datasheet HBM
+    ratio, FLOP/s terms by `compute_ratio`, floors and exponents kept."""
+    bw = HBM_BYTES_PER_S[name] / HBM_BYTES_PER_S[base_gpu]
+    tb_s = HBM_BYTES_PER_S[name] / 1e12, HBM_BYTES_PER_S[base_gpu] / 1e12
+    why = f"{base.name} x {bw:.3f} (HBM {tb_s[0]:.2f} / {tb_s[1]:.2f} TB/s datasheet)"
+    data = base.to_dict()
+    sources = dict(base.sources)
+    for key in ("linear_bytes_per_s", "attn_kv_bytes_per_s"):
+        data[key] *= bw
+        sources[key] = f"derived: {why}; was {base.sources.get(key, '')}"
+    data["elementwise"] = {op: [f, r * bw] for op, (f, r) in base.elementwise.items()}
+    sources["elementwise"] = f"derived: rates {why}; was {base.sources.get('elementwise', '')}"
+    for key in ("linear_flops_per_s", "attn_flops_per_s"):
+        data[key] *= compute_ratio
+        if compute_ratio != 1.0:
+            sources[key] = f"derived: {base.name} x {compute_ratio:.3f} (ratio of fitted GEMM FLOP/s)"
+        else:
+            sources[key] = f"kept: same compute die as {base.name}; was {base.sources.get(key, '')}"
+    data["name"] = name
+    data["mem_total_bytes"] = float(MEM_TOTAL.get(name, base.mem_total_bytes))
+    sources["mem_total_bytes"] = (
+        f"nvidia-smi memory.total of {name.upper()} ({data['mem_total_bytes'] / 2**20:.0f} MiB)"
+    )
+    data["sources"] = sources
+    return DeviceProfile.from_dict(data, where=name)
+
+
+def fit_vidur() -> dict[str, DeviceProfile]:
+    """a100 and h100 fitted, h200 derived from h100 (the three bundled device profiles)."""
+    from preempt.calibrate import vidur
+
+    ops, attention, all_reduce = vidur.load_ops(), vidur.load_attention(), vidur.load_all_reduce()
+    a100 = fit_device("a100", ops, attention, all_reduce)
+    h100_gemms = [p for p in ops if p.gpu == "h100" and p.model in FIT_SETS["h100"] and p.op in LINEAR_OPS]
+    compute = fit_linear(h100_gemms)["linear_flops_per_s"] / a100.linear_flops_per_s
+    # No H100 attention data in the bundle: A100's fit carried over, KV rate by the HBM
+    # ratio and FLOP/s by the ratio of the two GPUs' fitted GEMM FLOP/s.
+    carried = derive_device(a100, "h100", "a100", compute_ratio=compute)
+    attn_keys = ("attn_kv_bytes_per_s", "attn_flops_per_s", "attn_exponent", "attn_floor_s")
+    why = (
+        f"A100 attention fit carried to H100 (KV bytes/s x HBM ratio "
+        f"{HBM_BYTES_PER_S['h100'] / HBM_BYTES_PER_S['a100']:.3f}, FLOP/s x GEMM ratio {compute:.3f})"
+    )
+    h100 = fit_device(
+        "h100", ops, [], all_reduce, attention_from=({k: getattr(carried, k) for k in attn_keys}, why)
+    )
+    h200 = derive_device(h100, "h200", "h100")
+    return {"a100": a100, "h100": h100, "h200": h200}
