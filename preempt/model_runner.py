@@ -8,7 +8,9 @@ physical blocks `request.block_ids` names) and never decide what runs.
 Sampling is a pure function of (logits, engine seed, request id, position): greedy when
 `temperature == 0`, otherwise inverse-CDF sampling with a uniform drawn from a generator
 seeded by (seed, request_id, position). A request's tokens therefore do not depend on
-which other requests shared its steps, nor on how its prompt was chunked.
+which other requests shared its steps, nor on how its prompt was chunked. A request with
+its own `SamplingParams` (penalties, top-k/p, a seed, logprobs: `preempt.sampling`) is
+sampled row by row; with logprobs the runner returns a `Sample` instead of a bare id.
 
 torch is imported only by the `tiny` runner, so the `null` backend starts without it.
 """
@@ -20,41 +22,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from preempt.config import EngineConfig
-from preempt.request import ScheduledChunk
+from preempt.request import Request, ScheduledChunk
+from preempt.sampling import Sample, SamplingParams, logprobs_of, process_logits, sample_token, token_seed
+
+__all__ = ["ModelRunner", "NullModelRunner", "TinyModelRunner", "sample_token", "token_seed"]
 
 if TYPE_CHECKING:
     import torch
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def token_seed(seed: int, request_id: int, position: int) -> int:
-    """63-bit seed of the draw for the token at `position` of request `request_id`."""
-    h = 0
-    for value in (seed, request_id, position):
-        h = _splitmix64(h ^ (value & _MASK64))
-    return h >> 1
-
-
-def sample_token(logits: torch.Tensor, temperature: float, seed: int) -> int:
-    """One token from logits (V,): argmax when temperature == 0, else a seeded draw from
-    softmax(logits / temperature)."""
-    import torch
-
-    if temperature == 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.to(torch.float64) / temperature, dim=-1)  # (V,)
-    cdf = torch.cumsum(probs, dim=0)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    u = torch.rand((), generator=gen, dtype=torch.float64) * cdf[-1]
-    return min(int(torch.searchsorted(cdf.cpu(), u, right=True)), logits.shape[0] - 1)
 
 
 def _chunk_bounds(chunk: ScheduledChunk) -> tuple[int, int]:
@@ -77,14 +51,15 @@ class ModelRunner(ABC):
     Rules: `execute` computes the KV of positions [num_computed_tokens, num_computed_tokens
     + num_new_tokens) of each chunk's request into the blocks `request.block_ids` names,
     and returns per chunk the sampled next token if the chunk ends at `request.num_tokens`
-    (the last known token), else None. It does not modify the requests.
+    (the last known token), else None; a `Sample` (token id plus logprobs) when the
+    request's sampling params ask for logprobs. It does not modify the requests.
     """
 
     vocab_size: int
     kv_bytes_per_token: int  # K and V of one token over all layers; 0 when there is no KV
 
     @abstractmethod
-    def execute(self, chunks: Sequence[ScheduledChunk]) -> list[int | None]: ...
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> list[int | Sample | None]: ...
 
 
 def build_model(config: EngineConfig):
@@ -122,7 +97,7 @@ class TinyModelRunner(ModelRunner):
         self.vocab_size = cfg.vocab_size
         self.kv_bytes_per_token = self.kv_cache.bytes_per_token
 
-    def execute(self, chunks: Sequence[ScheduledChunk]) -> list[int | None]:
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> list[int | Sample | None]:
         if not chunks:
             return []
         sample_rows = [  # chunks that end at the last known token
@@ -163,8 +138,8 @@ class TinyModelRunner(ModelRunner):
 
     def _sample(
         self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor, rows: list[int]
-    ) -> list[int | None]:
-        out: list[int | None] = [None] * len(chunks)
+    ) -> list[int | Sample | None]:
+        out: list[int | Sample | None] = [None] * len(chunks)
         if not rows:
             return out
         greedy_rows = [i for i in rows if chunks[i].request.temperature == 0]
@@ -175,10 +150,30 @@ class TinyModelRunner(ModelRunner):
                 out[i] = token
         for i in rows:
             request = chunks[i].request
-            if request.temperature != 0:
+            params = request.sampling
+            if params is not None and not params.is_plain:
+                out[i] = self._sample_with(params, request, logits[i])
+            elif request.temperature != 0:
                 seed = token_seed(self.seed, request.request_id, request.num_tokens)
                 out[i] = sample_token(logits[i], request.temperature, seed)
         return out
+
+    def _sample_with(self, params: SamplingParams, request: Request, logits: torch.Tensor) -> int | Sample:
+        """A request's own sampling parameters (preempt.sampling): penalties, bias,
+        top-k/p, its seed, logprobs. Per row: such requests are rare next to plain ones."""
+        processed = logits
+        if params.changes_logits:
+            processed = process_logits(
+                logits, params, request.prompt_token_ids.tolist(), request.output_token_ids
+            )
+        if params.seed is None:
+            seed = token_seed(self.seed, request.request_id, request.num_tokens)
+        else:  # the request's own seed: the same tokens whatever id or batch it gets
+            seed = token_seed(params.seed, 0, request.num_tokens)
+        token = sample_token(processed, params.temperature, seed, params.top_p, params.top_k)
+        if params.num_logprobs is None:
+            return token
+        return logprobs_of(logits, token, params.num_logprobs)
 
 
 class NullModelRunner(ModelRunner):

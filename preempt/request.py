@@ -46,6 +46,9 @@ class Request:
     target_output_tokens: int  # true output length from the trace; generation stops there
     sla_level: int = 0  # service class, higher = more important
     temperature: float = 0.0  # 0 = greedy
+    # A client's sampling parameters (preempt.sampling.SamplingParams: penalties, seed,
+    # logprobs, stop token ids, min_tokens); None: plain `temperature` sampling.
+    sampling: Any = None
 
     # --- runtime state, owned by the engine/scheduler ---
     state: RequestState = RequestState.WAITING
@@ -56,6 +59,8 @@ class Request:
     finish_s: float | None = None
     num_preemptions: int = 0
     abort_reason: str | None = None
+    stop_token_id: int | None = None  # the stop token that ended generation before its limit
+    output_logprobs: list[Any] = field(default_factory=list)  # Sample per token, when asked for
     # --- preemption state ---
     slice_used_s: float = 0.0  # executed time since it last started running
     preemption_failed: bool = False  # fallback taken: never preempted for priority again
@@ -95,7 +100,7 @@ class Request:
 
     @property
     def is_finished_generating(self) -> bool:
-        return len(self.output_token_ids) >= self.output_limit
+        return self.stop_token_id is not None or len(self.output_token_ids) >= self.output_limit
 
     def token_id(self, position: int) -> int:
         """The token at absolute position `position` (prompt first, then output)."""
