@@ -219,11 +219,12 @@ class PreemptionConfig(_Section):
     on for `priority_score`, off for the vLLM and SGLang baselines, which have none of it
     (a failed save there simply drops the KV for recompute)."""
     backoff: BackoffConfig = BackoffConfig()
-    host_mem: int | str = "4GB"
+    host_mem: int | str = Field("4GB", validate_default=True)
     """Host pool for saved KV (`--preemption-host-mem`), in the KV bytes of the backend
     that stores them (the tiny model's real KV; the target's modelled KV with `null`)."""
-    slot_size: int | str = "256MB"
-    """One request's saved KV must fit one slot (`--preemption-slot-size`)."""
+    slot_size: int | str = Field("256MB", validate_default=True)
+    """The largest saved-KV blob the pool takes (`--preemption-slot-size`); the pool
+    stores each blob in exactly its own size."""
     zstd_level: int = Field(3, ge=1, le=22)
     zstd_threads: int = Field(0, ge=0)
     zstd_shuffle: bool = True
@@ -269,7 +270,10 @@ class PreemptionConfig(_Section):
     def _size(cls, value: int | str) -> int:
         from preempt.sizes import parse_size
 
-        return parse_size(value)
+        size = parse_size(value)
+        if size <= 0:
+            raise ValueError(f"must be > 0 bytes, got {value!r}")
+        return size
 
     @model_validator(mode="after")
     def _plan_shares_fit(self) -> PreemptionConfig:

@@ -102,6 +102,14 @@ class Engine:
                 self.early_saver.policy.forget([request])
             self._abort(request, reason)
 
+    def finish_request(self, request: Request) -> None:
+        """End a request FINISHED before its limit (the server found a stop string)."""
+        if not request.state.is_final:
+            self.scheduler.finish_request(request, RequestState.FINISHED)
+            if self.early_saver is not None:
+                self.early_saver.policy.forget([request])
+            request.finish_s = self.clock.now()
+
     # ----------------------------------------------------------------- step
     def step(self) -> StepOutput:
         scheduled = self.scheduler.schedule(self.clock.now())
@@ -124,7 +132,12 @@ class Engine:
             request.num_computed_tokens += chunk.num_new_tokens
             if token is None:
                 continue
+            if not isinstance(token, int):  # a Sample: the token with its logprobs
+                request.output_logprobs.append(token)
+                token = token.token_id
             request.output_token_ids.append(token)
+            if request.sampling is not None and request.sampling.stops_at(token, request.num_output_tokens):
+                request.stop_token_id = token
             if request.first_token_s is None:
                 request.first_token_s = now
             if request.is_finished_generating:
