@@ -64,6 +64,12 @@ _ERRORS = {  # what the generation routes may answer besides 200, as the OpenAPI
 _SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 
 
+class MetricsResponse(PlainTextResponse):
+    """Prometheus' text format (so the OpenAPI document says text, not JSON)."""
+
+    media_type = CONTENT_TYPE
+
+
 class BodyLimit:
     """ASGI middleware: refuse bodies over `max_bytes` with 413 before any parsing
     (announced by Content-Length or streamed in chunks), and bodies that stop arriving
@@ -218,13 +224,9 @@ def create_app(
             return JSONResponse({"status": status, "error": engine_loop.fatal_error}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get(
-        "/metrics",
-        response_class=PlainTextResponse,
-        responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}},
-    )
+    @app.get("/metrics", response_class=MetricsResponse)
     async def metrics_text() -> Response:
-        return Response(engine_loop.metrics.render(), media_type=CONTENT_TYPE)
+        return MetricsResponse(engine_loop.metrics.render())
 
     @app.get("/v1/models", dependencies=protected, responses={401: _ERRORS[401]})
     async def models() -> dict[str, Any]:

@@ -129,5 +129,3 @@ def live() -> Iterator[LiveServer]:
 @pytest.fixture(scope="module")
 def client(live: LiveServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{live.url}/v1", api_key=API_KEY, max_retries=0, timeout=30)
-
-

@@ -69,5 +69,3 @@ def test_generate_whole_and_streamed(live: LiveServer) -> None:
     assert events[-1] == "[DONE]" and events[-2]["finish_reason"] == "length"
     assert [t for e in events[:-1] for t in e["token_ids"]] == whole["token_ids"]
     assert "".join(e["text"] for e in events[:-1]) == whole["text"]
-
-

@@ -13,6 +13,7 @@ from preempt.serve import add_serve_arguments, config_from_args
 
 REPO = Path(__file__).resolve().parents[2]
 
+
 # ------------------------------------------------------------------------------ command line
 def test_bad_size_flag_exits_2_with_one_line() -> None:
     result = subprocess.run(

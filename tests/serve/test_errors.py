@@ -123,3 +123,24 @@ def test_api_key_required_on_generation_routes(live: LiveServer) -> None:
     assert httpx.get(f"{live.url}/metrics", timeout=10).status_code == 200
 
 
+# ------------------------------------------------------------------------------ OpenAI shape
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [("GET", "/no/such/route", 404), ("GET", "/v1/completions", 405), ("DELETE", "/generate", 405)],
+)
+def test_404_and_405_are_openai_shaped(live: LiveServer, method: str, path: str, status: int) -> None:
+    response = httpx.request(method, f"{live.url}{path}", headers=AUTH, timeout=10)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+
+
+def test_openapi_document_states_400_not_422_and_metrics_as_text(live: LiveServer) -> None:
+    doc = httpx.get(f"{live.url}/openapi.json", timeout=10).json()
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        responses = doc["paths"][path]["post"]["responses"]
+        assert "422" not in responses
+        assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+    metrics = doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics) == ["text/plain; version=0.0.4; charset=utf-8"]

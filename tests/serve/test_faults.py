@@ -6,6 +6,7 @@ import contextlib
 import json
 import signal
 import socket
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -157,3 +158,56 @@ def test_backoff_429_then_graceful_shutdown_frees_everything() -> None:
         assert states <= {RequestState.ABORTED}
 
 
+# ------------------------------------------------------------------------------ slow clients
+@pytest.fixture(scope="module")
+def impatient() -> Iterator[LiveServer]:
+    """Short header/body timeouts and a cap of 3 open connections."""
+    with running_server(
+        serve_config(),
+        server_kwargs={"header_timeout_s": 0.5, "max_connections": 3},
+        body_timeout_s=0.5,
+    ) as server:
+        yield server
+
+
+def _port(live: LiveServer) -> int:
+    return int(live.url.rsplit(":", 1)[1])
+
+
+def test_half_a_body_gets_408_and_is_closed(impatient: LiveServer) -> None:
+    head = (
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", _port(impatient)), timeout=10) as sock:
+        sock.sendall(head + b'{"prompt": "half')
+        answer = sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 408") and b'"code":"body_timeout"' in answer
+
+
+def test_a_slow_request_head_is_closed(impatient: LiveServer) -> None:
+    with socket.create_connection(("127.0.0.1", _port(impatient)), timeout=10) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n")  # the head never ends
+        started = time.monotonic()
+        assert sock.recv(65536) == b""  # closed by the server
+        assert time.monotonic() - started < 5
+
+
+def test_connections_over_the_cap_get_an_openai_shaped_503(impatient: LiveServer) -> None:
+    held = [socket.create_connection(("127.0.0.1", _port(impatient)), timeout=10) for _ in range(3)]
+    try:
+        with socket.create_connection(("127.0.0.1", _port(impatient)), timeout=10) as extra:
+            answer = extra.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 503") and b'"code": "too_many_connections"' in answer
+    finally:
+        for sock in held:
+            sock.close()
+    # The held ones are gone (closed by us, or by the header timeout): service resumes.
+    assert wait_for(
+        lambda: (
+            httpx.post(
+                f"{impatient.url}/generate", json={"prompt": "ok", "max_tokens": 2}, timeout=10
+            ).status_code
+            == 200
+        ),
+        timeout=10,
+    )
