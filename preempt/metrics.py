@@ -26,6 +26,11 @@ Every preemption-related metric name contains `preemption`, so
 - `preempt_preemption_saved_kv_bytes{kind=raw|stored}`: one sample per successful save;
   the raw histogram's sum is `stats()["kv_saved_bytes_raw"]`. Stored sizes of saves
   still encoding on the worker are observed once known.
+
+Label sets are bounded: the latency histograms' `sla_level` label takes only the levels
+the config names (`slo.ttft_s`, `slo.tpot_s`, `workload.sla_mix` keys); any other level a
+client sends is counted under `sla_level="other"`, so no client can grow the number of
+series (each new value of a label is a new series, kept for the process's life).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ if TYPE_CHECKING:
     from preempt.scheduler import PreemptionRecord
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OTHER_SLA_LEVEL = "other"  # the label of every SLA level the config does not name
 RATE_WINDOW_S = 60.0
 # Failures of the save itself: the scheduler kept no host copy (see Saver.save).
 _SAVE_FAILURES = ("pool_full", "slot_too_small")
@@ -73,6 +79,7 @@ class PreemptionMetrics:
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._time_fn = time_fn
+        self._sla_levels: frozenset[int] = frozenset({0, 1})  # the config's, once bound
         r = self.registry
 
         # ---- preemption
@@ -236,6 +243,8 @@ class PreemptionMetrics:
         so a scrape reads current bytes even while the engine sleeps (a save still
         encoding on the worker lands after the last step)."""
         self.kv_blocks.set(engine.block_pool.num_blocks)
+        config = engine.config
+        self._sla_levels = frozenset({*config.slo.ttft_s, *config.slo.tpot_s, *config.workload.sla_mix})
         saver = engine.saver
         if saver is None:
             return
@@ -286,7 +295,7 @@ class PreemptionMetrics:
         self.prompt_tokens.inc(request.num_prompt_tokens)
         self.generation_tokens.inc(request.num_output_tokens)
         self.per_request.observe(request.num_preemptions)
-        level = str(request.sla_level)
+        level = self.sla_label(request.sla_level)
         if request.first_token_s is not None:
             self.ttft.labels(sla_level=level).observe(max(0.0, request.first_token_s - request.arrival_s))
             if request.finish_s is not None and request.num_output_tokens > 1:
@@ -294,6 +303,10 @@ class PreemptionMetrics:
                 self.tpot.labels(sla_level=level).observe(max(0.0, tpot))
         if request.finish_s is not None:
             self.e2e.labels(sla_level=level).observe(max(0.0, request.finish_s - request.arrival_s))
+
+    def sla_label(self, level: int) -> str:
+        """`sla_level` label value: the level if the config names it, else "other"."""
+        return str(level) if level in self._sla_levels else OTHER_SLA_LEVEL
 
     def observe_rejected(self, reason: str) -> None:
         """A request refused before it reached the engine (any thread: Counter locks)."""

@@ -16,7 +16,7 @@ from preempt.metrics import PreemptionMetrics
 from preempt.request import Request
 from preempt.scheduler import PreemptionRecord
 from tests.conftest import make_request, small_config
-from tests.test_server import running_server, serve_config, wait_for
+from tests.serve.conftest import running_server, serve_config, wait_for
 
 AGGRESSIVE = {
     "min_time_slice_ms": 0.0,
@@ -205,3 +205,29 @@ def test_live_server_metrics_agree_with_the_engine() -> None:
         assert total(samples, "preempt_preemptions_per_minute") == stats["num_preemptions"]
         assert total(samples, "preempt_requests_running") == 0
         assert total(samples, "preempt_kv_cache_usage_ratio") == 0
+
+
+def test_sla_level_labels_are_bounded_by_the_config() -> None:
+    """1,000 distinct client SLA levels add no series: unknown levels fold into "other"."""
+    engine = Engine(small_config(model={"backend": "null"}))
+    metrics = PreemptionMetrics()
+    metrics.bind_engine(engine)
+
+    def finish(request: Request) -> None:
+        request.first_token_s, request.finish_s = 0.01, 0.05
+        request.output_token_ids = [1, 2, 3]
+        metrics.observe_request_done(request)
+
+    finish(make_request(0, 4, 3, sla_level=0))
+    finish(make_request(1, 4, 3, sla_level=1))
+    before = metrics.render()
+    for level in range(2, 1002):
+        finish(make_request(level, 4, 3, sla_level=level))
+    after = metrics.render()
+    # One new label value ("other") per SLA histogram, whatever the number of levels sent.
+    assert len(after.splitlines()) - len(before.splitlines()) < 100
+    samples = parse(after.decode())
+    assert total(samples, "preempt_e2e_request_latency_seconds_count", sla_level="other") == 1000
+    assert total(samples, "preempt_e2e_request_latency_seconds_count", sla_level="1") == 1
+    levels = {dict(ls).get("sla_level") for (_, ls) in samples} - {None}
+    assert levels == {"0", "1", "other"}
