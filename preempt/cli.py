@@ -349,6 +349,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from preempt.calibrate import command
+    from preempt.cost_model import ProfileError
+
+    try:
+        if args.source == "vidur":
+            paths = command.calibrate_vidur(args.out)
+        elif args.source is not None:
+            paths = [command.calibrate_file(Path(args.source), args.out, args.base)]
+        elif args.device is not None:
+            paths = [command.calibrate_device(args.device, args.tiny, args.out, args.base)]
+        else:
+            print("preempt: error: calibrate needs --from vidur|FILE or --device cuda", file=sys.stderr)
+            return 2
+    except ProfileError as err:
+        print(f"preempt: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps({"wrote": [str(p) for p in paths]}))
+    return 0
+
+
 def cmd_ablate(args: argparse.Namespace) -> int:
     from experiments.ablate import MD_COLUMNS, ablate, markdown_table  # torch only in the arms
 
@@ -530,6 +551,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--plan", help="codec: a head plan file (preempt importance writes one)")
     bench.set_defaults(func=cmd_bench)
+
+    calibrate = sub.add_parser("calibrate", help="fit the virtual clock's device profile (docs/clock.md)")
+    calibrate.add_argument(
+        "--from", dest="source", help="`vidur`: the bundled Vidur profiles; or a measurement JSON to fit"
+    )
+    calibrate.add_argument("--device", choices=["cuda"], help="measure this GPU (a Llama-3-8B-shaped stack)")
+    calibrate.add_argument("--tiny", action="store_true", help="--device: toy shape (CPU without CUDA)")
+    calibrate.add_argument("--base", default="h200", help="profile for what is not measured (all-reduce)")
+    calibrate.add_argument(
+        "--out", type=Path, required=True, help="profile JSON (--from vidur: a directory for a100/h100/h200)"
+    )
+    calibrate.set_defaults(func=cmd_calibrate)
 
     ablate = sub.add_parser("ablate", help="run an ablation matrix (experiments/configs/*.yaml)")
     ablate.add_argument("--config", type=Path, required=True, help="e.g. experiments/configs/quick.yaml")

@@ -292,8 +292,8 @@ def load_target(path: str | Path) -> TargetProfile:
     device profile (then Llama-3-8B on one GPU of it)."""
     path = Path(path)
     data = _parse(_read(path), path)
-    if "model" not in data and "device" not in data:
-        device = DeviceProfile.from_dict(data, where=f"{path.name}")
+    if data.get("kind") == "device" or ("model" not in data and "device" not in data):
+        device = DeviceProfile.from_dict(data.get("device", data), where=f"{path.name}: device")
         return TargetProfile(f"{path.stem}-llama3-8b", MODELS["llama3-8b"], 1, device)
     for key in ("model", "num_gpus", "device"):
         if key not in data:

@@ -54,7 +54,7 @@ def levenberg_marquardt(
     for _ in range(max_iter):
         jac = np.empty((r.size, x.size))
         for i in range(x.size):
-            step = 1e-6 * max(1.0, abs(x[i]))
+            step = 1e-6 * max(1.0, abs(x[i]))  # forward difference
             xp = x.copy()
             xp[i] += step
             jac[:, i] = (residuals(xp) - r) / step
@@ -62,7 +62,7 @@ def levenberg_marquardt(
         improved = False
         while lam < 1e10:
             delta = np.linalg.solve(jtj + lam * np.diag(np.diag(jtj) + 1e-12), -jtr)
-            candidate = x + delta
+            candidate = np.clip(x + delta, -100.0, 100.0)  # log-parameters: exp() stays finite
             rc = residuals(candidate)
             cost_c = float(rc @ rc)
             if np.isfinite(cost_c) and cost_c < cost:
@@ -82,7 +82,7 @@ def _exponent(q: float) -> float:
 
 
 def _smooth_max(a: np.ndarray, b: np.ndarray, p: float) -> np.ndarray:
-    hi = np.maximum(a, b)
+    hi = np.maximum(np.maximum(a, b), 1e-30)
     return hi * ((a / hi) ** p + (b / hi) ** p) ** (1.0 / p)
 
 
@@ -301,3 +301,105 @@ def fit_vidur() -> dict[str, DeviceProfile]:
     )
     h200 = derive_device(h100, "h200", "h100")
     return {"a100": a100, "h100": h100, "h200": h200}
+
+
+# ------------------------------------------------------------ GPU measurements
+def _fit_latency_rate(nbytes: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:
+    x = levenberg_marquardt(
+        lambda q: np.log((np.exp(q[0]) + nbytes / np.exp(q[1])) / seconds),
+        [math.log(max(float(seconds.min()) / 2, 1e-7)), math.log(float(nbytes.max() / seconds.max()))],
+    )
+    return float(np.exp(x[0])), float(np.exp(x[1]))
+
+
+def fit_measurements(data: dict, base: DeviceProfile, name: str | None = None) -> DeviceProfile:
+    """A device profile from `preempt.calibrate.gpu.measure()`'s output; what it does not
+    measure (all-reduce, host overhead per step) is kept from `base`, and says so."""
+    where = f"measured by `preempt calibrate --device cuda` on {data['device']} ({data['dtype']})"
+    shape = data["shape"]
+    b = 2 if data["dtype"] == "bfloat16" else 4
+    h, d, hq, hkv, inter = (shape[k] for k in ("hidden", "head_dim", "q_heads", "kv_heads", "intermediate"))
+    rows = [(t, k, n, s) for _, t, k, n, s in data["linear"]] + [tuple(r) for r in data["lm_head"]]
+    m, k, n, sec = (np.array(col, dtype=float) for col in zip(*rows, strict=True))
+    flops, nbytes = 2 * m * k * n, b * (k * n + m * k + m * n)
+    x0 = [
+        math.log(float(flops.max() / sec.max())),
+        math.log(float(nbytes.min() / sec.min())),
+        1.0,
+        math.log(float(sec.min()) / 4),
+    ]
+    q = levenberg_marquardt(lambda p: np.log(linear_predict(p, flops, nbytes) / sec), x0)
+    values: dict[str, object] = {
+        "linear_flops_per_s": float(np.exp(q[0])),
+        "linear_bytes_per_s": float(np.exp(q[1])),
+        "linear_exponent": _exponent(q[2]),
+        "linear_floor_s": float(np.exp(q[3])),
+    }
+    sources = {key: f"fit: {where}, GEMMs + LM head" for key in values}
+    per_token = {
+        "input_layernorm": 2 * h * b,
+        "mlp_act": 3 * inter * b,
+        "add": 3 * h * b,
+        "attn_rope": 2 * (hq + hkv) * d * b,
+    }
+    elementwise = dict(base.elementwise)
+    for op, bytes_per_token in per_token.items():
+        pts = [(t, s) for o, t, s in data["elementwise"] if o == op]
+        tokens, seconds = (np.array(col, dtype=float) for col in zip(*pts, strict=True))
+        elementwise[op] = _fit_latency_rate(tokens * bytes_per_token, seconds)
+    elementwise["post_attention_layernorm"] = elementwise["input_layernorm"]  # the same kernel
+    values["elementwise"] = elementwise
+    sources["elementwise"] = f"fit per op: {where} (emb kept from {base.name})"
+    attn = [
+        AttnPoint(
+            "gpu",
+            hq,
+            hkv,
+            d,
+            1,
+            p["is_prefill"],
+            p["batch_size"],
+            p["kv_cache_size"],
+            p["prefill_chunk_size"],
+            p["seconds"],
+        )
+        for p in data["attention"]
+    ]
+    kv, attn_flops, measured = attention_features(attn)
+    kv = kv * b / 2  # attention_features counts 2-byte KV
+    x0 = [
+        math.log(float(kv.max() / measured.max())),
+        math.log(float(attn_flops.max() / measured.max())),
+        1.0,
+        math.log(float(measured.min()) / 2),
+    ]
+    q = levenberg_marquardt(lambda p: np.log(attention_predict(p, kv, attn_flops) / measured), x0)
+    values.update(
+        {
+            "attn_kv_bytes_per_s": float(np.exp(q[0])),
+            "attn_flops_per_s": float(np.exp(q[1])),
+            "attn_exponent": _exponent(q[2]),
+            "attn_floor_s": float(np.exp(q[3])),
+        }
+    )
+    for key in ("attn_kv_bytes_per_s", "attn_flops_per_s", "attn_exponent", "attn_floor_s"):
+        sources[key] = f"fit: {where}, SDPA decode + prefill"
+    copies = data["copies"]
+    sizes = np.array([c["bytes"] for c in copies] * 2, dtype=float)
+    one_way = np.array([c["d2h_s"] for c in copies] + [c["h2d_s"] for c in copies])
+    latency, rate = _fit_latency_rate(sizes, one_way)
+    largest = max(copies, key=lambda c: c["bytes"])
+    values["copy_latency_s"], values["copy_one_way_bytes_per_s"] = latency, rate
+    values["copy_both_ways_bytes_per_s"] = 2 * largest["bytes"] / max(largest["both_s"] - latency, 1e-12)
+    for key in ("copy_latency_s", "copy_one_way_bytes_per_s", "copy_both_ways_bytes_per_s"):
+        sources[key] = f"fit: {where}, pinned copies 64 KB-256 MB"
+    values["all_reduce"] = base.all_reduce
+    values["cpu_step_overhead_s"] = base.cpu_step_overhead_s
+    for key in ("all_reduce", "cpu_step_overhead_s"):
+        sources[key] = f"kept from {base.name}: {base.sources.get(key, '')}"
+    memory = data.get("memory")
+    values["mem_total_bytes"] = float(memory["total_bytes"]) if memory else base.mem_total_bytes
+    sources["mem_total_bytes"] = (
+        f"torch.cuda.mem_get_info total on {data['device']}" if memory else f"kept from {base.name} (no CUDA)"
+    )
+    return DeviceProfile(name=name or data["device"], sources=sources, **values)  # type: ignore[arg-type]

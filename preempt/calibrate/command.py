@@ -1,0 +1,70 @@
+"""What `preempt calibrate` does: fit Vidur's profiles, fit a measurement file, or
+measure this GPU; writes device profiles (`{"kind": "device", "device": {...}}`) that
+`clock.target` reads (a bare device profile means Llama-3-8B on one such GPU)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from preempt.cost_model import DeviceProfile, ProfileError, load_device
+
+
+def write_profile(path: Path, device: DeviceProfile, **extra: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"kind": "device", "device": device.to_dict(), **extra}, indent=1) + "\n")
+
+
+def calibrate_vidur(out_dir: Path) -> list[Path]:
+    from preempt.calibrate.fit import fit_vidur
+
+    paths = []
+    for name, device in fit_vidur().items():
+        write_profile(out_dir / f"{name}.json", device)
+        paths.append(out_dir / f"{name}.json")
+    return paths
+
+
+def calibrate_file(measurements: Path, out: Path, base: str) -> Path:
+    from preempt.calibrate.fit import fit_measurements
+
+    try:
+        data = json.loads(measurements.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ProfileError(f"cannot read measurements {measurements}: {err}") from None
+    data = data.get("measurements", data)
+    for key in ("device", "dtype", "shape", "linear", "lm_head", "elementwise", "attention", "copies"):
+        if key not in data:
+            raise ProfileError(f"{measurements.name}: missing field '{key}'")
+    write_profile(out, fit_measurements(data, load_device(base), name=out.stem), measurements=data)
+    return out
+
+
+def calibrate_device(device: str, tiny: bool, out: Path, base: str) -> Path:
+    import torch
+
+    from preempt.calibrate.gpu import measure
+
+    if device == "cuda" and not torch.cuda.is_available():
+        if not tiny:
+            raise ProfileError("--device cuda: no CUDA device here (add --tiny to run the code path on CPU)")
+        print("preempt calibrate: no CUDA device; --tiny runs on CPU", file=sys.stderr)
+        device = "cpu"
+    log: list[str] = []
+
+    def say(line: str) -> None:
+        log.append(line)
+        print(line, file=sys.stderr)
+
+    data = measure(device, tiny=tiny, log=say)
+    say(f"measured in {data['seconds']:.1f} s on {data['device']}")
+    try:
+        from preempt.calibrate.fit import fit_measurements
+    except ImportError:  # a bare GPU box without numpy: keep the data, fit elsewhere
+        out.write_text(json.dumps({"measurements": data, "log": log}, indent=1) + "\n")
+        say(f"numpy missing: wrote measurements only; fit with `preempt calibrate --from {out}`")
+        return out
+    write_profile(out, fit_measurements(data, load_device(base), name=out.stem), measurements=data, log=log)
+    return out

@@ -1,0 +1,274 @@
+"""`preempt calibrate --device cuda`: measure the cost model's operators on this GPU.
+
+Owns: the measurement protocol. A random-weight Llama-3-8B-shaped stack in bf16 (no
+download): the four GEMMs of a layer over 24 token counts (1..8192; CUDA graphs up to
+256 tokens, where launch overhead would otherwise be measured instead of the kernel),
+the LM head, the elementwise kernels, attention decode (batch x context) and prefill
+(chunk x prior context) through SDPA, pinned device->host / host->device / both-ways
+copies from 64 KB to 256 MB, and the memory left for KV. Imports torch and the standard
+library only (the GPU machine may lack the rest); `fit_measurements` (numpy) turns the
+result into a device profile, here or later with `preempt calibrate --from FILE`.
+Budget: under 6 minutes on one H200 (each point is the median of a few timed runs).
+`--tiny`: a toy shape and few points, so the code path runs on CPU in seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+LLAMA3_8B = dict(hidden=4096, q_heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256)
+TINY = dict(hidden=256, q_heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=1024)
+
+FULL_GRID = dict(
+    tokens=[
+        1,
+        2,
+        4,
+        8,
+        16,
+        24,
+        32,
+        48,
+        64,
+        96,
+        128,
+        192,
+        256,
+        384,
+        512,
+        768,
+        1024,
+        1536,
+        2048,
+        3072,
+        4096,
+        5120,
+        6144,
+        8192,
+    ],
+    lm_head_tokens=[1, 8, 32, 64, 128, 256],
+    decode_batch=[1, 4, 16, 64, 256],
+    decode_ctx=[128, 512, 2048, 8192],
+    prefill_chunk=[128, 512, 2048, 8192],
+    prefill_prior=[0, 2048, 8192],
+    copy_bytes=[2**16, 2**18, 2**20, 2**22, 2**24, 2**26, 2**28],
+    reps=10,
+)
+TINY_GRID = dict(
+    tokens=[1, 4, 16, 64],
+    lm_head_tokens=[1, 8],
+    decode_batch=[1, 4],
+    decode_ctx=[32, 128],
+    prefill_chunk=[16, 64],
+    prefill_prior=[0, 64],
+    copy_bytes=[2**16, 2**20],
+    reps=3,
+)
+
+
+class _Timer:
+    """Median seconds of `fn` on `device` (CUDA events there; perf_counter on CPU)."""
+
+    def __init__(self, device: torch.device, reps: int) -> None:
+        self.device, self.reps = device, reps
+        self.is_cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], Any], graph: bool = False) -> float:
+        if self.is_cuda and graph:
+            fn = self._graphed(fn)
+        fn()  # warm-up (kernel selection, allocator)
+        times = []
+        for _ in range(self.reps):
+            if self.is_cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    @staticmethod
+    def _graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # warm-up outside the graph, as CUDA graph capture requires
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay
+
+
+def _rmsnorm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(x.dtype) * w
+
+
+def _rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = q.shape[-1] // 2
+    q1, q2 = q[..., :half], q[..., half:]
+    return torch.cat((q1 * cos - q2 * sin, q2 * cos + q1 * sin), dim=-1)
+
+
+def _measure_copies(timer: _Timer, dev: torch.device, nbytes: int) -> dict[str, float]:
+    """Pinned device->host, host->device, and both at once on two streams."""
+    n = nbytes // 2
+    pin = dev.type == "cuda"
+    src_d = torch.empty(n, device=dev, dtype=torch.float16)
+    dst_d = torch.empty(n, device=dev, dtype=torch.float16)
+    host_a = torch.empty(n, dtype=torch.float16, pin_memory=pin)
+    host_b = torch.empty(n, dtype=torch.float16, pin_memory=pin)
+    streams = (torch.cuda.Stream(), torch.cuda.Stream()) if pin else None
+
+    def d2h() -> None:
+        host_a.copy_(src_d, non_blocking=True)
+
+    def h2d() -> None:
+        dst_d.copy_(host_b, non_blocking=True)
+
+    def both() -> None:
+        if streams is None:
+            d2h()
+            h2d()
+            return
+        for stream, copy in zip(streams, (d2h, h2d), strict=True):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                copy()
+        for stream in streams:
+            torch.cuda.current_stream().wait_stream(stream)
+
+    return {"bytes": nbytes, "d2h_s": timer(d2h), "h2d_s": timer(h2d), "both_s": timer(both)}
+
+
+def measure(device: str = "cuda", tiny: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run every measurement; returns plain data (JSON-ready)."""
+    dev = torch.device(device)
+    shape, grid = (TINY, TINY_GRID) if tiny else (LLAMA3_8B, FULL_GRID)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # CPU bf16 GEMMs are emulated
+    timer = _Timer(dev, grid["reps"])
+    torch.manual_seed(0)
+    h, d, hq, hkv, inter = (
+        shape["hidden"],
+        shape["head_dim"],
+        shape["q_heads"],
+        shape["kv_heads"],
+        shape["intermediate"],
+    )
+    gemms = {
+        "attn_pre_proj": (h, (hq + 2 * hkv) * d),
+        "attn_post_proj": (hq * d, h),
+        "mlp_up_proj": (h, 2 * inter),
+        "mlp_down_proj": (inter, h),
+    }
+    started = time.perf_counter()
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "dtype": str(dtype).replace("torch.", ""),
+        "shape": shape,
+        "torch": torch.__version__,
+    }
+    weights = {op: torch.randn(n, k, device=dev, dtype=dtype) / math.sqrt(k) for op, (k, n) in gemms.items()}
+    max_t = max(grid["tokens"])
+    x_full = torch.randn(max_t, max(h, inter, hq * d), device=dev, dtype=dtype)
+    linear = []
+    for t in grid["tokens"]:
+        for op, (k, n) in gemms.items():
+            x = x_full[:t, :k].contiguous()
+            w = weights[op]
+            linear.append([op, t, k, n, timer(lambda x=x, w=w: F.linear(x, w), graph=t <= 256)])
+    out["linear"] = linear
+    log(f"linear: {len(linear)} points ({time.perf_counter() - started:.0f} s)")
+
+    lm_w = torch.randn(shape["vocab"], h, device=dev, dtype=dtype) / math.sqrt(h)
+    out["lm_head"] = []
+    for t in grid["lm_head_tokens"]:
+        x = x_full[:t, :h].contiguous()
+        out["lm_head"].append([t, h, shape["vocab"], timer(lambda x=x, w=lm_w: F.linear(x, w), graph=True)])
+    del lm_w
+
+    elementwise = []
+    norm_w = torch.ones(h, device=dev, dtype=dtype)
+    for t in grid["tokens"]:
+        x = x_full[:t, :h].contiguous()
+        gate_up = torch.randn(t, 2 * inter, device=dev, dtype=dtype)
+        qk = torch.randn(t, hq + hkv, d, device=dev, dtype=dtype)
+        cos = torch.randn(t, 1, d // 2, device=dev, dtype=dtype)
+        sin = torch.randn(t, 1, d // 2, device=dev, dtype=dtype)
+        small = t <= 256
+        elementwise += [
+            ["input_layernorm", t, timer(lambda x=x: _rmsnorm(x, norm_w), graph=small)],
+            ["mlp_act", t, timer(lambda g=gate_up: F.silu(g[:, :inter]) * g[:, inter:], graph=small)],
+            ["add", t, timer(lambda x=x: x + x, graph=small)],
+            ["attn_rope", t, timer(lambda q=qk, c=cos, s=sin: _rope(q, c, s), graph=small)],
+        ]
+    out["elementwise"] = elementwise
+    log(f"elementwise: {len(elementwise)} points ({time.perf_counter() - started:.0f} s)")
+
+    attention = []
+    for b in grid["decode_batch"]:
+        for ctx in grid["decode_ctx"]:
+            if b * ctx * hkv * d * 2 * 2 > 8 * 2**30:  # skip shapes over 8 GiB of KV
+                continue
+            q = torch.randn(b, hq, 1, d, device=dev, dtype=dtype)
+            kv = torch.randn(2, b, hkv, ctx, d, device=dev, dtype=dtype)
+            sec = timer(lambda q=q, kv=kv: F.scaled_dot_product_attention(q, kv[0], kv[1], enable_gqa=True))
+            attention.append(
+                {
+                    "is_prefill": False,
+                    "batch_size": b,
+                    "kv_cache_size": ctx,
+                    "prefill_chunk_size": 0,
+                    "seconds": sec,
+                }
+            )
+            del q, kv
+    for c in grid["prefill_chunk"]:
+        for prior in grid["prefill_prior"]:
+            q = torch.randn(1, hq, c, d, device=dev, dtype=dtype)
+            kv = torch.randn(2, 1, hkv, prior + c, d, device=dev, dtype=dtype)
+            # causal with an offset: query i sees keys [0, prior + i]
+            mask = torch.ones(c, prior + c, device=dev, dtype=torch.bool).tril(diagonal=prior)
+            sec = timer(
+                lambda q=q, kv=kv, m=mask: F.scaled_dot_product_attention(
+                    q, kv[0], kv[1], attn_mask=m, enable_gqa=True
+                )
+            )
+            attention.append(
+                {
+                    "is_prefill": True,
+                    "batch_size": 1,
+                    "kv_cache_size": prior,
+                    "prefill_chunk_size": c,
+                    "seconds": sec,
+                }
+            )
+            del q, kv, mask
+    out["attention"] = attention
+    log(f"attention: {len(attention)} points ({time.perf_counter() - started:.0f} s)")
+
+    copies = [_measure_copies(timer, dev, nbytes) for nbytes in grid["copy_bytes"]]
+    out["copies"] = copies
+    log(f"copies: {len(copies)} sizes ({time.perf_counter() - started:.0f} s)")
+
+    del weights, x_full
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        out["memory"] = {"total_bytes": total, "free_bytes": free}
+    else:
+        out["memory"] = None
+    out["seconds"] = time.perf_counter() - started
+    return out
