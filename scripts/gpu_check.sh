@@ -13,3 +13,5 @@ pip install -q -e '.[dev]' > "$OUT/install.log" 2>&1 || { echo "install failed";
 python -m pytest -m gpu -q tests/kernels 2>&1 | tee "$OUT/pytest_gpu.log" | tail -5
 preempt bench kernels --json 2>&1 | tee "$OUT/bench_kernels.json"
 preempt bench save --quick --json > "$OUT/bench_save_quick.json" 2> "$OUT/bench_save.err"; tail -c 600 "$OUT/bench_save_quick.json"
+# 4. the virtual clock's calibration (< 6 min on one H200): profile + log for docs/gpu.md
+timeout 420 preempt calibrate --device cuda --out "$OUT/h200-measured.json" 2> "$OUT/calibrate.log"; tail -3 "$OUT/calibrate.log"
