@@ -39,7 +39,9 @@ HALF_MAX = 65504.0
 MIN_SCALE = 2.0**-14  # the smallest normal float16: a flat group still divides safely
 
 
-def layout_for(bits: int, selected_shape: tuple[int, ...], dtype: torch.dtype, params) -> KiviLayout:
+def layout_for(
+    bits: tuple[int, int], selected_shape: tuple[int, ...], dtype: torch.dtype, params
+) -> KiviLayout:
     _, _, num_tokens, head_dim = selected_shape
     return kivi_layout(bits, num_tokens, head_dim, torch.empty((), dtype=dtype).element_size(), params)
 
@@ -58,37 +60,53 @@ def _codes(x: torch.Tensor, low: torch.Tensor, scale: torch.Tensor, bits: int) -
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """(..., D) uint8 codes < 2^bits -> (..., D * bits / 8), lowest channel in the low bits."""
-    per_byte = 8 // bits
-    grouped = codes.reshape(*codes.shape[:-1], -1, per_byte)
-    out = grouped[..., 0].clone()
-    for j in range(1, per_byte):
-        out |= grouped[..., j] << (bits * j)
-    return out
+    """(..., D) uint8 codes < 2^bits -> (..., D * bits / 8): a little-endian bit stream,
+    channel c in bits [c * bits, (c + 1) * bits) (for 2/4/8 bits: whole codes per byte,
+    the lowest channel in the low bits)."""
+    if 8 % bits == 0:
+        per_byte = 8 // bits
+        grouped = codes.reshape(*codes.shape[:-1], -1, per_byte)
+        out = grouped[..., 0].clone()
+        for j in range(1, per_byte):
+            out |= grouped[..., j] << (bits * j)
+        return out
+    shifts = torch.arange(bits, dtype=torch.uint8, device=codes.device)
+    stream = ((codes[..., None] >> shifts) & 1).reshape(*codes.shape[:-1], -1, 8)  # (..., bytes, 8)
+    weights = (2 ** torch.arange(8, device=codes.device)).to(torch.uint8)
+    return (stream * weights).sum(dim=-1, dtype=torch.uint8)
 
 
 def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    per_byte = 8 // bits
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    codes = (packed[..., None] >> shifts) & (2**bits - 1)  # (..., D * bits / 8, per_byte)
-    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
+    if 8 % bits == 0:
+        per_byte = 8 // bits
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        codes = (packed[..., None] >> shifts) & (2**bits - 1)  # (..., D * bits / 8, per_byte)
+        return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
+    stream = (packed[..., None] >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1
+    stream = stream.reshape(*packed.shape[:-1], -1, bits)  # (..., D, bits)
+    weights = (2 ** torch.arange(bits, device=packed.device)).to(torch.uint8)
+    return (stream * weights).sum(dim=-1, dtype=torch.uint8)
 
 
 def _sections(rows: torch.Tensor, layout: KiviLayout) -> list[torch.Tensor]:
     """Split (n, nbytes) rows into their five sections (views)."""
     sizes = [
         layout.full_bytes,
-        layout.code_bytes,
-        layout.code_bytes,
+        layout.k_code_bytes,
+        layout.v_code_bytes,
         layout.k_param_bytes,
         layout.v_param_bytes,
     ]
     return list(torch.split(rows, sizes, dim=1))
 
 
-def quantize_kivi_ref(selected: torch.Tensor, bits: int, params: tuple[int, int, int]) -> torch.Tensor:
-    """selected (n, 2, T, D), any float dtype -> (n, layout.nbytes) uint8 rows (module doc)."""
+def quantize_kivi_ref(
+    selected: torch.Tensor, bits: tuple[int, int], params: tuple[int, int, int]
+) -> torch.Tensor:
+    """selected (n, 2, T, D), any float dtype -> (n, layout.nbytes) uint8 rows (module doc);
+    `bits` = (key bits, value bits)."""
     group_size = params[0]
+    k_bits, v_bits = bits
     layout = layout_for(bits, tuple(selected.shape), selected.dtype, params)
     num_heads, _, num_tokens, head_dim = selected.shape
     sink, mid = layout.num_sink, layout.num_mid
@@ -106,25 +124,26 @@ def quantize_kivi_ref(selected: torch.Tensor, bits: int, params: tuple[int, int,
     # last token, which moves neither its min nor its max
     padded = torch.clamp(torch.arange(layout.num_k_groups * group_size, device=keys.device), max=mid - 1)
     grouped = keys[:, padded].reshape(num_heads, layout.num_k_groups, group_size, head_dim)
-    k_low, k_scale = _params(grouped.amin(dim=2), grouped.amax(dim=2), bits)  # (n, groups, D)
+    k_low, k_scale = _params(grouped.amin(dim=2), grouped.amax(dim=2), k_bits)  # (n, groups, D)
     group_of = torch.arange(mid, device=keys.device) // group_size
-    k_q = _codes(keys, k_low[:, group_of], k_scale[:, group_of], bits)
-    k_codes.copy_(_pack(k_q, bits).reshape(num_heads, -1))
+    k_q = _codes(keys, k_low[:, group_of], k_scale[:, group_of], k_bits)
+    k_codes.copy_(_pack(k_q, k_bits).reshape(num_heads, -1))
     k_params.copy_(torch.stack([k_low, k_scale], dim=2).view(torch.uint8).reshape(num_heads, -1))
     # values: per token over groups of v_group channels
     grouped = values.reshape(num_heads, mid, head_dim // layout.v_group, layout.v_group)
-    v_low, v_scale = _params(grouped.amin(dim=3), grouped.amax(dim=3), bits)  # (n, mid, G)
-    v_q = _codes(grouped, v_low[..., None], v_scale[..., None], bits).reshape(num_heads, mid, head_dim)
-    v_codes.copy_(_pack(v_q, bits).reshape(num_heads, -1))
+    v_low, v_scale = _params(grouped.amin(dim=3), grouped.amax(dim=3), v_bits)  # (n, mid, G)
+    v_q = _codes(grouped, v_low[..., None], v_scale[..., None], v_bits).reshape(num_heads, mid, head_dim)
+    v_codes.copy_(_pack(v_q, v_bits).reshape(num_heads, -1))
     v_params.copy_(torch.stack([v_low, v_scale], dim=3).view(torch.uint8).reshape(num_heads, -1))
     return rows
 
 
 def dequantize_kivi_ref(
-    rows: torch.Tensor, bits: int, num_tokens: int, head_dim: int, dtype: torch.dtype, params
+    rows: torch.Tensor, bits: tuple[int, int], num_tokens: int, head_dim: int, dtype: torch.dtype, params
 ) -> torch.Tensor:
     """(n, layout.nbytes) uint8 rows -> (n, 2, T, D) of `dtype`."""
     group_size = params[0]
+    k_bits, v_bits = bits
     layout = kivi_layout(bits, num_tokens, head_dim, torch.empty((), dtype=dtype).element_size(), params)
     num_heads = rows.shape[0]
     sink, mid, recent = layout.num_sink, layout.num_mid, layout.num_recent
@@ -137,12 +156,12 @@ def dequantize_kivi_ref(
     out[:, :, sink + mid :] = kept[:, :, sink:]
     if mid == 0:
         return out
-    k_q = _unpack(k_codes.reshape(num_heads, mid, -1), bits).float()  # (n, mid, D)
+    k_q = _unpack(k_codes.reshape(num_heads, mid, -1), k_bits).float()  # (n, mid, D)
     k_par = k_params.view(torch.float16).reshape(num_heads, layout.num_k_groups, 2, head_dim).float()
     group_of = torch.arange(mid, device=rows.device) // group_size
     out[:, 0, sink : sink + mid] = (k_q * k_par[:, group_of, 1] + k_par[:, group_of, 0]).to(dtype)
     num_groups = head_dim // layout.v_group
-    v_q = _unpack(v_codes.reshape(num_heads, mid, -1), bits).float()
+    v_q = _unpack(v_codes.reshape(num_heads, mid, -1), v_bits).float()
     v_q = v_q.reshape(num_heads, mid, num_groups, layout.v_group)
     v_par = v_params.view(torch.float16).reshape(num_heads, mid, num_groups, 2).float()
     v_hat = v_q * v_par[..., 1:2] + v_par[..., 0:1]
@@ -280,16 +299,22 @@ def _kivi_values_kernel(
 
 
 def quantize_kivi(
-    selected: torch.Tensor, bits: int, params: tuple[int, int, int], *, use_triton: bool | None = None
+    selected: torch.Tensor,
+    bits: tuple[int, int],
+    params: tuple[int, int, int],
+    *,
+    use_triton: bool | None = None,
 ) -> torch.Tensor:
     """selected (n, 2, T, D) -> (n, layout.nbytes) uint8 rows: the Triton kernels on CUDA
     (or under the interpreter when asked; the full-precision copy is a torch copy either
-    way), the torch reference otherwise."""
+    way), the torch reference otherwise. The kernels pack whole codes per byte, so key
+    or value bits of 3, 5 or 6 run the torch reference on every device (torch ops, on the
+    GPU too)."""
     if selected.ndim != 4 or selected.shape[1] != 2:
         raise ValueError(f"selected heads must be (n, 2, T, D), got {tuple(selected.shape)}")
-    if bits not in (2, 4):
-        raise ValueError(f"KIVI bits must be 2 or 4, got {bits}")
-    if not dispatch.use_triton(selected.device, use_triton):
+    if any(b not in range(1, 9) for b in bits):
+        raise ValueError(f"KIVI bits must lie in 1..8, got {bits}")
+    if any(8 % b for b in bits) or not dispatch.use_triton(selected.device, use_triton):
         return quantize_kivi_ref(selected, bits, params)
     layout = layout_for(bits, tuple(selected.shape), selected.dtype, params)
     num_heads, _, num_tokens, head_dim = selected.shape
@@ -303,26 +328,29 @@ def quantize_kivi(
     full.copy_(kept.contiguous().view(torch.uint8).reshape(num_heads, -1))
     if mid == 0:
         return rows
-    if layout.nbytes % 2 or layout.full_bytes % 2:  # float16 params must sit at even offsets
+    if (
+        layout.full_bytes + layout.k_code_bytes + layout.v_code_bytes
+    ) % 2:  # float16 params must sit at even offsets
         raise ValueError(f"KIVI row of {layout.nbytes} bytes does not align its float16 params")
     src, kind = dispatch.storage_view(selected)
     half = rows.view(torch.int16)
     k_codes = layout.full_bytes
-    v_codes = k_codes + layout.code_bytes
-    k_params = v_codes + layout.code_bytes
+    v_codes = k_codes + layout.k_code_bytes
+    k_params = v_codes + layout.v_code_bytes
     v_params = k_params + layout.k_param_bytes
     group_size = params[0]
-    block_p = triton.next_power_of_2(head_dim * bits // 8)
+    k_bits, v_bits = bits
+    block_p = triton.next_power_of_2(head_dim * k_bits // 8)
     dispatch.launchable(_kivi_keys_kernel, selected.device)[(num_heads, layout.num_k_groups)](
         src, rows, half, num_tokens, head_dim, sink, mid, layout.nbytes, k_codes, k_params // 2,
-        group_size, SRC_KIND=kind, BITS=bits, BLOCK_G=triton.next_power_of_2(group_size), BLOCK_P=block_p,
+        group_size, SRC_KIND=kind, BITS=k_bits, BLOCK_G=triton.next_power_of_2(group_size), BLOCK_P=block_p,
     )  # fmt: skip
     block_t = max(1, min(triton.next_power_of_2(mid), 64))
     num_groups = head_dim // layout.v_group
     grid = (num_heads, triton.cdiv(mid, block_t), num_groups)
     dispatch.launchable(_kivi_values_kernel, selected.device)[grid](
         src, rows, half, num_tokens, head_dim, sink, mid, layout.nbytes, v_codes, v_params // 2,
-        layout.v_group, SRC_KIND=kind, BITS=bits, BLOCK_T=block_t,
-        BLOCK_P=triton.next_power_of_2(layout.v_group * bits // 8),
+        layout.v_group, SRC_KIND=kind, BITS=v_bits, BLOCK_T=block_t,
+        BLOCK_P=triton.next_power_of_2(layout.v_group * v_bits // 8),
     )  # fmt: skip
     return rows

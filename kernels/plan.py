@@ -16,7 +16,8 @@ Classes:
   rest of the request's life.
 - FP8_TOKEN: float8 E4M3 with one float32 scale per (head, K or V, token) = amax over the
   token's D channels / 448 (kernels/fp8_token.py).
-- KIVI4 / KIVI2: 4- or 2-bit integers as KIVI does (Liu et al. 2024, arXiv 2402.02750):
+- KIVI4 / KIVI2 (and KIVI_K<k>V<v>: k-bit keys, v-bit values): integers as KIVI does
+  (Liu et al. 2024, arXiv 2402.02750):
   keys per channel (min and scale per channel over groups of `group_size` tokens), values
   per token (per group of `group_size` channels), min and scale in float16; the first
   `num_sink` (attention sink) and the last `num_recent` tokens kept bit-exact at the cache
@@ -63,6 +64,10 @@ class HeadClass(IntEnum):
     FP8_TOKEN = 3
     KIVI4 = 4
     KIVI2 = 5
+    KIVI_K5V4 = 6  # KIVI layout, 5-bit keys and 4-bit values: keys cost most (docs/codec.md)
+    KIVI_K6V4 = 7
+    KIVI_K8V4 = 8
+    KIVI_K5V3 = 9
 
     @property
     def label(self) -> str:
@@ -72,8 +77,15 @@ class HeadClass(IntEnum):
 _BY_LABEL = {cls.label: cls for cls in HeadClass}
 LEGACY_CLASSES = (HeadClass.FP16, HeadClass.FP8, HeadClass.DROP)  # what version 1 knows
 # Classes whose heads are packed into one uint8 row each (`QuantizedKV.extra`), in this order.
-EXTRA_CLASSES = (HeadClass.FP8_TOKEN, HeadClass.KIVI4, HeadClass.KIVI2)
-KIVI_BITS = {HeadClass.KIVI4: 4, HeadClass.KIVI2: 2}
+EXTRA_CLASSES = tuple(HeadClass)[3:]
+KIVI_BITS = {  # (key bits, value bits)
+    HeadClass.KIVI4: (4, 4),
+    HeadClass.KIVI2: (2, 2),
+    HeadClass.KIVI_K5V4: (5, 4),
+    HeadClass.KIVI_K6V4: (6, 4),
+    HeadClass.KIVI_K8V4: (8, 4),
+    HeadClass.KIVI_K5V3: (5, 3),
+}
 DEFAULT_GROUP_SIZE = 32
 DEFAULT_NUM_SINK = 4
 DEFAULT_NUM_RECENT = 32
@@ -386,24 +398,28 @@ class KiviLayout(NamedTuple):
     num_k_groups: int  # key groups of group_size tokens over the quantized span (last may be short)
     v_group: int  # channels per value group
     full_bytes: int  # (2, num_sink + num_recent, D) in the cache dtype
-    code_bytes: int  # per K or V: (num_mid, D * bits / 8)
+    k_code_bytes: int  # (num_mid, D * key bits / 8)
+    v_code_bytes: int  # (num_mid, D * value bits / 8)
     k_param_bytes: int  # (num_k_groups, D, 2) float16: min, scale
     v_param_bytes: int  # (num_mid, D / v_group, 2) float16: min, scale
 
     @property
     def nbytes(self) -> int:
-        return self.full_bytes + 2 * self.code_bytes + self.k_param_bytes + self.v_param_bytes
+        return (
+            self.full_bytes + self.k_code_bytes + self.v_code_bytes + self.k_param_bytes + self.v_param_bytes
+        )
 
 
 def kivi_layout(
-    bits: int, num_tokens: int, head_dim: int, itemsize: int, params: tuple[int, int, int]
+    bits: tuple[int, int], num_tokens: int, head_dim: int, itemsize: int, params: tuple[int, int, int]
 ) -> KiviLayout:
     """The byte layout of one KIVI head (raises ValueError if `head_dim` does not pack)."""
     group_size, num_sink, num_recent = params
-    if head_dim * bits % 8:
-        raise ValueError(
-            f"{bits}-bit KIVI packs head_dim {head_dim} into whole bytes only if head_dim * {bits} % 8 == 0"
-        )
+    for b in bits:
+        if head_dim * b % 8:
+            raise ValueError(
+                f"{b}-bit KIVI packs head_dim {head_dim} into whole bytes only if head_dim * {b} % 8 == 0"
+            )
     v_group = min(group_size, head_dim)
     if head_dim % v_group:
         raise ValueError(f"KIVI value groups of {v_group} channels do not divide head_dim {head_dim}")
@@ -418,7 +434,8 @@ def kivi_layout(
         num_k_groups,
         v_group,
         2 * (sink + recent) * head_dim * itemsize,
-        mid * head_dim * bits // 8,
+        mid * head_dim * bits[0] // 8,
+        mid * head_dim * bits[1] // 8,
         num_k_groups * head_dim * 2 * 2,
         mid * (head_dim // v_group) * 2 * 2,
     )

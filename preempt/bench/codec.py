@@ -1,10 +1,15 @@
 """`preempt bench codec`: the mixed-precision KV codec (`swap_mixed`), plan by plan.
 
-For each head plan (uniform FP16, uniform FP8, a seeded random plan with the SPEC's
-shares, and an importance plan when one is given), on real KV from the model:
+For each head plan (uniform FP16 and FP8 (the baseline), each newer class uniformly
+(FP8 per-token scales, KIVI 4/2-bit, KIVI with 5/6/8-bit keys and 4-bit values), a seeded
+random plan with the SPEC's shares and an importance plan when one is given, and, for a
+trained model, the budget plans: restored-prefix sensitivity at <= `BUDGET` x FP16 and the
+same classes placed by gradient-gate importance and at random over `NUM_RANDOM` seeds),
+on real KV from the model:
 
-- Size: stored bytes per token relative to FP16 (`size_vs_fp16`: the plan's bytes at a
-  16-bit cache dtype, what a GPU deployment stores) and the blob's measured bytes over
+- Size: every stored byte of a request of the prompt's length relative to its 16-bit KV
+  (`size_vs_fp16`: scales, KIVI params and full-precision sink/recent tokens included, at
+  a 16-bit cache dtype, what a GPU deployment stores) and the blob's measured bytes over
   the raw KV of this run's cache dtype (`blob_vs_raw`, header and scales included).
 - Quality after a save/restore at the end of the prompt, against the same request never
   preempted: `greedy_agreement` (share of the next 64 greedy tokens equal to the
@@ -17,9 +22,10 @@ shares, and an importance plan when one is given), on real KV from the model:
 - CPU speed: encode (quantize + pack) and decode (unpack + dequantize into blocks) MB/s
   of raw KV, against `torch.clone` of the same bytes in the same run.
 
-Prompts are held-out text (the LM corpus's test split: Python stdlib sources). Quality
-numbers mean something only for a trained model (`--model runs/lm/lm.pt`); with the
-seeded random preset the JSON says so.
+Prompts are held-out text (the LM corpus's test split: Python stdlib sources); the
+sensitivity and gate scores that choose the budget plans come from the validation split.
+Quality numbers mean something only for a trained model (`--model runs/lm/lm.pt`); with
+the seeded random preset the JSON says so.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels.plan import HeadPlan, bytes_per_token
+from kernels.plan import HeadClass, HeadPlan, size_vs_fp16
 from kernels.quantize_heads import quantize_heads
 from kernels.restore_blocks import restore_blocks
 from preempt.bench.save import _median_s
@@ -37,10 +43,15 @@ from preempt.codec import MixedCodec
 from preempt.config import build_config
 from preempt.model_runner import TinyModelRunner
 from preempt.request import Request, ScheduledChunk
-from preempt.saver import plan_size_ratio
 
 MB = 1e6
 BLOCK_SIZE = 16
+BUDGET = 0.35  # issue #17's target: <= 0.35x of FP16 at uniform FP8's quality or better
+NUM_RANDOM = 5  # random placements of the sensitivity plan's classes: the seed-to-seed spread
+KIVI_PARAMS = (64, 4, 8)  # (group_size, num_sink, num_recent) of every KIVI plan here
+# The classes a budget plan may use (FP16 always): what the sensitivity scan prices.
+BUDGET_CLASSES = ("fp8", "kivi4", "kivi_k5v4", "kivi_k6v4", "kivi_k8v4", "drop")
+UNIFORM_CLASSES = ("fp8_token", "kivi4", "kivi2", "kivi_k5v4", "kivi_k6v4")
 
 
 def bench_codec(
@@ -51,6 +62,10 @@ def bench_codec(
     runner = _runner(model, num_blocks=4 * (prompt_len + num_gen + BLOCK_SIZE) // BLOCK_SIZE)
     cfg = runner.model.cfg
     plans = _plans(cfg.num_layers, cfg.num_kv_heads, plan)
+    budget_info = None
+    if model:
+        budget_plans, budget_info = _budget_plans(model, prompt_len, num_gen, warmup_tokens, quick)
+        plans.update(budget_plans)
     prompts = _prompts(num_prompts, prompt_len)
     references = [_reference(runner, prompt, num_gen) for prompt in prompts]
     result: dict[str, Any] = {
@@ -74,15 +89,86 @@ def bench_codec(
             "fp16_heads": head_plan.num_fp16,
             "fp8_heads": head_plan.num_fp8,
             "dropped_heads": head_plan.num_drop,
-            "size_vs_fp16": round(plan_size_ratio(head_plan), 4),
-            "bytes_per_token_fp16_cache": bytes_per_token(head_plan, cfg.head_dim, torch.float16),
+            "classes": _class_counts(head_plan),
+            "size_vs_fp16": round(size_vs_fp16(head_plan, prompt_len, cfg.head_dim), 4),
             "blob_vs_raw": round(float(np.mean([q["blob_vs_raw"] for q in quality])), 4),
         }
         for key in ("greedy_agreement", "prefix_match", "top1_agreement", "kl_mean"):
             row[key] = float(f"{np.mean([q[key] for q in quality]):.4g}")
         row.update(_speed(speed_kv, head_plan, clone_s))
         result["plans"][name] = row
+    if budget_info is not None:
+        result["budget"] = {**budget_info, **_budget_summary(result["plans"])}
     return result
+
+
+def _class_counts(plan: HeadPlan) -> dict[str, int]:
+    return {cls.label: plan.count(cls) for cls in HeadClass if plan.count(cls)}
+
+
+def _budget_plans(
+    model: str, prompt_len: int, num_gen: int, warmup_tokens: int, quick: bool
+) -> tuple[dict[str, HeadPlan], dict[str, Any]]:
+    """Restored-prefix sensitivity -> the plan under BUDGET; the same classes placed by
+    gradient-gate importance and at NUM_RANDOM seeded random placements. Scores come from
+    the validation split (the quality rows from the test split)."""
+    import time
+
+    from preempt import importance
+    from preempt.lm.corpus import Corpus, sample_windows
+    from preempt.model.checkpoint import load_tiny_lm
+
+    started = time.perf_counter()
+    lm = load_tiny_lm(model, dtype=torch.float32)
+    num_windows = 4 if quick else 8
+    windows = sample_windows(Corpus().stream("val"), num_windows, prompt_len + num_gen, seed=1)
+    scores = importance.prefix_sensitivity(
+        lm, windows, prompt_len, BUDGET_CLASSES, KIVI_PARAMS, warmup_tokens=warmup_tokens
+    )
+    sizes = importance.class_sizes(BUDGET_CLASSES, prompt_len, lm.cfg.head_dim, KIVI_PARAMS)
+    source = f"restored-prefix sensitivity (KL after a {prompt_len}-token prefix, {num_windows} val windows)"
+    chosen = importance.plan_for_budget(scores, sizes, BUDGET, params=KIVI_PARAMS, source=source)
+    sensitivity_s = time.perf_counter() - started
+    calib = sample_windows(Corpus().stream("val"), 16 if quick else 64, 257, seed=0)
+    gate = importance.kv_head_scores(importance.head_importance(lm, calib), lm.cfg.num_kv_heads).numpy()
+    plans = {
+        "budget_sensitivity": chosen,
+        "budget_gate": importance.place_by_rank(chosen, gate, sizes, "gradient-gate importance placement"),
+    }
+    for seed in range(NUM_RANDOM):
+        plans[f"budget_random_s{seed}"] = importance.place_at_random(chosen, seed)
+    info = {
+        "target_size_vs_fp16": BUDGET,
+        "kivi_params": dict(zip(("group_size", "num_sink", "num_recent"), KIVI_PARAMS, strict=True)),
+        "sensitivity_windows": f"{num_windows} x {prompt_len + num_gen} bytes (val split)",
+        "sensitivity_kl": {k: np.round(v, 6).tolist() for k, v in scores.items()},
+        "class_sizes_vs_fp16": {k: round(v, 4) for k, v in sizes.items()},
+        "sensitivity_plan": chosen.to_dict()["layers"],
+        "scoring_s": round(time.perf_counter() - started, 1),
+        "sensitivity_s": round(sensitivity_s, 1),
+    }
+    return plans, info
+
+
+def _budget_summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Random placements' mean and spread against the sensitivity and gate placements."""
+    randoms = [row for name, row in rows.items() if name.startswith("budget_random_s")]
+    summary: dict[str, Any] = {}
+    for key in ("greedy_agreement", "kl_mean", "top1_agreement"):
+        values = np.array([row[key] for row in randoms])
+        summary[f"random_{key}"] = {
+            "mean": float(f"{values.mean():.4g}"),
+            "std": float(f"{values.std(ddof=1):.4g}") if len(values) > 1 else 0.0,
+            "min": float(f"{values.min():.4g}"),
+            "max": float(f"{values.max():.4g}"),
+        }
+    fp8, chosen = rows["fp8"], rows["budget_sensitivity"]
+    summary["sensitivity_meets_target"] = bool(
+        chosen["size_vs_fp16"] <= BUDGET
+        and chosen["greedy_agreement"] >= fp8["greedy_agreement"]
+        and chosen["kl_mean"] <= fp8["kl_mean"]
+    )
+    return summary
 
 
 # ---------------------------------------------------------------- setup
@@ -99,6 +185,12 @@ def _plans(num_layers: int, num_kv_heads: int, plan_file: str | None) -> dict[st
     plans = {
         "fp16": HeadPlan.all_fp16(num_layers, num_kv_heads),
         "fp8": HeadPlan.all_fp8(num_layers, num_kv_heads),
+        **{
+            label: HeadPlan.from_codes(
+                np.full((num_layers, num_kv_heads), int(HeadClass[label.upper()])), label, KIVI_PARAMS
+            )
+            for label in UNIFORM_CLASSES
+        },
         # The SPEC's shares (10% dropped, 50% FP8): the control for an importance plan.
         "random": HeadPlan.random(num_layers, num_kv_heads, fp8_share=0.5, drop_share=0.1, seed=0),
     }
