@@ -158,10 +158,12 @@ class PreemptionMetrics:
             registry=r,
         )
         self.host_pool_capacity_bytes = Gauge(
-            "preempt_preemption_host_pool_capacity_bytes", "Host-pool bytes in whole slots", registry=r
+            "preempt_preemption_host_pool_capacity_bytes", "Host-pool bytes for saved KV", registry=r
         )
         self.host_pool_slots_used = Gauge(
-            "preempt_preemption_host_pool_slots_used", "Host-pool slots holding a saved request", registry=r
+            "preempt_preemption_host_pool_slots_used",
+            "Saved KV blobs held (each in its own size)",
+            registry=r,
         )
         self.per_request = Histogram(
             "preempt_preemptions_per_request",
@@ -249,7 +251,7 @@ class PreemptionMetrics:
         if saver is None:
             return
         pool = saver.host_pool
-        self.host_pool_capacity_bytes.set(pool.num_slots * pool.slot_bytes)
+        self.host_pool_capacity_bytes.set(pool.capacity_bytes)
         self.host_pool_bytes.set_function(lambda: pool.bytes_used)
         self.host_pool_peak_bytes.set_function(lambda: pool.peak_bytes_used)
         self.host_pool_slots_used.set_function(lambda: pool.num_used_slots)

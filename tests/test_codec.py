@@ -99,8 +99,8 @@ def test_scalar_non_contiguous_and_pool_views_round_trip():
         decoded = codec.decode(pool.load(handle))
         assert same_bits(decoded, codec.decode(pool.load_tensor(handle).numpy()))
         pool.free(handle)
-        overwrite = pool.store(b"\xff" * (1 << 15))  # LIFO: reuses the freed slot
-        assert overwrite.slot == handle.slot
+        overwrite = pool.store(b"\xff" * (1 << 15))  # first fit: reuses the freed extent
+        assert overwrite.offset == handle.offset
         assert same_bits(decoded, kv)
         pool.free(overwrite)
 
