@@ -396,3 +396,31 @@ def test_mixed_zstd_payload_is_bounded_by_the_header():
     blob = pack_header(MixedCodec.codec_id, FLAG_ZSTD, torch.float16, (1, 2, 1, 1, 8), payload) + payload
     with pytest.raises(CorruptBlobError, match="mixed zstd payload exceeds"):
         MixedCodec().decode_quantized(blob)
+
+
+@pytest.mark.parametrize("zstd", [False, True])
+def test_mixed_newer_classes_round_trip_and_refuse_corruption(zstd):
+    from kernels.plan import HeadPlan
+    from kernels.restore_blocks import dequantize_heads_ref
+
+    kv = kv_like((2, 2, 41, 5, 16), torch.bfloat16)
+    plan = HeadPlan.from_codes(np.array([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]), params=(16, 2, 4))
+    codec = MixedCodec(plan, zstd=zstd)
+    blob = codec.encode(kv)
+    back = MixedCodec().decode_quantized(blob)  # plan and KIVI params travel in the blob
+    assert back.plan == plan and back.plan.params() == (16, 2, 4)
+    assert torch.equal(MixedCodec().decode(blob), dequantize_heads_ref(back))
+    assert torch.equal(decode_blob(blob)[0, :, :, 0], kv[0, :, :, 0])  # the FP16 head is exact
+    with pytest.raises(CorruptBlobError):
+        MixedCodec().decode(blob[:-1])
+
+
+def test_mixed_legacy_plans_still_write_the_original_layout():
+    from kernels.plan import HeadPlan
+    from preempt.codec import FLAG_FORMATS
+
+    kv = kv_like((2, 2, 9, 3, 8), torch.float16)
+    legacy = MixedCodec(HeadPlan.random(2, 3, fp8_share=0.5, drop_share=0.2, seed=0)).encode(kv)
+    assert read_header(legacy).flags == 0
+    newer = MixedCodec(HeadPlan.from_codes(np.full((2, 3), 4))).encode(kv)
+    assert read_header(newer).flags == FLAG_FORMATS

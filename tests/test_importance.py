@@ -214,3 +214,66 @@ def test_cli_bad_normalize_exits_2(tmp_path, checkpoint):
             ]
         )
     assert info.value.code == 2
+
+
+def _tiny_lm():
+    cfg = TinyConfig(vocab_size=256, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=16,
+                     intermediate_size=64)  # fmt: skip
+    return TinyLM(cfg, seed=3)
+
+
+def test_restored_prefix_forward_is_exact_with_the_exact_prefix_and_masks_dropped_heads():
+    from preempt.importance import _forward_with_prefix, clean_prefix_kv
+
+    model = _tiny_lm()
+    windows = torch.as_tensor(_windows(num=2, length=20))
+    with torch.inference_mode():
+        full = forward_batch(model, windows)
+        clean = clean_prefix_kv(model, windows)[:, :, :, :12]
+        torch.testing.assert_close(_forward_with_prefix(model, windows, clean), full)
+        masked = np.array([[True, False], [False, False]])
+        hidden = _forward_with_prefix(model, windows, clean, masked)
+        gates = gates_for_dropped(masked, 4)
+        naive = model.forward_naive(windows[0], masked_until=torch.tensor([[12, 0], [0, 0]]))
+    torch.testing.assert_close(hidden[0, 12:], naive[12:], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(hidden[0, 12:], full[0, 12:])
+    assert gates.shape == (2, 4)
+
+
+def test_prefix_sensitivity_prices_coarser_classes_higher():
+    from preempt.importance import prefix_sensitivity
+
+    scores = prefix_sensitivity(_tiny_lm(), _windows(num=2, length=40), 32, ("fp8", "kivi2"), (8, 0, 0))
+    assert scores["fp8"].shape == (2, 2) and (scores["fp8"] >= 0).all()
+    assert scores["kivi2"].sum() > scores["fp8"].sum() > 0
+
+
+def test_plan_for_budget_is_the_exact_knapsack_optimum():
+    import itertools
+
+    from kernels.plan import size_vs_fp16
+    from preempt.importance import class_sizes, place_at_random, place_by_rank, plan_for_budget
+
+    rng = np.random.default_rng(0)
+    labels = ("fp8", "kivi4", "kivi2")
+    scores = {c: rng.random((2, 2)) * w for c, w in zip(labels, (1, 3, 9), strict=True)}
+    sizes = class_sizes(labels, 64, 16, (16, 0, 0))
+    plan = plan_for_budget(scores, sizes, 0.4, params=(16, 0, 0))
+    assert size_vs_fp16(plan, 64, 16) <= 0.4
+    table = {"fp16": np.zeros((2, 2)), **scores}
+    best = min(
+        sum(table[c][divmod(i, 2)] for i, c in enumerate(combo))
+        for combo in itertools.product(table, repeat=4)
+        if sum({"fp16": 1.0, **sizes}[c] for c in combo) <= 0.4 * 4
+    )
+    got = sum(
+        table[c.label][layer, head] for layer, row in enumerate(plan.classes) for head, c in enumerate(row)
+    )
+    assert got == pytest.approx(best)
+    ranked = place_by_rank(plan, np.arange(4).reshape(2, 2), sizes, "rank")
+    shuffled = place_at_random(plan, seed=1)
+    for other in (ranked, shuffled):
+        assert sorted(other.codes().reshape(-1)) == sorted(plan.codes().reshape(-1))
+        assert other.params() == plan.params()
+    with pytest.raises(ValueError, match="no plan"):
+        plan_for_budget(scores, sizes, 0.01, params=(16, 0, 0))

@@ -1,0 +1,125 @@
+"""KIVI heads and FP8 per-token heads: Triton kernels bit-exact against the torch
+references under the interpreter (and on CUDA), the references' error bounds, exact
+sink/recent tokens, bit packing of every width, and the whole path through the codec."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.fp8_token import dequantize_fp8_token_ref, quantize_fp8_token, quantize_fp8_token_ref
+from kernels.kivi import _pack, _unpack, dequantize_kivi_ref, quantize_kivi, quantize_kivi_ref
+from kernels.plan import HeadClass, HeadPlan, kivi_layout, stored_bytes
+from kernels.quantize_heads import gather_quantize_heads, quantize_heads
+from kernels.restore_blocks import dequantize_heads_ref, restore_blocks
+from tests.kernels.conftest import assert_bits_equal
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def _heads(dtype, num_tokens=45, head_dim=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    channel_scale = torch.rand(head_dim, generator=gen) * 8 + 0.1  # outlier-ish channels
+    x = torch.randn(3, 2, num_tokens, head_dim, generator=gen) * channel_scale
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("bits", [(4, 4), (2, 2), (8, 4)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kivi_kernel_matches_reference_bit_exactly(interp, dtype, bits):
+    x = _heads(dtype)
+    for params in ((16, 3, 5), (8, 0, 0)):
+        assert_bits_equal(quantize_kivi(x, bits, params, use_triton=True), quantize_kivi_ref(x, bits, params))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_token_kernel_matches_reference_bit_exactly(interp, dtype):
+    x = _heads(dtype)
+    x[1, 0, 3] = 0  # an all-zero token takes scale 1.0
+    assert_bits_equal(quantize_fp8_token(x, use_triton=True), quantize_fp8_token_ref(x))
+
+
+def test_kernels_on_cuda_match_reference(cuda):
+    x = _heads(torch.bfloat16, num_tokens=300, head_dim=128).to(cuda)
+    for bits in ((4, 4), (2, 2), (8, 4)):
+        assert_bits_equal(
+            quantize_kivi(x, bits, (32, 4, 32)).cpu(), quantize_kivi_ref(x.cpu(), bits, (32, 4, 32))
+        )
+    assert_bits_equal(quantize_fp8_token(x).cpu(), quantize_fp8_token_ref(x.cpu()))
+
+
+@pytest.mark.parametrize("num_bits", range(1, 9))
+def test_bit_packing_round_trips_every_width(num_bits):
+    codes = torch.randint(0, 2**num_bits, (5, 16), dtype=torch.uint8)
+    packed = _pack(codes, num_bits)
+    assert packed.shape == (5, 16 * num_bits // 8)
+    assert torch.equal(_unpack(packed, num_bits), codes)
+
+
+@pytest.mark.parametrize("bits", [(4, 4), (2, 2), (5, 4), (6, 4), (8, 4), (5, 3)])
+def test_kivi_round_trip_error_bound_and_exact_sink_and_recent(bits):
+    x = _heads(torch.float32)
+    params = (16, 3, 5)
+    rows = quantize_kivi_ref(x, bits, params)
+    assert rows.shape == (3, kivi_layout(bits, 45, 16, 4, params).nbytes)
+    back = dequantize_kivi_ref(rows, bits, 45, 16, torch.float32, params)
+    assert torch.equal(back[:, :, :3], x[:, :, :3]) and torch.equal(back[:, :, -5:], x[:, :, -5:])
+    mid = slice(3, 40)
+    # per element: half a step of its group (float16 params add a little) and no more
+    keys = x[:, 0, mid].reshape(3, -1, 16)  # groups of up to 16 tokens per channel
+    k_step = (x[:, 0, mid].amax(1) - x[:, 0, mid].amin(1)) / (2 ** bits[0] - 1)  # <= each group's step
+    assert ((back[:, 0, mid] - x[:, 0, mid]).abs() <= 0.51 * k_step[:, None] + 1e-3 * keys.abs().amax()).all()
+    v_step = (x[:, 1, mid].amax(-1) - x[:, 1, mid].amin(-1)) / (2 ** bits[1] - 1)  # one group = D channels
+    assert ((back[:, 1, mid] - x[:, 1, mid]).abs() <= 0.51 * v_step[..., None] + 1e-3).all()
+
+
+def test_kivi_short_requests_keep_everything():
+    x = _heads(torch.bfloat16, num_tokens=6)
+    back = dequantize_kivi_ref(
+        quantize_kivi_ref(x, (2, 2), (16, 4, 4)), (2, 2), 6, 16, torch.bfloat16, (16, 4, 4)
+    )
+    assert_bits_equal(back, x)
+
+
+def test_fp8_token_round_trip_is_within_e4m3_rounding():
+    x = _heads(torch.float32)
+    back = dequantize_fp8_token_ref(quantize_fp8_token_ref(x), 45, 16, torch.float32)
+    scale = x.abs().amax(-1, keepdim=True) / 448
+    assert ((back - x).abs() <= 2**-4 * x.abs() + 2**-10 * scale).all()
+
+
+def test_mixed_plan_of_every_class_restores_through_paged_blocks(interp):
+    """Every class in one plan: fused gather + quantize (reference and Triton) agree,
+    restore (reference and Triton) writes the same cache, and sizes match stored_bytes."""
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(2, 2, 9, 8, 5, 16, generator=gen).to(torch.bfloat16)  # (L, 2, N, bs, H, D)
+    codes = np.array([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]])
+    plan = HeadPlan.from_codes(codes, params=(8, 2, 3))
+    block_ids = torch.tensor([4, 0, 7, 2, 5])
+    ref = gather_quantize_heads(cache, block_ids, 37, plan)
+    tri = gather_quantize_heads(cache, block_ids, 37, plan, use_triton=True)
+    for a, b in zip(
+        (ref.kept, ref.fp8, ref.scales, *ref.extra), (tri.kept, tri.fp8, tri.scales, *tri.extra), strict=True
+    ):
+        assert_bits_equal(a, b)
+    assert ref.nbytes == stored_bytes(plan, 37, 16, torch.bfloat16)
+    dense = dequantize_heads_ref(ref)
+    assert dense.shape == (2, 2, 37, 5, 16)
+    out_ref, out_tri = torch.full_like(cache, 3.0), torch.full_like(cache, 3.0)
+    dst = [1, 3, 6, 8, 0]
+    mask = restore_blocks(ref, out_ref, dst)
+    restore_blocks(ref, out_tri, dst, use_triton=True)
+    assert_bits_equal(out_ref, out_tri)
+    assert mask.tolist() == [[False, False, True, False, False], [False] * 5]
+    assert torch.equal(out_ref[:, :, 0, 5:], torch.zeros_like(out_ref[:, :, 0, 5:]))  # tail past T
+    # the dense path of the same plan gives the same packed heads
+    flat = quantize_heads(_gathered(cache, block_ids, 37), plan)
+    assert all(torch.equal(a, b) for a, b in zip(flat.extra, ref.extra, strict=True))
+    assert HeadClass.KIVI_K5V4 in {c for row in plan.classes for c in row}
+
+
+def _gathered(cache, block_ids, num_tokens):
+    from kernels.gather_blocks import gather_blocks_ref
+
+    return gather_blocks_ref(cache, block_ids, num_tokens)
