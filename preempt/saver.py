@@ -71,6 +71,12 @@ def head_plan_for(config: PreemptionConfig, num_layers: int, num_kv_heads: int, 
 def plan_size_ratio(plan) -> float:
     """Stored bytes of KV under `plan` over 16-bit KV: what the plan saves on a 16-bit
     deployment (per-request scales excluded: they do not grow with tokens)."""
+    if not plan.is_legacy:
+        # KIVI / per-token classes cost depends on the length and head_dim: price them at a
+        # nominal 1024-token request of 128-wide heads (Llama-3-8B's), scales included.
+        from kernels.plan import size_vs_fp16
+
+        return size_vs_fp16(plan, 1024, 128)
     total = plan.num_layers * plan.num_kv_heads
     return (2 * plan.num_fp16 + plan.num_fp8) / (2 * total)
 
