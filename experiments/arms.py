@@ -61,7 +61,8 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
             "preemption.max_preemption_per_min": None,
             "early_save.policy": "none",
         },
-        "vLLM V1: preempt only when KV blocks run out, recompute, victim = last admitted",
+        "vLLM 0.32.0 V1 (step-identical, docs/parity.md): preempt only when KV blocks run out, "
+        "recompute, victim = last admitted",
     ),
     Arm(
         "vllm_priority",
@@ -70,10 +71,11 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
         "vLLM V1 priority scheduling: victim = worst (priority, arrival), recompute",
     ),
     Arm(
-        "vllm_v0_swap",
+        "fcfs_swap",
         "vllm_fcfs",
         {"preemption.mode": "swap"},
-        "vLLM V0: swap the victim's raw KV to host memory and back",
+        "vLLM 0.32's scheduling with the victim's raw KV swapped to host and back (vLLM V0's "
+        "swap mode; not V0's scheduler, hence no system name)",
     ),
     Arm(
         "sglang_threshold",
