@@ -140,6 +140,26 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
         {"preemption.head_plan": "fp8"},
         "uniform FP8 (E4M3, per-head scales): the field's baseline for lossy saves, 2x smaller",
     ),
+    # -- slices that decide (time sharing) and FastServe's MLFQ
+    Arm(
+        "time_share_dynamic",
+        "pause",
+        {"preemption.slice_mode": "quantum"},
+        "SPEC §3 as time sharing: a request that used its slice yields its seat to the best "
+        "waiting one of its level or above (KV paused, saved if its blocks are needed)",
+    ),
+    Arm(
+        "time_share_static",
+        "time_share_dynamic",
+        {"preemption.time_slice_strategy": "static"},
+        "time sharing with one static slice: the dynamic-slice claim where slices decide",
+    ),
+    Arm(
+        "fastserve_mlfq",
+        "vllm_fcfs",
+        {"scheduler.policy": "fastserve_mlfq", "preemption.mode": "swap"},
+        "FastServe (arXiv 2305.05920): skip-join MLFQ at iteration granularity, KV swapped to host",
+    ),
     Arm(
         "early_always",
         "swap_mixed",

@@ -185,6 +185,21 @@ class BackoffConfig(_Section):
     reset_after_s: float = Field(10.0, gt=0)
 
 
+class MlfqConfig(_Section):
+    """FastServe's skip-join multi-level feedback queue (Wu et al., arXiv 2305.05920 §4):
+    queue i has quantum `base_quantum_ms * quantum_ratio**i`; a request joins the first
+    queue whose quantum covers its first iteration, and moves one queue down each time it
+    uses up its queue's quantum."""
+
+    num_levels: int = Field(6, ge=1)
+    base_quantum_ms: float = Field(20.0, gt=0)
+    quantum_ratio: float = Field(2.0, gt=1)
+    join_tokens_per_ms: float = Field(40.0, gt=0)
+    """Prompt tokens one millisecond of prefill covers, to place a new request (skip-join
+    by its first iteration's time): ~40 on the virtual H200 serving Llama-3-8B, whose
+    2,048-token prefill step takes ~49 ms (docs/clock.md)."""
+
+
 class PreemptionConfig(_Section):
     """The SPEC's `preemption` section (serve_config.json), extended."""
 
@@ -194,6 +209,12 @@ class PreemptionConfig(_Section):
     FP8 / drop per KV head, SPEC §9; lossy), or kept resident until its blocks are needed
     (`pause`, zero-copy; saved with `reclaim_codec` when reclaimed)."""
     time_slice_strategy: Literal["static", "dynamic"] = "dynamic"
+    slice_mode: Literal["gate", "quantum"] = "gate"
+    """What a used-up time slice does. `gate`: it only makes the request eligible for
+    priority preemption (a challenger must still beat its score by the margin). `quantum`:
+    time sharing -- when more requests want to run than fit, a request that has used its
+    slice yields to the best waiting one of its SLA level or above, so the slice length
+    decides who runs (each still runs at least one slice per turn)."""
     min_time_slice_ms: float = Field(10.0, ge=0)
     """No slice is shorter than this."""
     time_slices: TimeSliceConfig = TimeSliceConfig()
@@ -207,6 +228,8 @@ class PreemptionConfig(_Section):
     """`sglang_threshold`: preempt only if the challenger's SLA level exceeds the victim's
     by at least this (SGLang's --priority-scheduling-preemption-threshold, default 10 on
     its own priority scale)."""
+    mlfq: MlfqConfig = MlfqConfig()
+    """`fastserve_mlfq`: the queues of FastServe's skip-join MLFQ."""
     max_preemption_per_min: int | None = Field(30, gt=0)
     """Priority preemptions allowed in any 60 s window of the engine's clock (None: no
     cap). Preemptions forced by running out of KV blocks are counted but never blocked."""

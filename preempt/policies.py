@@ -140,12 +140,63 @@ class PriorityScorePolicy(SchedulingPolicy):
             self.config.score_floor,
         ):
             return victim
+        if self.config.slice_mode == "quantum" and challenger.sla_level >= victim.sla_level:
+            # Time sharing: its slice is used (the scheduler only offers such candidates),
+            # so it yields its seat; a lower SLA level never takes a higher one's.
+            return victim
         return None
+
+
+class FastServeMlfqPolicy(SchedulingPolicy):
+    """FastServe's skip-join MLFQ (Wu et al., "Fast Distributed Inference Serving for Large
+    Language Models", arXiv 2305.05920, §4.1), at iteration granularity: the request in
+    the highest queue runs first (FIFO within a queue); a new request skips the queues
+    whose quantum its first iteration (prefill) would overrun; a request moves one queue
+    down each time its executed time uses up its queue's quantum; and a waiting request of
+    a higher queue preempts the running request of the lowest one (at most one per step,
+    the scheduler's rule). Memory victims: the lowest queue, latest arrival. FastServe
+    swaps KV out proactively; here what happens to the KV is `preemption.mode`'s."""
+
+    name = "fastserve_mlfq"
+
+    def level(self, request: Request) -> int:
+        """The request's queue: 0 is the highest. A pure function of what the request has
+        done (prompt length, executed time), so a waiting request's level cannot move."""
+        mlfq = self.config.mlfq
+        quantum_ms = [mlfq.base_quantum_ms * mlfq.quantum_ratio**i for i in range(mlfq.num_levels)]
+        first_iteration_ms = request.num_prompt_tokens / mlfq.join_tokens_per_ms
+        join = next((i for i, q in enumerate(quantum_ms) if q >= first_iteration_ms), mlfq.num_levels - 1)
+        # Quanta used from the join level on: level j is left after sum(quantum[join..j]).
+        level, spent_ms = join, request.executed_s * 1000.0
+        while level < mlfq.num_levels - 1 and spent_ms >= quantum_ms[level]:
+            spent_ms -= quantum_ms[level]
+            level += 1
+        return level
+
+    def admission_key(self, request: Request) -> tuple:
+        return (self.level(request), request.arrival_s, request.request_id)
+
+    def select_victim(self, running: Sequence[Request], now: float) -> Request:
+        return max(running, key=lambda r: (self.level(r), r.arrival_s))
+
+    def priority_victim(
+        self, challenger: Request, candidates: Sequence[Request], now: float
+    ) -> Request | None:
+        if not candidates:
+            return None
+        victim = self.select_victim(candidates, now)
+        return victim if self.level(challenger) < self.level(victim) else None
 
 
 POLICIES: dict[str, type[SchedulingPolicy]] = {
     policy.name: policy
-    for policy in (VllmFcfsPolicy, VllmPriorityPolicy, SglangThresholdPolicy, PriorityScorePolicy)
+    for policy in (
+        VllmFcfsPolicy,
+        VllmPriorityPolicy,
+        SglangThresholdPolicy,
+        PriorityScorePolicy,
+        FastServeMlfqPolicy,
+    )
 }
 
 

@@ -63,6 +63,7 @@ class Request:
     output_logprobs: list[Any] = field(default_factory=list)  # Sample per token, when asked for
     # --- preemption state ---
     slice_used_s: float = 0.0  # executed time since it last started running
+    executed_s: float = 0.0  # executed time over its whole life (MLFQ's attained service)
     preemption_failed: bool = False  # fallback taken: never preempted for priority again
     kv_location: KVLocation = None  # where a PREEMPTED request's KV is
     saved_kv: Any = None  # the saver's handle while kv_location == "host" (opaque here)

@@ -254,6 +254,7 @@ class Scheduler:
         """Charge the step's duration to every request that ran in it (time slices)."""
         for chunk in chunks:
             chunk.request.slice_used_s += step_s
+            chunk.request.executed_s += step_s
 
     # ----------------------------------------------------------------- admission
     def _admit_waiting(self, chunks: dict[int, ScheduledChunk], budget: int, now: float) -> None:
