@@ -41,7 +41,6 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
-from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -49,11 +48,11 @@ import numpy as np
 
 from preempt.block_pool import BlockPool, blocks_needed
 from preempt.config import PreemptionConfig, SchedulerConfig
+from preempt.limits import RATE_WINDOW_S, AdmissionBackoff, RateWindow
 from preempt.policies import SchedulingPolicy
 from preempt.priority import remaining_ktokens, time_slice_s
 from preempt.request import Request, RequestState, ScheduledChunk
 
-RATE_WINDOW_S = 60.0
 MODE_CODEC = {"swap": "raw", "swap_zstd": "zstd", "swap_mixed": "mixed"}
 
 
@@ -150,10 +149,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_preemption_failed = 0
         self.num_restore_fallbacks = 0
-        self._window: deque[float] = deque()  # times of preemptions in the last minute
-        self._failures_in_row = 0
-        self._last_failure_s = float("-inf")
-        self.backoff_until_s = 0.0
+        self._rate_window = RateWindow(RATE_WINDOW_S)  # preemptions in the last minute
+        self._backoff = AdmissionBackoff(self.preemption.backoff)
         self._now = 0.0
         self._saved_free_blocks = 0  # blocks freed this step by saves still in flight
         self._uses_saved_blocks = False
@@ -195,9 +192,12 @@ class Scheduler:
         return [entry[2] for entry in sorted(self._waiting)]
 
     def preemptions_in_window(self, now: float) -> int:
-        while self._window and self._window[0] <= now - RATE_WINDOW_S:
-            self._window.popleft()
-        return len(self._window)
+        return self._rate_window.count(now)
+
+    @property
+    def backoff_until_s(self) -> float:
+        """New admissions wait until this time (a preemption failure's backoff)."""
+        return self._backoff.until_s
 
     # ----------------------------------------------------------------- step
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
@@ -458,7 +458,7 @@ class Scheduler:
         victim.num_preemptions += 1
         victim.slice_used_s = 0.0
         self.num_preemptions += 1
-        self._window.append(self._now)
+        self._rate_window.record(self._now)
         self.add_request(victim)
         # Forced: memory had to be freed now (its KV dropped if the save failed). Either
         # way it is flagged after leaving `running`, so the record keeps its action.
@@ -489,13 +489,7 @@ class Scheduler:
             self.num_preemption_failed += 1
         if is_running:
             request.state = RequestState.PREEMPTION_FAILED
-        backoff = self.preemption.backoff
-        if self._now - self._last_failure_s > backoff.reset_after_s:
-            self._failures_in_row = 0
-        self._failures_in_row += 1
-        self._last_failure_s = self._now
-        delay = min(backoff.cap_s, backoff.base_s * 2 ** (self._failures_in_row - 1))
-        self.backoff_until_s = max(self.backoff_until_s, self._now + delay)
+        self._backoff.on_failure(self._now)
 
     # ----------------------------------------------------------------- exits
     def finish_request(self, request: Request, state: RequestState) -> None:
