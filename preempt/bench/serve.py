@@ -4,6 +4,12 @@ The same small workload (N prompts, 64 output tokens each, all sent at once) run
 `Engine.generate` in this process, then through `preempt serve` in a subprocess over
 loopback, with whole answers and with server-sent-event streams. Reported as requests/s,
 tokens/s, and time relative to in-process (the client shares the machine's cores).
+
+Then, when the `load` extra (guidellm) is installed, guidellm sweeps constant request
+rates against the same server (streamed /v1/completions, a byte-level tokenizer file
+matching the server's), and the engine replays guidellm's own prompts in-process at each
+rate on the wall clock: throughput, TTFT and ITL percentiles of both, by the same code
+(`preempt.bench.load.summarize`). Only 127.0.0.1 is contacted.
 """
 
 from __future__ import annotations
@@ -13,13 +19,25 @@ import json
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Sequence
+from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from preempt.bench.load import INSTALL_HINT, RequestTiming, guidellm_installed, run_guidellm, summarize
 from preempt.config import build_config
 from preempt.engine import Engine
+from preempt.request import Request
 
 NUM_OUTPUT_TOKENS = 64
+LOAD_PROMPT_TOKENS = 64
+# (rates in requests/s, requests per rate); the all-at-once run above puts the server's
+# streamed capacity near 100 req/s on 2 cores, so the top rate overloads it.
+LOAD_SWEEP = {True: ((8.0, 32.0), 16), False: ((8.0, 32.0, 128.0), 64)}
 SETTINGS = {
     "model": {"preset": "tiny-2l", "dtype": "float32", "max_model_len": 1024, "num_threads": 1},
     "cache": {"block_size": 16, "num_blocks": 512},
@@ -40,6 +58,72 @@ def _in_process(num: int) -> tuple[float, int]:
     elapsed = time.perf_counter() - started
     engine.close()
     return elapsed, sum(len(o) for o in outputs)
+
+
+def _in_process_at_rate(engine: Engine, prompts: Sequence[str], rate: float) -> list[RequestTiming]:
+    """The prompts arriving every 1/rate s on the engine's wall clock, sampled at
+    temperature 1 (the server's default) for NUM_OUTPUT_TOKENS tokens each."""
+    start_s = engine.clock.now()
+    requests = [
+        Request(
+            request_id=index,
+            arrival_s=start_s + index / rate,
+            prompt_token_ids=np.frombuffer(prompt.encode("utf-8"), dtype=np.uint8).astype(np.int32),
+            max_tokens=NUM_OUTPUT_TOKENS,
+            target_output_tokens=NUM_OUTPUT_TOKENS,
+            temperature=1.0,
+        )
+        for index, prompt in enumerate(prompts)
+    ]
+    engine.run(requests)
+    return [RequestTiming(r.arrival_s, r.first_token_s, r.finish_s, r.num_output_tokens) for r in requests]
+
+
+def _load_sweep(port: int, quick: bool) -> tuple[dict[str, Any], list[Any]]:
+    """guidellm against the running server; its runs come back for the in-process side."""
+    rates, num_requests = LOAD_SWEEP[quick]
+    with tempfile.TemporaryDirectory(prefix="preempt-guidellm-") as workdir:
+        runs = run_guidellm(
+            f"http://127.0.0.1:{port}",
+            Path(workdir),
+            rates,
+            num_requests,
+            prompt_tokens=LOAD_PROMPT_TOKENS,
+            output_tokens=NUM_OUTPUT_TOKENS,
+        )
+    for run in runs:
+        # A tokenizer that does not match the server's would make every count below wrong.
+        wrong = [n for n in run.num_prompt_tokens if n != LOAD_PROMPT_TOKENS]
+        if wrong:
+            raise RuntimeError(f"server counted {wrong[0]} prompt tokens, guidellm sent {LOAD_PROMPT_TOKENS}")
+    header = {
+        "generator": f"guidellm {version('guidellm')}",
+        "endpoint": "/v1/completions (stream)",
+        "prompt_tokens": LOAD_PROMPT_TOKENS,
+        "output_tokens": NUM_OUTPUT_TOKENS,
+        "requests_per_rate": num_requests,
+    }
+    return header, runs
+
+
+def _compare(runs: list[Any]) -> list[dict[str, Any]]:
+    engine = Engine(build_config(SETTINGS))
+    engine.generate(["warm"], 4)
+    rows = []
+    for run in runs:
+        served = summarize(run.timings)
+        local = summarize(_in_process_at_rate(engine, run.prompts, run.rate))
+        row: dict[str, Any] = {
+            "rate": run.rate,
+            "guidellm": {**served, "errored": run.num_errored, "incomplete": run.num_incomplete},
+            "in_process": local,
+        }
+        if served.get("ttft_ms") and local.get("ttft_ms"):
+            row["ttft_p50_vs_in_process"] = round(served["ttft_ms"]["p50"] / local["ttft_ms"]["p50"], 2)
+            row["itl_p50_vs_in_process"] = round(served["itl_ms"]["p50"] / local["itl_ms"]["p50"], 2)
+        rows.append(row)
+    engine.close()
+    return rows
 
 
 async def _through_http(port: int, num: int, stream: bool) -> tuple[float, int]:
@@ -107,7 +191,15 @@ def bench_serve(quick: bool = False) -> dict[str, Any]:
                 "tok_s": round(tokens / elapsed),
                 "time_vs_in_process": round(elapsed / base_s, 2),
             }
+        load = _load_sweep(port, quick) if guidellm_installed() else None
     finally:
         server.terminate()
         server.wait(30)
+    if load is None:
+        result["load"] = {"skipped": f"guidellm is not installed ({INSTALL_HINT})"}
+    else:
+        header, runs = load
+        # After the server stopped: the in-process side gets the cores to itself, as in
+        # the all-at-once baseline.
+        result["load"] = {**header, "sweep": _compare(runs)}
     return result
