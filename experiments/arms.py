@@ -8,7 +8,8 @@ engine configs. Every error (unknown arm, unknown or mistyped key, an override t
 an invalid engine config, a missing reference) is raised here as one `ConfigError` line
 naming the arm and key, before anything runs.
 
-Must never: run anything, import torch, or touch the output directory.
+Must never: run anything or import torch. It writes in the output directory only the
+inputs a grid point derives (`OUT/inputs/`, `experiments.derive`).
 
 An arm is a name, a parent and dotted overrides (the semantics of `preempt run --set`);
 its engine config is the ablation's `base` + the overrides of its ancestors, root first,
@@ -25,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from experiments.derive import DERIVED_PREFIX, apply_derived
 from preempt.config import ConfigError, EarlySaveConfig, EngineConfig, build_config, read_config_file
 
 # ---------------------------------------------------------------- the registry
@@ -206,7 +208,8 @@ class ArmSpec(_Frozen):
 
 
 class AblationConfig(_Frozen):
-    """One ablation: a base engine config, the arms run on it, and what they need."""
+    """One ablation or sweep: a base engine config, the arms run on it, the grid of points
+    and the seeds, and what the arms need."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     """Names the wandb group and the results."""
@@ -220,7 +223,13 @@ class AblationConfig(_Frozen):
     """Standard arm names (experiments.arms.STANDARD_ARMS) and/or arm definitions."""
     grid: dict[str, list[Any]] = Field(default_factory=dict)
     """Dotted key -> values: every arm runs at every point of the product (e.g.
-    `workload.rate_scale: [1, 2, 4]`)."""
+    `workload.rate_scale: [1, 2, 4]`). Keys under `derive.` are inputs made for the point
+    (`experiments.derive`: `derive.link_gb_s`, `derive.prompt_scale`)."""
+    seeds: list[int] | None = Field(None, min_length=1)
+    """Every arm at every grid point runs once per seed (`seed` of the engine config: which
+    requests are of which SLA class, prompts, synthetic arrivals); tables, plots and
+    verdicts then carry 95% intervals over seeds (experiments.stats). None: one run with
+    the base's seed."""
     predictor: str | None = None
     """predictor.ckpt for `lstm` early-save arms (`--predictor` overrides). Without one,
     those arms are skipped with a note; a path that does not exist is an error."""
@@ -228,6 +237,13 @@ class AblationConfig(_Frozen):
     """A lossless arm whose output tokens every other arm is scored against (greedy
     agreement). Only meaningful with a backend that computes real tokens (`tiny`, `hf`)."""
     wandb_project: str = "preempt-ablations"
+
+    @field_validator("seeds")
+    @classmethod
+    def _distinct(cls, seeds: list[int] | None) -> list[int] | None:
+        if seeds is not None and len(set(seeds)) != len(seeds):
+            raise ValueError("seeds must be distinct")
+        return seeds
 
 
 # ---------------------------------------------------------------- resolution
@@ -324,14 +340,23 @@ def chain_overrides(name: str, custom: dict[str, Arm] | None = None) -> list[tup
     return [item for arm in reversed(chain) for item in arm.set.items()]
 
 
-def _grid_points(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
-    if not grid:
-        return [{}]
+def _grid_points(grid: dict[str, list[Any]], seeds: list[int] | None = None) -> list[dict[str, Any]]:
+    """The product of the grid, then each point once per seed (`seed` last in the point)."""
     for key, values in grid.items():
         if not values:
             raise ConfigError(f"grid key '{key}': needs at least one value")
+        if key == "seed":
+            raise ConfigError("grid key 'seed': list seeds under `seeds:` (replicates, not a grid axis)")
     keys = list(grid)
-    return [dict(zip(keys, values, strict=True)) for values in itertools.product(*grid.values())]
+    points = [dict(zip(keys, values, strict=True)) for values in itertools.product(*grid.values())] or [{}]
+    if seeds is None:
+        return points
+    return [{**point, "seed": seed} for point in points for seed in seeds]
+
+
+def without_seed(point: dict[str, Any]) -> dict[str, Any]:
+    """A run's grid point without its seed: the point its seeds are replicates of."""
+    return {k: v for k, v in point.items() if k != "seed"}
 
 
 def run_key(arm: str, point: dict[str, Any]) -> str:
@@ -405,7 +430,7 @@ def plan_ablation(
 
     runs: list[ArmRun] = []
     configs: dict[str, EngineConfig] = {}
-    for point in _grid_points(ablation.grid):
+    for point in _grid_points(ablation.grid, ablation.seeds):
         for name in names:
             arm = _lookup(name, custom, "arms")
             data = yaml.safe_load(yaml.safe_dump(base))  # deep copy, plain types
@@ -414,9 +439,13 @@ def plan_ablation(
                 for key, value in chain_overrides(name, custom):
                     set_dotted(data, key, value)
                 for key, value in point.items():
-                    set_dotted(data, key, value)
+                    if not key.startswith(DERIVED_PREFIX):
+                        set_dotted(data, key, value)
                 for assignment in final_overrides:
                     set_dotted(data, *parse_assignment(assignment))
+                for key, value in point.items():  # last: they derive from the settled config
+                    if key.startswith(DERIVED_PREFIX):
+                        apply_derived(data, key, value, Path(out_dir))
                 early = data.get("early_save", {})
                 if isinstance(early, dict) and early.get("policy") == "lstm" and not early.get("checkpoint"):
                     if predictor is None:

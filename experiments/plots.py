@@ -5,6 +5,10 @@ per SLA class (TTFT, TPOT), preemptions over time, goodput, stall per preemption
 saved per mode, and early-save precision/recall when the engine reports them. With a
 grid, one set per grid point (file names end with the point).
 
+With seeds (a sweep), also the plots users expect of one: goodput, p99 TTFT and p99 TPOT
+per SLA class against each numeric grid axis (the load, `workload.rate_scale`, first), one
+line per arm with its 95% band over seeds (`plot_sweep`, from summary.csv's rows).
+
 Must never: compute a metric the table does not have (the bar charts plot the results
 rows; only the CDFs and the time series read the runs' parquet files), or fail the
 ablation because a run has nothing to plot (an empty panel says so instead).
@@ -188,4 +192,68 @@ def plot_ablation(
                     "no early-save statistics",
                 )
             )
+    return written
+
+
+def _numeric(values: list[Any]) -> bool:
+    return all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
+
+
+def sweep_lines(
+    points: list[dict[str, Any]], axis: str, metrics: list[tuple[str, str]], path: Path, title: str
+) -> Path:
+    """One panel per metric: mean against `axis`, one line per arm, 95% band over seeds."""
+    plt = _pyplot()
+    arms = list(dict.fromkeys(p["arm"] for p in points))
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
+    for ax, (metric, label) in zip(axes[0], metrics, strict=True):
+        for arm, style in zip(arms, _styles(len(arms)), strict=True):
+            rows = sorted((p for p in points if p["arm"] == arm and metric in p), key=lambda p: p[axis])
+            if not rows:
+                continue
+            x = np.array([float(r[axis]) for r in rows])
+            y = np.array([float(r[metric]) for r in rows])
+            lo = np.array([float(r.get(f"{metric}_lo", math.nan)) for r in rows])
+            hi = np.array([float(r.get(f"{metric}_hi", math.nan)) for r in rows])
+            ax.plot(x, y, marker="o", markersize=3, label=arm, **style)
+            ax.fill_between(x, lo, hi, color=style["color"], alpha=0.15, linewidth=0)
+        ax.set_xlabel(axis)
+        ax.set_title(label, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def plot_sweep(points: list[dict[str, Any]], grid: dict[str, list[Any]], plots_dir: Path) -> list[Path]:
+    """Per numeric grid axis (others held at each of their values): goodput and p99
+    TTFT / TPOT per SLA class against the axis, one line per arm, 95% bands."""
+    written: list[Path] = []
+    columns = {key: key.rsplit(".", 1)[-1] for key in grid}
+    axes = [key for key, values in grid.items() if len(values) > 1 and _numeric(values)]
+    axes.sort(key=lambda key: key != "workload.rate_scale")  # load first
+    names = {k for p in points for k in p}
+    levels = sorted(
+        {k[3:].split("_", 1)[0] for k in names if k.startswith("sla") and k[3:4].isdigit()},
+        key=int,
+    )
+    for axis in axes:
+        x = columns[axis]
+        others = [columns[k] for k in grid if k != axis]
+        slices: dict[tuple, list[dict[str, Any]]] = {}
+        for p in points:
+            slices.setdefault(tuple(p.get(c) for c in others), []).append(p)
+        for fixed, rows in slices.items():
+            suffix = "".join(f"-{c}={v}" for c, v in zip(others, fixed, strict=True))
+            for kind, label in (("goodput_req_s", "goodput req/s"), ("ttft_p99_s", "TTFT p99 s"),
+                                ("tpot_p99_s", "TPOT p99 s")):  # fmt: skip
+                metrics = [(kind, f"all classes: {label}")] + [
+                    (f"sla{lv}_{kind}", f"SLA level {lv}: {label}") for lv in levels
+                ]
+                written.append(
+                    sweep_lines(
+                        rows, x, metrics, plots_dir / f"sweep_{kind}_vs_{x}{suffix}.png",
+                        f"{label} vs {x} (mean and 95% interval over seeds){suffix.replace('-', ' ')}",
+                    )  # fmt: skip
+                )
     return written

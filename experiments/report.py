@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.ablate import MD_COLUMNS, markdown_table, metric_fingerprint, read_csv, sla_levels, sla_table
+from experiments.tables import MD_COLUMNS, markdown_table, metric_fingerprint, read_csv, sla_levels, sla_table
 
 HELD, NOT_HELD, INCONCLUSIVE, NOT_MEASURED = (
     "held",

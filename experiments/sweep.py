@@ -57,8 +57,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def run(argv: list[str]) -> dict[str, Any]:
-    from experiments.ablate import _init_worker, run_metrics
     from experiments.arms import plan_ablation
+    from experiments.execution import init_worker
+    from experiments.measure import run_metrics
     from preempt.replay import replay
     from preempt.tracking import resolve_wandb_mode
 
@@ -87,7 +88,7 @@ def run(argv: list[str]) -> dict[str, Any]:
             settings=wandb.Settings(silent=True, console="off", x_disable_stats=True, init_timeout=15.0),
         )
         run_id = wb.id
-    _init_worker()
+    init_worker()
     run_dir = args.out / run_id
     summary = replay(arm.config, run_dir, progress=False)
     metrics = run_metrics(run_dir, summary)

@@ -371,7 +371,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
-    from experiments.ablate import MD_COLUMNS, ablate, markdown_table  # torch only in the arms
+    from experiments.ablate import ablate  # torch only in the arms
+    from experiments.tables import MD_COLUMNS, interval_table, markdown_table
 
     result = ablate(
         args.config,
@@ -382,8 +383,12 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         overrides=args.set,
         only=args.arms.split(",") if args.arms else None,
         resume=args.resume,
+        ray_address=args.ray_address,
     )
-    print(markdown_table(result.rows, MD_COLUMNS[:10]))
+    if result.points is not None:
+        print(interval_table(result.points))
+    else:
+        print(markdown_table(result.rows, MD_COLUMNS[:10]))
     print(f"wrote {args.out / 'results.csv'}, {args.out / 'results.md'} and {len(result.plots)} plots")
     if result.info.get("wandb_sync"):
         print(result.info["wandb_sync"])
@@ -601,6 +606,11 @@ def build_parser() -> argparse.ArgumentParser:
     ablate.add_argument("--arms", help="run only these arms (comma-separated)")
     ablate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a base key")
     ablate.add_argument("--resume", action="store_true", help="reuse runs with the same config's metrics")
+    ablate.add_argument(
+        "--ray-address",
+        help="run the arms as tasks on this Ray cluster (e.g. ray://head:10001 or auto); default: "
+        "Ray on this machine with --jobs CPUs (one job: in this process)",
+    )
     ablate.set_defaults(func=cmd_ablate)
 
     parity = sub.add_parser("parity", help="step-by-step parity with a real scheduler (optional peer)")

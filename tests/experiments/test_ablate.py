@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from experiments.ablate import METRICS, NOT_REPRODUCIBLE, read_csv, run_arm, undefined_reason
 from experiments.arms import STANDARD_ARMS, plan_ablation
+from experiments.catalogue import METRICS, NOT_REPRODUCIBLE, undefined_reason
+from experiments.execution import run_arm
+from experiments.tables import read_csv
 from preempt.cli import main
 
 SMOKE = Path("experiments/configs/smoke.yaml")
@@ -182,7 +184,7 @@ def test_the_ablation_path_never_imports_lightning():
 
     code = (
         "import sys\n"
-        "from experiments import ablate, arms, plots, report, sweep\n"
+        "from experiments import ablate, aggregate, arms, derive, execution, plots, report, stats, sweep\n"
         "from preempt.cli import build_parser\n"
         "plan = arms.plan_ablation('experiments/configs/quick.yaml', '/tmp/x')\n"
         "assert 'pytorch_lightning' not in sys.modules and 'lightning' not in sys.modules\n"
