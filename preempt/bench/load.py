@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -163,13 +164,25 @@ def run_guidellm(
         "GUIDELLM__MAX_WORKER_PROCESSES": os.environ.get("GUIDELLM__MAX_WORKER_PROCESSES", "2"),
         "GUIDELLM__LOGGING__CONSOLE_LOG_LEVEL": "WARNING",
     }
-    budget_s = 60.0 + len(rates) * (max_seconds_per_rate + 30.0)
-    done = subprocess.run(
-        command, cwd=workdir, env=env, capture_output=True, text=True, timeout=budget_s, check=False
+    budget_s = 45.0 + len(rates) * (max_seconds_per_rate + 15.0)  # start-up ~10 s, ~5 s a rate
+    # Its own session, so a run past the budget is ended with every worker it spawned.
+    process = subprocess.Popen(
+        command,
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
-    if done.returncode != 0 or not output_path.is_file():
-        tail = (done.stdout + done.stderr)[-2000:]
-        raise RuntimeError(f"guidellm exited with {done.returncode}:\n{tail}")
+    try:
+        log, _ = process.communicate(timeout=budget_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise RuntimeError(f"guidellm ran past {budget_s:g} s and was stopped") from None
+    if process.returncode != 0 or not output_path.is_file():
+        raise RuntimeError(f"guidellm exited with {process.returncode}:\n{log[-2000:]}")
     return read_report(json.loads(output_path.read_text()))
 
 
