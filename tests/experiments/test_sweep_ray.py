@@ -1,0 +1,115 @@
+"""A sweep of 2 points x 2 seeds: the same numbers through Ray as in one process, one
+wandb run per point in one group, intervals in summary.csv, bands in the sweep plots,
+and derived inputs (a slower copy link, longer prompts) that really change the run."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from experiments.ablate import ablate
+from experiments.arms import plan_ablation
+from experiments.catalogue import NOT_REPRODUCIBLE
+from experiments.stats import t_interval
+from experiments.tables import read_csv
+
+SMOKE = Path("experiments/configs/smoke.yaml")
+
+
+def _sweep_config(tmp_path: Path, duration_s: float = 10, **changes) -> Path:
+    base = yaml.safe_load(SMOKE.read_text())["base"]
+    base["workload"]["duration_s"] = duration_s
+    config = {
+        "name": "sweep-test",
+        "base": base,
+        "arms": ["swap_raw"],
+        "grid": {"workload.rate_scale": [4.0, 8.0]},
+        "seeds": [0, 1],
+        **changes,
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        if key in NOT_REPRODUCIBLE or key.startswith("wall_time_s"):
+            continue
+        if isinstance(value, float) and math.isnan(value):
+            assert isinstance(b[key], float) and math.isnan(b[key]), key
+        else:
+            assert value == b[key], key
+
+
+@pytest.fixture(scope="module")
+def sweeps(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sweep")
+    config = _sweep_config(tmp)
+    local = ablate(config, tmp / "local", wandb="disabled", jobs=1, log=lambda _: None)
+    ray = ablate(config, tmp / "ray", wandb="offline", jobs=2, log=lambda _: None)
+    return tmp, local, ray
+
+
+def test_ray_gives_the_same_numbers_as_a_local_run(sweeps):
+    tmp, local, ray = sweeps
+    assert [r["run"] for r in local.rows] == [
+        "swap_raw@rate_scale=4.0,seed=0",
+        "swap_raw@rate_scale=4.0,seed=1",
+        "swap_raw@rate_scale=8.0,seed=0",
+        "swap_raw@rate_scale=8.0,seed=1",
+    ]
+    for name in ("results.csv", "summary.csv"):
+        for a, b in zip(read_csv(tmp / "local" / name), read_csv(tmp / "ray" / name), strict=True):
+            _same(a, b)
+    assert all(r["status"] == "ok" for r in ray.rows)
+    # the seeds differ (SLA classes are drawn per seed), so the intervals are real ones
+    assert local.rows[0]["sla2_ttft_p99_s"] != local.rows[1]["sla2_ttft_p99_s"]
+
+
+def test_summary_rows_hold_t_intervals_over_the_seeds(sweeps):
+    _, local, _ = sweeps
+    point = next(p for p in local.points if p["run"] == "swap_raw@rate_scale=8.0")
+    seeds = [r for r in local.rows if r["run"].startswith("swap_raw@rate_scale=8.0,")]
+    expected = t_interval([r["goodput_req_s"] for r in seeds])
+    assert point["num_seeds"] == 2 and point["seeds"] == "0 1"
+    assert point["goodput_req_s"] == pytest.approx(expected.mean)
+    assert point["goodput_req_s_lo"] == pytest.approx(expected.lo)
+    assert point["goodput_req_s_hi"] == pytest.approx(expected.hi)
+
+
+def test_one_wandb_run_per_point_in_one_group_and_band_plots(sweeps):
+    tmp, _, ray = sweeps
+    out = tmp / "ray"
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 + 1  # one per point (seeds logged as its steps) + the summary
+    assert ray.info["seeds"] == [0, 1] and ray.info["wandb"] == "offline"
+    for name in ("goodput_req_s", "ttft_p99_s", "tpot_p99_s"):
+        assert (out / "plots" / f"sweep_{name}_vs_rate_scale.png").stat().st_size > 5_000
+    text = (out / "results.md").read_text()
+    assert "95% interval" in text and "swap_raw@rate_scale=8.0 | 2 |" in text
+
+
+def test_derived_link_and_prompt_inputs_change_the_run(tmp_path):
+    path = _sweep_config(
+        tmp_path, 30, grid={"derive.link_gb_s": [50, 5], "derive.prompt_scale": [1, 2]}, seeds=None
+    )
+    plan = plan_ablation(path, tmp_path / "out")
+    slow = plan.run("swap_raw@link_gb_s=5,prompt_scale=2")
+    target = json.loads(Path(slow.config.clock.target).read_text())
+    assert target["device"]["copy_one_way_bytes_per_s"] == 5e9 and target["model"]["num_layers"] == 32
+    assert Path(slow.config.workload.trace).parent == tmp_path / "out" / "inputs"
+    result = ablate(path, tmp_path / "out", wandb="disabled", jobs=1, plots=False, log=lambda _: None)
+    by_run = {r["run"]: r for r in result.rows}
+    fast, slow = by_run["swap_raw@link_gb_s=50,prompt_scale=1"], by_run["swap_raw@link_gb_s=5,prompt_scale=1"]
+    assert slow["save_ms_p50"] > 5 * fast["save_ms_p50"]  # 10x slower link, same KV
+    longer = by_run["swap_raw@link_gb_s=50,prompt_scale=2"]
+    assert longer["ttft_p50_s"] > fast["ttft_p50_s"]
+    bad = _sweep_config(tmp_path, grid={"derive.link_gb_s": [0]})
+    with pytest.raises(ValueError, match="derive.link_gb_s"):
+        plan_ablation(bad, tmp_path / "bad")
