@@ -44,8 +44,10 @@ def peer_python(explicit: str | Path | None = None) -> Path:
     )
 
 
-def run_vllm(jobs: list[dict], python: Path, timeout_s: float = 1800) -> dict:
-    """Run `preempt.parity.vllm_peer` in the peer virtualenv on `jobs`."""
+def run_vllm(
+    jobs: list[dict], python: Path, timeout_s: float = 1800, module: str = "preempt.parity.vllm_peer"
+) -> dict:
+    """Run `module` (default `preempt.parity.vllm_peer`) in the peer virtualenv on `jobs`."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
@@ -57,7 +59,7 @@ def run_vllm(jobs: list[dict], python: Path, timeout_s: float = 1800) -> dict:
     }
     try:
         done = subprocess.run(
-            [str(python), "-m", "preempt.parity.vllm_peer"],
+            [str(python), "-m", module],
             input=json.dumps(jobs),
             capture_output=True,
             text=True,

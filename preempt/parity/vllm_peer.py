@@ -41,7 +41,7 @@ _MODEL_CONFIG = {
 }
 
 
-def _build_scheduler(workload: dict, policy: str, model_dir: str):
+def _build_scheduler(workload: dict, policy: str, model_dir: str, scheduler_cls=None, additional_config=None):
     import torch
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -74,6 +74,7 @@ def _build_scheduler(workload: dict, policy: str, model_dir: str):
         scheduler_config=scheduler_config,
         cache_config=cache_config,
         device_config=DeviceConfig("cpu"),
+        additional_config=additional_config or {},
     )
     kv_cache_config = KVCacheConfig(
         num_blocks=workload["num_gpu_blocks"],
@@ -87,7 +88,7 @@ def _build_scheduler(workload: dict, policy: str, model_dir: str):
             )
         ],
     )
-    scheduler = Scheduler(
+    scheduler = (scheduler_cls or Scheduler)(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
@@ -121,12 +122,14 @@ def _request_id(number: int) -> str:
     return f"{number:08d}"
 
 
-def run_job(workload: dict, policy: str, model_dir: str) -> dict:
+def run_job(workload: dict, policy: str, model_dir: str, build=None) -> dict:
+    """`build(workload, policy, model_dir) -> (scheduler, effective)`: another scheduler
+    class driven the same way (the preempt plugin, preempt.integrations.vllm.peer)."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
-    scheduler, effective = _build_scheduler(workload, policy, model_dir)
+    scheduler, effective = (build or _build_scheduler)(workload, policy, model_dir)
     victims: list[str] = []
     original_preempt = scheduler._preempt_request
 

@@ -1,0 +1,239 @@
+"""The vLLM side of `preempt bench vllm` and of the plugin's tests. Runs in the peer
+virtualenv (`make peer`), never in preempt's own process.
+
+Reads a JSON list of jobs on stdin and writes `{"vllm_version": ..., "results": [...]}` on
+stdout, one result per job (`{"error": ...}` for a job that failed; the others still run):
+
+- `{"kind": "decisions", "workload": {...}, "settings": {...}, "clock": {"starts_s": [...],
+  "durations_s": [...]}}`: the plugin scheduler driven without a model, exactly as
+  `preempt.parity.vllm_peer` drives vLLM's own (same requests, same fake model output),
+  on a replay of preempt's engine clock. Result: `{"trace": [...], "metrics": {...}}`.
+- `{"kind": "llm", "model_dir": D, "engine": {...}, "requests": [...], "arms": [...]}`: a
+  real `vllm.LLM` per arm on a tiny local checkpoint (written with transformers when D
+  has none), requests added at their `arrival_step` and the engine stepped by hand.
+  An arm is `{"name": ..., "scheduler": "default" | "preempt", "policy": "fcfs" |
+  "priority", "settings": {...}}`. Result per arm: per request its output token ids,
+  arrival, first-token and finish steps; totals (steps, preemptions and recomputed
+  tokens seen at `_preempt_request`, vLLM's own `vllm:num_preemptions` and the plugin's
+  `preempt:*` counters read from the same Prometheus registry, wall time).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+PLUGIN_CLS = "preempt.integrations.vllm.scheduler.PreemptScheduler"
+TINY_LLAMA = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,  # head_dim 64: vLLM's CPU attention has no kernel for 16
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def write_tiny_model(model_dir: Path, seed: int = 0) -> Path:
+    """A random-weight Llama checkpoint (bf16 safetensors, ~0.5 MB), unless one is there."""
+    if (model_dir / "config.json").is_file():
+        return model_dir
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).to(torch.bfloat16)
+    model.save_pretrained(model_dir)
+    return model_dir
+
+
+# ----------------------------------------------------------------- decisions
+def run_decisions(job: dict, model_dir: str) -> dict:
+    from preempt.integrations.vllm.clock import ReplayClock
+    from preempt.integrations.vllm.scheduler import PreemptScheduler
+    from preempt.parity.vllm_peer import _build_scheduler, run_job
+
+    holder = {}
+
+    def build(workload, policy, directory):
+        scheduler, effective = _build_scheduler(
+            workload,
+            "priority",  # requests carry priorities; the plugin orders and picks victims itself
+            directory,
+            scheduler_cls=PreemptScheduler,
+            additional_config={"preempt": job.get("settings", {})},
+        )
+        clock = job["clock"]
+        scheduler.clock = ReplayClock(clock["starts_s"], clock["durations_s"])
+        holder["scheduler"] = scheduler
+        return scheduler, effective
+
+    result = run_job(job["workload"], "priority", model_dir, build=build)
+    result["metrics"] = holder["scheduler"].plugin_metrics()
+    return result
+
+
+# ----------------------------------------------------------------- a real LLM
+def _in_process_scheduler(llm):
+    # VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine core (and its scheduler) live here.
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def _metric_values(names: tuple[str, ...]) -> dict[str, float]:
+    from prometheus_client import REGISTRY
+
+    values: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name in names:
+                key = sample.name
+                reason = sample.labels.get("reason")
+                if reason:
+                    key += "{reason=" + reason + "}"
+                values[key] = values.get(key, 0.0) + sample.value
+    return values
+
+
+def run_arm(job: dict, arm: dict, model_dir: str) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = job["engine"]
+    kwargs = {}
+    if arm["scheduler"] == "preempt":
+        kwargs["scheduler_cls"] = PLUGIN_CLS
+        kwargs["additional_config"] = {"preempt": arm.get("settings", {})}
+    started = time.perf_counter()
+    llm = LLM(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        dtype=engine.get("dtype", "bfloat16"),
+        enforce_eager=True,
+        seed=0,
+        block_size=engine["block_size"],
+        num_gpu_blocks_override=engine["num_gpu_blocks"],
+        max_model_len=engine["max_model_len"],
+        max_num_seqs=engine["max_num_seqs"],
+        max_num_batched_tokens=engine["max_num_batched_tokens"],
+        enable_prefix_caching=False,  # preempt has no prefix cache: recompute is recompute
+        scheduling_policy=arm.get("policy", "fcfs"),
+        disable_log_stats=False,
+        **kwargs,
+    )
+    start_s = time.perf_counter() - started
+    scheduler = _in_process_scheduler(llm)
+    seen = {"preemptions": 0, "recomputed_tokens": 0}
+    original = scheduler._preempt_request
+
+    def counting(request, *args, **kw):
+        seen["preemptions"] += 1
+        seen["recomputed_tokens"] += request.num_computed_tokens
+        return original(request, *args, **kw)
+
+    scheduler._preempt_request = counting
+    before = _metric_values(("vllm:num_preemptions_total",))
+    uses_priority = arm["scheduler"] == "preempt" or arm.get("policy") == "priority"
+    pending = sorted(job["requests"], key=lambda r: (r["arrival_step"], r["id"]))
+    engine_obj = llm.llm_engine
+    records: dict[str, dict] = {}
+    step = 0
+    next_index = 0
+    run_started = time.perf_counter()
+    while next_index < len(pending) or engine_obj.has_unfinished_requests():
+        while next_index < len(pending) and pending[next_index]["arrival_step"] <= step:
+            spec = pending[next_index]
+            next_index += 1
+            req_id = f"{spec['id']:08d}"
+            engine_obj.add_request(
+                req_id,
+                TokensPrompt(prompt_token_ids=spec["prompt_token_ids"]),
+                SamplingParams(
+                    max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False
+                ),
+                priority=spec["priority"] if uses_priority else 0,
+            )
+            records[req_id] = {
+                "id": spec["id"],
+                "priority": spec["priority"],
+                "arrival_step": step,
+                "first_token_step": None,
+                "finish_step": None,
+                "token_ids": [],
+            }
+        for out in engine_obj.step():
+            record = records[out.request_id]
+            token_ids = list(out.outputs[0].token_ids)
+            if token_ids and record["first_token_step"] is None:
+                record["first_token_step"] = step
+            record["token_ids"] = token_ids
+            if out.finished:
+                record["finish_step"] = step
+        step += 1
+        if step > 200_000:
+            raise RuntimeError("no end after 200000 steps")
+    run_s = time.perf_counter() - run_started
+    names = ("vllm:num_preemptions_total", "preempt:preemptions_total", "preempt:recomputed_tokens_total")
+    after = _metric_values(names)
+    metrics = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+    result = {
+        "name": arm["name"],
+        "start_s": start_s,
+        "run_s": run_s,
+        "steps": step,
+        "preemptions": seen["preemptions"],
+        "recomputed_tokens": seen["recomputed_tokens"],
+        "prometheus": metrics,
+        "plugin": scheduler.plugin_metrics() if hasattr(scheduler, "plugin_metrics") else None,
+        "requests": sorted(records.values(), key=lambda r: r["id"]),
+    }
+    del scheduler, engine_obj, llm
+    gc.collect()
+    return result
+
+
+def run_llm(job: dict) -> dict:
+    model_dir = str(write_tiny_model(Path(job["model_dir"])))
+    return {"arms": [run_arm(job, arm, model_dir) for arm in job["arms"]]}
+
+
+def main() -> int:
+    import tempfile
+
+    import vllm
+
+    from preempt.parity.vllm_peer import _MODEL_CONFIG
+
+    jobs = json.load(sys.stdin)
+    # vLLM logs to stdout; the report alone goes there, everything else to stderr.
+    report = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="preempt-plugin-") as config_dir:
+        (Path(config_dir) / "config.json").write_text(
+            json.dumps({**_MODEL_CONFIG, "max_position_embeddings": 1 << 20})
+        )
+        for job in jobs:
+            try:
+                if job["kind"] == "decisions":
+                    results.append(run_decisions(job, config_dir))
+                elif job["kind"] == "llm":
+                    results.append(run_llm(job))
+                else:
+                    results.append({"error": f"unknown job kind {job['kind']!r}"})
+            except Exception as err:  # noqa: BLE001 - reported per job, the others still run
+                results.append({"error": f"{type(err).__name__}: {err}"})
+    json.dump({"vllm_version": vllm.__version__, "results": results}, report)
+    report.close()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    sys.exit(main())
