@@ -19,6 +19,8 @@ D = 128), so it is an option for a head that FP8 per head serves badly, not a wa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -123,9 +125,13 @@ def _fp8_token_kernel(
     tl.store(scale_dst, scale, mask=t < num_tokens)
 
 
-def quantize_fp8_token(selected: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
-    """selected (n, 2, T, D) -> (n, row_bytes) uint8: the Triton kernel on CUDA (or under
-    the interpreter when asked), the torch reference otherwise."""
+def quantize_fp8_token(
+    selected: torch.Tensor | Sequence[torch.Tensor], *, use_triton: bool | None = None
+) -> torch.Tensor:
+    """selected (n, 2, T, D) (or n (2, T, D) views) -> (n, row_bytes) uint8: the Triton
+    kernel on CUDA (or under the interpreter when asked), the torch reference otherwise."""
+    if not isinstance(selected, torch.Tensor):  # per-head views (kernels/kivi.py's `Heads`)
+        selected = torch.stack(list(selected))
     if selected.ndim != 4 or selected.shape[1] != 2:
         raise ValueError(f"selected heads must be (n, 2, T, D), got {tuple(selected.shape)}")
     if not dispatch.use_triton(selected.device, use_triton):

@@ -290,9 +290,17 @@ def quantize_heads_ref(kv: torch.Tensor, plan: HeadPlan) -> QuantizedKV:  # kv: 
     num_layers, _, num_tokens, num_heads, head_dim = kv.shape
     plan.check_shape(num_layers, num_heads)
 
-    def select(cls: HeadClass) -> torch.Tensor:  # (n, 2, T, D), a copy: advanced indices lead
-        layers, heads = (torch.as_tensor(i, device=kv.device) for i in plan.heads_of(cls))
-        return kv[layers, :, :, heads, :]
+    def views(cls: HeadClass) -> list[torch.Tensor]:  # n (2, T, D) views, no copy
+        return [kv[layer, :, :, head] for layer, head in zip(*plan.heads_of(cls), strict=True)]
+
+    def select(cls: HeadClass) -> torch.Tensor | list[torch.Tensor]:
+        # The KIVI reference reads per-head views chunk by chunk (no gathered copy of the
+        # request); the others take one stacked (n, 2, T, D) copy: a memcpy of D-element
+        # rows, ~2x faster here than the equivalent advanced index.
+        heads = views(cls)
+        if not heads:
+            return kv.new_empty(0, 2, num_tokens, head_dim)
+        return heads if cls in KIVI_BITS else torch.stack(heads)
 
     fp8, scales = quantize_fp8_ref(select(HeadClass.FP8))
     extra = pack_extra(plan, select, use_triton=False)
@@ -313,9 +321,7 @@ def gather_quantize_heads_ref(
     select = _paged_selector(kv_cache, block_ids, num_tokens, plan)
     fp8, scales = quantize_fp8_ref(select(HeadClass.FP8))
     extra = pack_extra(plan, select, use_triton=False)
-    return QuantizedKV(
-        plan, num_tokens, head_dim, kv_cache.dtype, select(HeadClass.FP16), fp8, scales, extra
-    )
+    return QuantizedKV(plan, num_tokens, head_dim, kv_cache.dtype, select(HeadClass.FP16), fp8, scales, extra)
 
 
 def _paged_selector(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int, plan: HeadPlan):

@@ -89,8 +89,13 @@ class BlobHeader(NamedTuple):
 
 
 def pack_header(codec_id: int, flags: int, dtype: torch.dtype, shape: tuple[int, ...], payload: Any) -> bytes:
-    """The header for `payload` (any bytes-like object). For codec authors."""
-    payload_view = memoryview(payload).cast("B")
+    """The header for `payload` (any bytes-like object, or a list of them that follow one
+    another: the CRC runs over the parts, so they need not be joined). For codec authors."""
+    parts = payload if isinstance(payload, list) else [payload]
+    views = [memoryview(part).cast("B") for part in parts]
+    crc = 0
+    for view in views:
+        crc = zlib.crc32(view, crc)
     raw_nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     header = bytearray(
         _FIXED.pack(
@@ -101,8 +106,8 @@ def pack_header(codec_id: int, flags: int, dtype: torch.dtype, shape: tuple[int,
             flags,
             len(shape),
             raw_nbytes,
-            payload_view.nbytes,
-            zlib.crc32(payload_view),
+            sum(view.nbytes for view in views),
+            crc,
         )
     )
     for dim in shape:
@@ -378,8 +383,9 @@ class MixedCodec(Codec):
             )
             flags |= FLAG_ZSTD
             return [pack_header(self.codec_id, flags, quantized.dtype, shape, payload), payload]
-        payload_view = np.concatenate(sections) if any(s.size for s in sections) else np.empty(0, np.uint8)
-        return [pack_header(self.codec_id, flags, quantized.dtype, shape, payload_view), payload_view]
+        # The sections go to the host pool as they are: joining them would copy every byte once more.
+        sections = [section for section in sections if section.size]
+        return [pack_header(self.codec_id, flags, quantized.dtype, shape, sections), *sections]
 
     def decode_quantized(self, blob: bytes | bytearray | memoryview | np.ndarray) -> Any:
         """Blob -> `QuantizedKV` on the CPU (the plan comes from the blob). Raises

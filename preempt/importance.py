@@ -411,19 +411,8 @@ def prefix_sensitivity(
     `warmup_tokens` of the prefix are recomputed exactly, as the engine's restore does."""
     from kernels.plan import HeadClass
 
-    windows = torch.as_tensor(np.asarray(windows), dtype=torch.int64)
     cfg = model.cfg
-    if not 0 < prefix_len < windows.shape[1]:
-        raise ValueError(f"prefix_len must lie in (0, {windows.shape[1]}), got {prefix_len}")
-    saved = prefix_len - min(warmup_tokens, prefix_len)
-    clean = clean_prefix_kv(model, windows)[:, :, :, :saved]  # (B, L, 2, P', H, D)
-    ref = torch.log_softmax(_forward_with_prefix(model, windows, None)[:, prefix_len:].double(), dim=-1)
-
-    def kl(prefix: torch.Tensor, masked: np.ndarray | None) -> float:
-        logits = _forward_with_prefix(model, windows, prefix, masked)[:, prefix_len:]
-        out = torch.log_softmax(logits.double(), dim=-1)
-        return float((ref.exp() * (ref - out)).sum(dim=-1).mean())
-
+    clean, kl = _restored_prefix_kl(model, windows, prefix_len, warmup_tokens)
     scores = {}
     shape = (cfg.num_layers, cfg.num_kv_heads)
     for label in classes:
@@ -442,6 +431,59 @@ def prefix_sensitivity(
                 table[layer, head] = kl(prefix, masked)
         scores[label] = table
     return scores
+
+
+def _restored_prefix_kl(model: TinyLM, windows, prefix_len: int, warmup_tokens: int):
+    """-> (the clean saved prefix KV (B, L, 2, P', H, D), kl(prefix, masked)): the mean
+    KL(p_exact || p_restored) (nats) over the positions after the prefix when its first P'
+    tokens' K/V are `prefix` and the last `warmup_tokens` are recomputed exactly."""
+    windows = torch.as_tensor(np.asarray(windows), dtype=torch.int64)
+    if not 0 < prefix_len < windows.shape[1]:
+        raise ValueError(f"prefix_len must lie in (0, {windows.shape[1]}), got {prefix_len}")
+    saved = prefix_len - min(warmup_tokens, prefix_len)
+    clean = clean_prefix_kv(model, windows)[:, :, :, :saved]  # (B, L, 2, P', H, D)
+    ref = torch.log_softmax(_forward_with_prefix(model, windows, None)[:, prefix_len:].double(), dim=-1)
+
+    def kl(prefix: torch.Tensor, masked: np.ndarray | None = None) -> float:
+        logits = _forward_with_prefix(model, windows, prefix, masked)[:, prefix_len:]
+        out = torch.log_softmax(logits.double(), dim=-1)
+        return float((ref.exp() * (ref - out)).sum(dim=-1).mean())
+
+    return clean, kl
+
+
+@torch.inference_mode()
+def key_value_split(
+    model: TinyLM,
+    windows: np.ndarray | torch.Tensor,  # (B, T) token windows
+    prefix_len: int,
+    classes: tuple[str, ...] = ("fp8", "kivi4"),
+    params: tuple[int, int, int] = (32, 4, 32),
+    warmup_tokens: int = 2,
+) -> dict[str, dict[str, float]]:
+    """class label -> {"keys", "values", "both"}: the mean KL (nats) after a restored
+    prefix with every head at that class, but only its keys (values exact), only its
+    values, or both quantized. Says which half of the KV carries a class's loss (for KIVI:
+    the per-channel keys, which enter a softmax; docs/codec.md)."""
+    from kernels.plan import HeadClass
+
+    cfg = model.cfg
+    clean, kl = _restored_prefix_kl(model, windows, prefix_len, warmup_tokens)
+    split = {}
+    for label in classes:
+        cls = HeadClass[label.upper()]
+        if cls == HeadClass.DROP:
+            raise ValueError("a dropped head has no keys or values to split: drop is not a class here")
+        uniform = HeadPlan.from_codes(np.full((cfg.num_layers, cfg.num_kv_heads), int(cls)), params=params)
+        restored = torch.stack([restore_through_codec(kv, uniform) for kv in clean])  # (B, L, 2, P', H, D)
+        row = {}
+        for part, index in (("keys", 0), ("values", 1)):
+            prefix = clean.clone()
+            prefix[:, :, index] = restored[:, :, index]
+            row[part] = kl(prefix)
+        row["both"] = kl(restored)
+        split[label] = row
+    return split
 
 
 def class_sizes(classes: tuple[str, ...], prefix_len: int, head_dim: int, params) -> dict[str, float]:

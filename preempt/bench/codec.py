@@ -19,8 +19,10 @@ on real KV from the model:
   `top1_agreement`. The restore follows the engine: the restored prefix of dropped heads
   masked for the rest of the request, the last `warmup_tokens` recomputed at full
   precision (and visible to every head).
-- CPU speed: encode (quantize + pack) and decode (unpack + dequantize into blocks) MB/s
-  of raw KV, against `torch.clone` of the same bytes in the same run.
+- CPU speed, one thread: encode (quantize + pack into blob parts) and decode (unpack +
+  dequantize into blocks) MB/s of raw KV, against `torch.clone` of the same tensor timed
+  alternately with it, for a 2048-token request (`encode_vs_clone`: cache-resident, clone
+  near memory bandwidth) and a 32k-token one (`encode_vs_clone_long`).
 
 Prompts are held-out text (the LM corpus's test split: Python stdlib sources); the
 sensitivity and gate scores that choose the budget plans come from the validation split.
@@ -79,9 +81,10 @@ def bench_codec(
         "warmup_tokens": warmup_tokens,
         "plans": {},
     }
-    speed_kv = _speed_kv(runner, references[0]["kv"])
-    clone_s = _median_s(lambda: speed_kv.clone(), 5)
-    result["clone_mb_s"] = round(speed_kv.nbytes / clone_s / MB, 1)
+    speed_kvs = {name: _tiled(references[0]["kv"], tokens) for name, tokens in _speed_sizes(quick).items()}
+    result["speed_sizes"] = {
+        name: {"num_tokens": kv.shape[2], "kv_mb": round(kv.nbytes / MB, 1)} for name, kv in speed_kvs.items()
+    }
     for name, head_plan in plans.items():
         quality = [_quality(runner, head_plan, ref, warmup_tokens) for ref in references]
         row: dict[str, Any] = {
@@ -95,7 +98,9 @@ def bench_codec(
         }
         for key in ("greedy_agreement", "prefix_match", "top1_agreement", "kl_mean"):
             row[key] = float(f"{np.mean([q[key] for q in quality]):.4g}")
-        row.update(_speed(speed_kv, head_plan, clone_s))
+        for size, kv in speed_kvs.items():
+            speed = _speed(kv, head_plan)
+            row.update(speed if size == "short" else {f"{k}_{size}": v for k, v in speed.items()})
         result["plans"][name] = row
     if budget_info is not None:
         result["budget"] = {**budget_info, **_budget_summary(result["plans"])}
@@ -129,6 +134,9 @@ def _budget_plans(
     source = f"restored-prefix sensitivity (KL after a {prompt_len}-token prefix, {num_windows} val windows)"
     chosen = importance.plan_for_budget(scores, sizes, BUDGET, params=KIVI_PARAMS, source=source)
     sensitivity_s = time.perf_counter() - started
+    split = importance.key_value_split(
+        lm, windows, prompt_len, ("fp8", "kivi4", "kivi_k5v4", "kivi_k6v4"), KIVI_PARAMS, warmup_tokens
+    )
     calib = sample_windows(Corpus().stream("val"), 16 if quick else 64, 257, seed=0)
     gate = importance.kv_head_scores(importance.head_importance(lm, calib), lm.cfg.num_kv_heads).numpy()
     plans = {
@@ -144,6 +152,8 @@ def _budget_plans(
         "sensitivity_kl": {k: np.round(v, 6).tolist() for k, v in scores.items()},
         "class_sizes_vs_fp16": {k: round(v, 4) for k, v in sizes.items()},
         "sensitivity_plan": chosen.to_dict()["layers"],
+        # every head at the class, only its keys / only its values / both quantized
+        "key_value_split_kl": {k: {p: float(f"{v:.4g}") for p, v in row.items()} for k, row in split.items()},
         "scoring_s": round(time.perf_counter() - started, 1),
         "sensitivity_s": round(sensitivity_s, 1),
     }
@@ -322,14 +332,34 @@ def _quality(runner: TinyModelRunner, plan: HeadPlan, ref: dict[str, Any], warmu
 # ---------------------------------------------------------------- speed
 
 
-def _speed_kv(runner: TinyModelRunner, kv: torch.Tensor) -> torch.Tensor:
-    """A longer KV for timing (the prompt's KV tiled to >= 2048 tokens): per-call overheads
-    would dominate a few hundred tokens."""
-    reps = -(-2048 // kv.shape[2])
-    return kv.repeat(1, 1, reps, 1, 1).contiguous()
+def _speed_sizes(quick: bool) -> dict[str, int]:
+    """Request lengths timed: `short` (2048 tokens: its KV fits this CPU's caches, so
+    `torch.clone` runs near memory-bandwidth speed) and `long` (32k tokens, quick 4096:
+    a long request's KV, as a save meets it, where fresh pages cost clone and codec alike)."""
+    return {"short": 2048, "long": 4096 if quick else 32768}
 
 
-def _speed(kv: torch.Tensor, plan: HeadPlan, clone_s: float) -> dict[str, float]:
+def _tiled(kv: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The prompt's KV tiled along tokens to `num_tokens` (L, 2, T, H, D): real values,
+    a request of that length (per-call overheads would dominate a few hundred tokens)."""
+    reps = -(-num_tokens // kv.shape[2])
+    return kv.repeat(1, 1, reps, 1, 1)[:, :, :num_tokens].contiguous()
+
+
+def _paired_s(fn, baseline, repeats: int = 5) -> tuple[float, float]:
+    """Median seconds of `fn` and of `baseline`, timed alternately: on a shared machine
+    both see the same load, so their ratio is steadier than two separate runs'."""
+    fn()  # warm-up: first-touch allocations, lazily built tables
+    fn_s, base_s = [], []
+    for _ in range(repeats):
+        base_s.append(_median_s(baseline, 1))
+        fn_s.append(_median_s(fn, 1))
+    return float(np.median(fn_s)), float(np.median(base_s))
+
+
+def _speed(kv: torch.Tensor, plan: HeadPlan) -> dict[str, float]:
+    """Encode (quantize + pack into blob parts) and decode (blob -> dequantized into paged
+    blocks) MB/s of raw KV, each against `torch.clone` of the same tensor timed alongside."""
     codec = MixedCodec(plan)
     num_layers, _, num_tokens, num_heads, head_dim = kv.shape
     cache = torch.zeros(
@@ -337,19 +367,20 @@ def _speed(kv: torch.Tensor, plan: HeadPlan, clone_s: float) -> dict[str, float]
     )
     block_ids = list(range(cache.shape[2]))
 
-    def encode() -> bytes:
+    def encode() -> list:
         return codec.encode_quantized(quantize_heads(kv, plan))
 
-    parts = encode()
-    blob = b"".join(bytes(memoryview(p)) for p in parts)
+    blob = b"".join(bytes(memoryview(p)) for p in encode())
 
     def decode() -> None:
         restore_blocks(codec.decode_quantized(blob), cache, block_ids)
 
-    encode_s, decode_s = _median_s(encode, 5), _median_s(decode, 5)
+    encode_s, clone_enc_s = _paired_s(encode, kv.clone)
+    decode_s, clone_dec_s = _paired_s(decode, kv.clone)
     return {
         "encode_mb_s": round(kv.nbytes / encode_s / MB, 1),
         "decode_mb_s": round(kv.nbytes / decode_s / MB, 1),
-        "encode_vs_clone": round(clone_s / encode_s, 3),
-        "decode_vs_clone": round(clone_s / decode_s, 3),
+        "clone_mb_s": round(kv.nbytes / clone_enc_s / MB, 1),
+        "encode_vs_clone": round(clone_enc_s / encode_s, 3),
+        "decode_vs_clone": round(clone_dec_s / decode_s, 3),
     }
