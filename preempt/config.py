@@ -322,11 +322,12 @@ class EarlySaveConfig(_Section):
     policy expects a running request to be preempted soon, its blocks are copied to the
     host in the background; the preemption then saves only the blocks written since."""
 
-    policy: Literal["none", "always", "rule", "lstm", "oracle"] = "none"
+    policy: Literal["none", "always", "rule", "lstm", "oracle", "lookahead"] = "none"
     """`always`: every running request (write-through, like SGLang HiCache); `rule`: the
     lowest-priority running request whose time slice is used up; `lstm`: the trained
     predictor (`checkpoint`) at p >= threshold; `oracle`: the preemptions of a reference
-    run without early saves (`oracle_log`), within `horizon_ms`."""
+    run without early saves (`oracle_log`), within `horizon_ms`; `lookahead`: the true
+    future, by simulating a fork of the engine ahead (preempt/lookahead.py; virtual clock)."""
     checkpoint: str | None = None
     """`lstm`: the predictor checkpoint (`preempt train` writes predictor.ckpt)."""
     threshold: float | None = Field(None, gt=0, lt=1)
@@ -335,13 +336,33 @@ class EarlySaveConfig(_Section):
     oracle_log: str | None = None
     """`oracle`: preemptions.parquet of a run with the same config and early_save none."""
     horizon_ms: float = Field(50.0, gt=0)
-    """`oracle`/`rule`: how far ahead a preemption counts as predicted."""
+    """`oracle`/`lookahead`/`lstm`: how far ahead a preemption counts as predicted (a
+    `lstm` checkpoint must have been trained with the same horizon)."""
+    horizon_steps: int = Field(0, ge=0)
+    """The horizon in engine steps as well: predicted when within `horizon_ms` or within
+    this many steps, whichever reaches further (0: time only)."""
+    feature_set: Literal["v1", "scale_free"] = "v1"
+    """`lstm`: the features the checkpoint must have been trained on (preempt.features)."""
+    lookahead_every_steps: int = Field(1, gt=0)
+    """`lookahead`: fork and simulate every this many steps (between, reuse the forecast)."""
+    prefetch: bool = False
+    """Restore prefetch (preempt/prefetch.py): start restoring the next requests to be
+    admitted into free blocks before they are admitted (virtual clock)."""
+    prefetch_depth: int = Field(8, gt=0)
+    """Prefetch: how many of the next requests to be admitted are considered."""
+    prefetch_block_share: float = Field(0.25, gt=0, le=1)
+    """Prefetch: at most this share of the KV blocks held by prefetched restores."""
+    prefetch_host_budget: int | str = Field("8GB", validate_default=True)
+    """Prefetch: host bytes that copies decoded ahead of their restore may hold at once."""
+    prefetch_decode_threads: int = Field(4, gt=0)
+    """Prefetch: host threads decoding ahead, one blob each at the codec's calibrated
+    per-thread rate (`preemption.codec_decode_mb_s`)."""
     host_budget: int | str = Field("1GB", validate_default=True)
     """Host bytes that speculative copies may hold at once; demand saves always come first."""
     max_inflight: int = Field(4, gt=0)
     """Early saves queued or running at once (the bounded queue)."""
 
-    @field_validator("host_budget")
+    @field_validator("host_budget", "prefetch_host_budget")
     @classmethod
     def _size(cls, value: int | str) -> int:
         from preempt.sizes import parse_size
@@ -397,6 +418,13 @@ class EngineConfig(_Section):
                 f"early_save.policy '{self.early_save.policy}' needs a preemption.mode that saves KV "
                 "(swap, swap_zstd, swap_mixed or pause), not recompute"
             )
+        uses_lookahead = self.early_save.policy == "lookahead" or self.early_save.prefetch
+        if uses_lookahead and self.clock.kind != "virtual":
+            raise ValueError(
+                "early_save.policy 'lookahead' and early_save.prefetch need clock.kind 'virtual'"
+            )
+        if self.early_save.prefetch and self.preemption.mode == "recompute":
+            raise ValueError("early_save.prefetch needs a preemption.mode that saves KV, not recompute")
         return self
 
 

@@ -18,8 +18,12 @@ new full block, and refuses beyond its speculation budget and in-flight bound):
   saves where p >= threshold.
 - `oracle`: knows the future from a reference run of the same config without early
   saves (its preemptions.parquet): saves a request `horizon_ms` before its next
-  preemption there. An upper bound, not a predictor (early saves shift the timeline a
-  little, so it is close to, not exactly, perfect).
+  preemption there. Not an upper bound: once early saves shift the live timeline, the
+  reference run's preemptions drift away from the live ones (kept for comparison).
+- `lookahead`: the true future: every `lookahead_every_steps` steps it forks the engine
+  and simulates the current policy ahead over the horizon (preempt.lookahead), and saves
+  the running requests the fork preempts within it. Measured in the same run as the
+  predictors; the upper bound of what a predictor can warn about.
 """
 
 from __future__ import annotations
@@ -54,6 +58,10 @@ class EarlySavePolicy(ABC):
 
     def forget(self, requests: Sequence[Request]) -> None:  # noqa: B027 (optional hook)
         """These requests left the batch for good (finished or aborted)."""
+
+    def prepare(self, engine: Engine) -> None:  # noqa: B027 (optional hook)
+        """Called before `select` each step; only the lookahead oracle reads the engine
+        (to fork it: it never changes it)."""
 
 
 class AlwaysPolicy(EarlySavePolicy):
@@ -113,6 +121,27 @@ class OraclePolicy(EarlySavePolicy):
         return chosen
 
 
+class LookaheadPolicy(EarlySavePolicy):
+    needs_features = False
+
+    def __init__(self, horizon_ms: float, horizon_steps: int, every_steps: int = 1) -> None:
+        from preempt.lookahead import Lookahead
+
+        self.lookahead = Lookahead(horizon_ms, horizon_steps)
+        self.every_steps = every_steps
+        self._steps_left = 0
+        self._chosen: set[int] = set()
+
+    def prepare(self, engine: Engine) -> None:
+        if self._steps_left <= 0:
+            self._chosen = self.lookahead.within(self.lookahead.forecast(engine))
+            self._steps_left = self.every_steps
+        self._steps_left -= 1
+
+    def select(self, running: Sequence[Request], features: np.ndarray | None, now: float) -> list[Request]:
+        return [r for r in running if r.request_id in self._chosen]
+
+
 def load_preemption_times(path: str) -> dict[int, np.ndarray]:
     """request_id -> sorted times it was taken out of the batch, from a preemptions.parquet
     (the same events the predictor's labels use: preempt.features.preemption_events)."""
@@ -141,6 +170,8 @@ def make_policy(config: EarlySaveConfig) -> EarlySavePolicy | None:
         return RulePolicy()
     if config.policy == "lstm":
         return LSTMPolicy(config.checkpoint, config.threshold)
+    if config.policy == "lookahead":
+        return LookaheadPolicy(config.horizon_ms, config.horizon_steps, config.lookahead_every_steps)
     return OraclePolicy(config.oracle_log, config.horizon_ms)
 
 
@@ -162,6 +193,7 @@ class EarlySaver:
         if not output.scheduled.chunks or not running:
             return
         now = engine.clock.now()
+        self.policy.prepare(engine)
         features = engine_features(engine) if self.policy.needs_features else None
         chosen = self.policy.select(running, features, now)
         self.num_selected += len(chosen)

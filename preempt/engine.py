@@ -8,6 +8,7 @@ does).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
@@ -64,11 +65,19 @@ class Engine:
             from preempt.early_save import EarlySaver, make_policy
 
             self.early_saver = EarlySaver(make_policy(config.early_save))
+        self.prefetcher = None
+        if config.early_save.prefetch:
+            from preempt.prefetch import Prefetcher
+
+            self.prefetcher = Prefetcher(config.early_save)
         self.clock = make_clock(config.clock.kind)
         self.num_steps = 0
         self.stall_s = 0.0  # compute waiting for KV moves (saves' copy-out, restores)
         self.stall_restore_s = 0.0  # the part that waited for restores only
         self._saver_thread_s_seen = 0.0
+        # `run`'s arrivals not yet added (the lookahead oracle reads the future from them).
+        self._pending: list[Request] = []
+        self._next_pending = 0
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -147,7 +156,19 @@ class Engine:
         output = StepOutput(scheduled, finished, step_s, stall_s)
         if self.early_saver is not None:
             self.early_saver(self, output)
+        if self.prefetcher is not None:
+            self.prefetcher(self, output)
         return output
+
+    def upcoming_arrivals(self, until_s: float) -> list[Request]:
+        """`run`'s requests arriving by `until_s` that are not added yet (read-only: the
+        lookahead oracle's knowledge of the trace's future)."""
+        upcoming = []
+        for request in itertools.islice(self._pending, self._next_pending, None):
+            if request.arrival_s > until_s:
+                break
+            upcoming.append(request)
+        return upcoming
 
     def _stall(self, scheduled: SchedulerOutput) -> float:
         """Compute waits for KV moves it depends on: on the virtual clock, until restores
@@ -213,12 +234,14 @@ class Engine:
     ) -> list[Request]:
         """Replay requests (sorted by arrival) to completion; returns them, all final."""
         pending = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
+        self._pending = pending
         next_index = 0
         while next_index < len(pending) or self.scheduler.has_unfinished:
             now = self.clock.now()
             while next_index < len(pending) and pending[next_index].arrival_s <= now:
                 self.add_request(pending[next_index])
                 next_index += 1
+            self._next_pending = next_index
             if not self.scheduler.has_unfinished:
                 if next_index < len(pending):
                     self.clock.wait_until(pending[next_index].arrival_s)

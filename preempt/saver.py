@@ -104,6 +104,26 @@ class _Saved:
     num_tokens: int
 
 
+@dataclass
+class _Prefetched:
+    """A restore started before admission (preempt.prefetch): the KV already sits in the
+    request's blocks `block_ids`; the host copy stays until the restore claims it."""
+
+    block_ids: list[int]
+    ok: bool
+    dropped: np.ndarray | None
+    end_s: float  # virtual: when its host-to-device copy ends
+    nbytes: int  # raw bytes copied in
+
+
+@dataclass
+class _Predecoded:
+    """A host decode started before admission: the decoded KV waits in host memory."""
+
+    end_s: float  # virtual: when the decode ends
+    nbytes: int  # decoded (raw) bytes held on the host
+
+
 class Saver(KVMover):
     def __init__(
         self, config: EngineConfig, kv_cache: KVCache | None, cost_model: CostModel, block_size: int
@@ -161,6 +181,21 @@ class Saver(KVMover):
         self.early_bytes_used = 0  # claimed by a preemption: that much less to copy then
         self.early_bytes_wasted = 0  # freed unused: the request finished, or evicted for space
         self.speculative_bytes = 0  # raw bytes of unclaimed early segments held now
+        # Restore prefetch (preempt.prefetch): every prefetched byte ends used or wasted.
+        self._prefetched: dict[Request, _Prefetched] = {}
+        self._predecoded: dict[Request, _Predecoded] = {}
+        # Virtual: the prefetch's host decode threads (free-at times), one blob each.
+        self._decode_free_at = [0.0] * config.early_save.prefetch_decode_threads
+        self.num_predecodes = 0
+        self.predecode_bytes = 0
+        self.predecode_bytes_used = 0
+        self.predecode_bytes_wasted = 0  # the request was aborted
+        self.num_prefetches = 0
+        self.num_prefetch_hits = 0  # restores that found their KV prefetched
+        self.num_prefetch_misses = 0  # restores (with prefetch on) that had to start then
+        self.prefetch_bytes = 0
+        self.prefetch_bytes_used = 0
+        self.prefetch_bytes_wasted = 0  # cancelled (blocks needed) or the request aborted
 
     # ----------------------------------------------------------------- save
     def save(self, request: Request, codec: str, now: float, record: PreemptionRecord) -> str | None:
@@ -396,14 +431,23 @@ class Saver(KVMover):
         started = time.perf_counter()
         saved = self._saved.pop(request)
         handles = [_resolve(segment.handle) for segment in saved.segments]
-        dropped = None if self.kv_cache is None else np.zeros(self._heads_shape, dtype=bool)
-        ok = all(handle is not None for handle in handles) and (
-            self.kv_cache is None
-            or all(
-                self._load_segment(request, handle, segment, dropped)
-                for handle, segment in zip(handles, saved.segments, strict=True)
-            )
-        )
+        prefetched = self._prefetched.pop(request, None)
+        predecoded = self._predecoded.pop(request, None)
+        if predecoded is not None:
+            self.predecode_bytes_used += predecoded.nbytes
+        if prefetched is not None and prefetched.block_ids != request.block_ids[: len(prefetched.block_ids)]:
+            self._waste_prefetch(prefetched)  # cannot happen while only the prefetcher hands blocks out
+            prefetched = None
+        if prefetched is not None:
+            ok, dropped = prefetched.ok, prefetched.dropped
+            self.num_prefetch_hits += 1
+            self.prefetch_bytes_used += prefetched.nbytes
+        else:
+            ok, dropped = self._load_saved(request, saved, handles)
+            if predecoded is not None:
+                self.num_prefetch_hits += 1
+            elif self.early_config.prefetch:
+                self.num_prefetch_misses += 1
         for handle in handles:
             if handle is not None:
                 self.host_pool.free(handle)
@@ -417,20 +461,147 @@ class Saver(KVMover):
             previous = request.kv_masked_until
             request.kv_masked_until = masked if previous is None else np.maximum(previous, masked)
         if self.is_virtual:
-            ready = max([now, *(segment.ready_at_s for segment in saved.segments)])
-            end = max(ready, self._h2d_free_at)
-            for segment in saved.segments:
-                device_s, copy_bytes = self._modelled_device_side(segment.num_tokens, segment.codec)
-                end += self._modelled_host_s(copy_bytes, segment.codec, self.config.codec_decode_mb_s)
-                both_ways = max(self._d2h_free_at, self._early_d2h_free_at) > end  # saves still copying out
-                end += self.cost_model.copy_time_s(copy_bytes, both_ways=both_ways) + device_s
-            self._h2d_free_at = end
+            if prefetched is not None:
+                end = prefetched.end_s
+            else:
+                decoded_s = predecoded.end_s if predecoded is not None else None
+                end = self._model_restore_end(saved, now, decoded_s)
             self.restore_end_s = max(self.restore_end_s, end)
-            record.restore_s = end - now
+            record.restore_s = max(0.0, end - now)
         else:
             record.restore_s = time.perf_counter() - started
             self.engine_thread_s += record.restore_s
         return ok
+
+    def _load_saved(
+        self, request: Request, saved: _Saved, handles: list[SlotHandle | None]
+    ) -> tuple[bool, np.ndarray | None]:
+        """Write the saved segments into the request's blocks: (usable, dropped heads)."""
+        dropped = None if self.kv_cache is None else np.zeros(self._heads_shape, dtype=bool)
+        ok = all(handle is not None for handle in handles) and (
+            self.kv_cache is None
+            or all(
+                self._load_segment(request, handle, segment, dropped)
+                for handle, segment in zip(handles, saved.segments, strict=True)
+            )
+        )
+        return ok, dropped
+
+    def _model_restore_end(self, saved: _Saved, now: float, decoded_s: float | None = None) -> float:
+        """Virtual: when a restore of `saved` started at `now` ends (decode, then the
+        host-to-device copy, queued on the link); takes the link until then. With
+        `decoded_s` the host decode was done ahead (it ends then) and only the copy is left."""
+        if self.early_config.prefetch:
+            return self._model_staged_restore_end(saved, now, decoded_s)
+        ready = max([now, *(segment.ready_at_s for segment in saved.segments)])
+        end = max(ready, self._h2d_free_at, decoded_s or 0.0)
+        for segment in saved.segments:
+            device_s, copy_bytes = self._modelled_device_side(segment.num_tokens, segment.codec)
+            if decoded_s is None:
+                end += self._modelled_host_s(copy_bytes, segment.codec, self.config.codec_decode_mb_s)
+            both_ways = max(self._d2h_free_at, self._early_d2h_free_at) > end  # saves still copying out
+            end += self.cost_model.copy_time_s(copy_bytes, both_ways=both_ways) + device_s
+        self._h2d_free_at = end
+        return end
+
+    def _model_staged_restore_end(self, saved: _Saved, now: float, decoded_s: float | None) -> float:
+        """`_model_restore_end` with prefetch on: a segment whose host encode is still
+        running at `now` is copied back from its raw staging bytes (on the host since its
+        copy-out ended), neither waiting for the encode nor decoding; the others wait for
+        their blob (or the decode done ahead) and decode as usual."""
+        end = max(now, self._h2d_free_at)
+        for segment in saved.segments:
+            device_s, copy_bytes = self._modelled_device_side(segment.num_tokens, segment.codec)
+            if segment.ready_at_s > now:  # still encoding: the raw staging copy
+                end = max(end, segment.copy_end_s)
+            elif decoded_s is not None:
+                end = max(end, decoded_s)
+            else:
+                end = max(end, segment.ready_at_s)
+                end += self._modelled_host_s(copy_bytes, segment.codec, self.config.codec_decode_mb_s)
+            both_ways = max(self._d2h_free_at, self._early_d2h_free_at) > end  # saves still copying out
+            end += self.cost_model.copy_time_s(copy_bytes, both_ways=both_ways) + device_s
+        self._h2d_free_at = end
+        return end
+
+    # ----------------------------------------------------------------- prefetch
+    def is_prefetched(self, request: Request) -> bool:
+        return request in self._prefetched
+
+    def is_predecoded(self, request: Request) -> bool:
+        return request in self._predecoded
+
+    @property
+    def predecode_bytes_held(self) -> int:
+        return sum(p.nbytes for p in self._predecoded.values())
+
+    def saved_bytes(self, request: Request) -> int:
+        """Raw bytes of a waiting request's host copy."""
+        return sum(segment.nbytes_raw for segment in self._saved[request].segments)
+
+    def needs_decode(self, request: Request) -> bool:
+        """Its host copy costs host decode time on restore (zstd, mixed+zstd)."""
+        segments = self._saved[request].segments
+        mb_s = self.config.codec_decode_mb_s
+        return any(self._modelled_host_s(1.0, segment.codec, mb_s) > 0 for segment in segments)
+
+    def predecode(self, request: Request, now: float) -> int:
+        """Start decoding a waiting request's host copy now, ahead of its restore (no
+        device blocks needed); returns the decoded bytes it will hold on the host."""
+        saved = self._saved[request]
+        if request in self._predecoded:
+            raise ValueError(f"request {request.request_id} is already predecoded")
+        lane = min(range(len(self._decode_free_at)), key=self._decode_free_at.__getitem__)
+        blobs_ready = [s.ready_at_s for s in saved.segments if s.ready_at_s <= now]  # the rest: raw staging
+        ready = max([now, self._decode_free_at[lane], *blobs_ready])
+        end = ready
+        for segment in saved.segments:
+            _, copy_bytes = self._modelled_device_side(segment.num_tokens, segment.codec)
+            if segment.ready_at_s <= now:  # still encoding: its raw staging bytes need no decode
+                end += self._modelled_host_s(copy_bytes, segment.codec, self.config.codec_decode_mb_s)
+        self._decode_free_at[lane] = end
+        nbytes = sum(segment.nbytes_raw for segment in saved.segments)
+        self._predecoded[request] = _Predecoded(end, nbytes)
+        self.num_predecodes += 1
+        self.predecode_bytes += nbytes
+        return nbytes
+
+    @property
+    def prefetched_requests(self) -> list[Request]:
+        return list(self._prefetched)
+
+    @property
+    def prefetch_bytes_held(self) -> int:
+        return sum(p.nbytes for p in self._prefetched.values())
+
+    def prefetch(self, request: Request, now: float) -> None:
+        """Restore a waiting request's saved KV now into the blocks it already holds
+        (`request.block_ids`, given by the prefetcher, covering its computed tokens), in
+        the background on the virtual clock; `restore` at admission then only claims it.
+        The host copy stays until then: a cancelled prefetch loses only the copy-in."""
+        saved = self._saved[request]
+        if request in self._prefetched:
+            raise ValueError(f"request {request.request_id} is already prefetched")
+        if len(request.block_ids) < blocks_needed(saved.num_tokens, self.block_size):
+            raise ValueError(f"request {request.request_id}: its blocks do not cover its saved KV")
+        handles = [_resolve(segment.handle) for segment in saved.segments]
+        ok, dropped = self._load_saved(request, saved, handles)
+        predecoded = self._predecoded.get(request)
+        end = self._model_restore_end(saved, now, predecoded.end_s if predecoded is not None else None)
+        nbytes = sum(segment.nbytes_raw for segment in saved.segments)
+        self._prefetched[request] = _Prefetched(list(request.block_ids), ok, dropped, end, nbytes)
+        self.num_prefetches += 1
+        self.prefetch_bytes += nbytes
+
+    def cancel_prefetch(self, request: Request) -> None:
+        """Drop a prefetched restore (its blocks are needed elsewhere; the caller frees
+        them): the host copy remains, the copy-in was wasted."""
+        prefetched = self._prefetched.pop(request, None)
+        if prefetched is not None:
+            self._waste_prefetch(prefetched)
+
+    def _waste_prefetch(self, prefetched: _Prefetched) -> None:
+        self.prefetch_bytes_wasted += prefetched.nbytes
 
     @property
     def plan_is_lossy(self) -> bool:
@@ -496,6 +667,10 @@ class Saver(KVMover):
         saved = self._saved.pop(request, None)
         if saved is not None:
             self._free_segments(saved.segments, wasted=False)
+        self.cancel_prefetch(request)
+        predecoded = self._predecoded.pop(request, None)
+        if predecoded is not None:
+            self.predecode_bytes_wasted += predecoded.nbytes
         self.discard_early(request)
 
     def _free_segments(self, segments: list[_Segment], wasted: bool) -> None:
@@ -518,6 +693,22 @@ class Saver(KVMover):
             "early_bytes_raw": self.early_bytes_raw,
             "early_bytes_used": self.early_bytes_used,
             "early_bytes_wasted": self.early_bytes_wasted,
+            **(
+                {
+                    "num_prefetches": self.num_prefetches,
+                    "num_prefetch_hits": self.num_prefetch_hits,
+                    "num_prefetch_misses": self.num_prefetch_misses,
+                    "prefetch_bytes": self.prefetch_bytes,
+                    "prefetch_bytes_used": self.prefetch_bytes_used,
+                    "prefetch_bytes_wasted": self.prefetch_bytes_wasted,
+                    "num_predecodes": self.num_predecodes,
+                    "predecode_bytes": self.predecode_bytes,
+                    "predecode_bytes_used": self.predecode_bytes_used,
+                    "predecode_bytes_wasted": self.predecode_bytes_wasted,
+                }
+                if self.early_config.prefetch
+                else {}
+            ),
         }
 
     def close(self) -> None:

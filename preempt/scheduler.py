@@ -191,6 +191,11 @@ class Scheduler:
         """Waiting requests in admission order (a copy; for inspection and tests)."""
         return [entry[2] for entry in sorted(self._waiting)]
 
+    def next_to_admit(self, k: int) -> list[Request]:
+        """The first `k` waiting requests in admission order (read-only: restore prefetch
+        asks whom to restore before they are admitted)."""
+        return [entry[2] for entry in heapq.nsmallest(k, self._waiting)]
+
     def preemptions_in_window(self, now: float) -> int:
         return self._rate_window.count(now)
 

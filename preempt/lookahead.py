@@ -1,0 +1,146 @@
+"""The lookahead oracle: fork the engine's state and simulate ahead to learn who really is
+preempted within the horizon.
+
+Owns: `fork_engine` (a deep copy of the live engine's scheduler, block pool, saver
+timelines, clock and requests, with a no-compute runner and no early saver) and
+`Lookahead`, which steps such a fork through the next `horizon_ms` / `horizon_steps`
+(the trace's upcoming arrivals included, as `Engine.run` would add them) and returns the
+preemptions the current policy makes there. The clock is virtual and the engine
+deterministic, so without further early saves the live engine follows the fork step for
+step: its forecast is the truth, an upper bound measured in the same run as the
+predictors (a test checks it against the live run's records).
+
+Must never: touch the live engine (everything the fork mutates is its own copy; a test
+runs with and without it and compares every output), run model compute (the fork's
+runner emits placeholder tokens; requests end by length, as in trace replay), or run
+on the wall clock (a fork cannot replay real time).
+
+Where the fork is not exact: with the `tiny` backend the fork's saver has no KV data,
+so host-pool bytes are the modelled ones (exact with the `null` backend, which the
+benchmarks use); a request that would stop on a sampled stop token stops by length.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import TYPE_CHECKING, NamedTuple
+
+from preempt.model_runner import NullModelRunner
+
+if TYPE_CHECKING:
+    from preempt.engine import Engine
+
+
+class Forecast(NamedTuple):
+    """What the fork saw: request_id -> (seconds, steps) from now to its first preemption
+    within the horizon, and how far the fork ran."""
+
+    preempted: dict[int, tuple[float, int]]
+    num_steps: int
+    span_s: float
+
+
+def _shared(memo: dict[int, object], *objects: object) -> None:
+    """Objects the fork may share with the live engine (immutable, or never written by
+    a fork): deepcopy maps them to themselves."""
+    for obj in objects:
+        memo[id(obj)] = obj
+
+
+def fork_engine(engine: Engine) -> Engine:
+    """A deep copy of `engine` that can be stepped without touching it: no model compute,
+    no early saver, no record history, no pending trace (add arrivals yourself)."""
+    if engine.config.clock.kind != "virtual":
+        raise ValueError("the lookahead needs clock.kind 'virtual' (a fork cannot replay real time)")
+    memo: dict[int, object] = {}
+    _shared(memo, engine.config, engine.cost_model, engine.scheduler.config, engine.scheduler.preemption)
+    memo[id(engine.runner)] = NullModelRunner(engine.config)
+    memo[id(engine.early_saver)] = None
+    memo[id(engine.scheduler.records)] = []
+    memo[id(engine._pending)] = []
+    saver = engine.saver
+    if saver is not None:
+        _shared(memo, saver.config, saver.early_config, saver.codecs, saver.plan)
+        memo[id(saver.kv_cache)] = None  # no data moves in a fork: modelled sizes
+        memo[id(saver._lock)] = threading.Lock()
+        pool = saver.host_pool
+        # The pool's bytes are never written through a fork (no KV data), only its arena.
+        _shared(memo, pool._buffer, pool._array)
+        memo[id(pool._lock)] = threading.Lock()
+    for request in _live_requests(engine):
+        _shared(memo, request.prompt_token_ids)
+    fork = copy.deepcopy(engine, memo)
+    fork.num_steps = engine.num_steps
+    return fork
+
+
+def _live_requests(engine: Engine):
+    scheduler = engine.scheduler
+    yield from scheduler.running
+    for entry in scheduler._waiting:
+        yield entry[2]
+
+
+class Lookahead:
+    """Forecasts preemptions by simulating a fork of the engine ahead."""
+
+    def __init__(self, horizon_ms: float, horizon_steps: int = 0) -> None:
+        if not horizon_ms > 0:
+            raise ValueError(f"horizon_ms must be > 0, got {horizon_ms}")
+        if horizon_steps < 0:
+            raise ValueError(f"horizon_steps must be >= 0, got {horizon_steps}")
+        self.horizon_s = horizon_ms / 1000.0
+        self.horizon_steps = horizon_steps
+        self.num_forks = 0
+        self.num_fork_steps = 0
+
+    def forecast(self, engine: Engine) -> Forecast:
+        """Run a fork until both horizons have passed (or nothing is left to run): a
+        preemption decided at the k-th step's schedule() is k steps and (its time - now)
+        seconds ahead, as `preempt.features.label_rows` counts them."""
+        fork = fork_engine(engine)
+        self.num_forks += 1
+        start_s = fork.clock.now()
+        start_step = fork.num_steps
+        upcoming = engine.upcoming_arrivals(start_s + self.horizon_s + 3600.0)
+        next_arrival = 0
+        memo_prompts: dict[int, object] = {}
+        preempted: dict[int, tuple[float, int]] = {}
+        while True:
+            now = fork.clock.now()
+            steps_ahead = fork.num_steps - start_step + 1  # the step about to be scheduled
+            if now - start_s > self.horizon_s + 1e-9 and steps_ahead > self.horizon_steps:
+                break
+            while next_arrival < len(upcoming) and upcoming[next_arrival].arrival_s <= now:
+                request = upcoming[next_arrival]
+                _shared(memo_prompts, request.prompt_token_ids)
+                fork.add_request(copy.deepcopy(request, memo_prompts))
+                next_arrival += 1
+            if not fork.scheduler.has_unfinished:
+                if (
+                    next_arrival < len(upcoming)
+                    and upcoming[next_arrival].arrival_s - start_s <= self.horizon_s
+                ):
+                    fork.clock.wait_until(upcoming[next_arrival].arrival_s)
+                    continue
+                break
+            output = fork.step()
+            self.num_fork_steps += 1
+            for record in output.scheduled.records:
+                if record.action != "none" and record.reason != "reclaim":  # as label_rows' events
+                    preempted.setdefault(record.request_id, (record.time_s - start_s, steps_ahead))
+            if not output.scheduled.chunks and not output.scheduled.preempted:
+                if fork.scheduler.backoff_until_s > fork.clock.now():
+                    fork.clock.wait_until(fork.scheduler.backoff_until_s)
+                    continue
+                break
+        return Forecast(preempted, fork.num_steps - start_step, fork.clock.now() - start_s)
+
+    def within(self, forecast: Forecast) -> set[int]:
+        """Request ids preempted within the horizon (time or steps, whichever is longer)."""
+        return {
+            rid
+            for rid, (dt, steps) in forecast.preempted.items()
+            if dt <= self.horizon_s + 1e-9 or steps <= self.horizon_steps
+        }

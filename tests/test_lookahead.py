@@ -1,0 +1,133 @@
+"""The lookahead oracle: a fork of the engine leaves the live one untouched, and what it
+forecasts is what the live run then does (a true upper bound, measured in the run)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from preempt.config import ConfigError
+from preempt.engine import Engine
+from preempt.features import preemption_events
+from preempt.lookahead import Lookahead, fork_engine
+from preempt.request import RequestState
+from tests.conftest import small_config
+from tests.test_preemption import AGGRESSIVE, _digests, _workload
+
+
+def _config(backend: str = "tiny", **early):
+    return small_config(
+        model={"backend": backend},
+        cache={"num_blocks": 48},  # tight: memory preemptions too
+        scheduler={"max_num_seqs": 4, "policy": "priority_score"},
+        preemption={"mode": "swap_zstd", **AGGRESSIVE},
+        early_save=early,
+    )
+
+
+def _trace(engine, requests, hook=None):
+    """Everything observable of a run: outputs, per-step schedule, records, clock, stats."""
+    steps = []
+
+    def on_step(output):
+        steps.append(
+            (
+                tuple((c.request.request_id, c.num_new_tokens) for c in output.scheduled.chunks),
+                tuple(r.request_id for r in output.scheduled.preempted),
+                output.step_s,
+                output.stall_s,
+                engine.clock.now(),
+            )
+        )
+        if hook is not None:
+            hook(engine)
+
+    engine.run(requests, on_step=on_step)
+    records = [
+        (r.time_s, r.request_id, r.reason, r.action, r.bytes_raw, r.restore_s)
+        for r in engine.scheduler.records
+    ]
+    return _digests(requests), steps, records, engine.stats()
+
+
+def test_forking_and_simulating_ahead_leaves_the_live_engine_untouched():
+    plain = _trace(Engine(_config()), _workload())
+    engine = Engine(_config())
+    lookahead = Lookahead(horizon_ms=20.0, horizon_steps=3)
+    forked = _trace(engine, _workload(), hook=lookahead.forecast)
+    assert lookahead.num_forks > 50 and lookahead.num_fork_steps > lookahead.num_forks
+    assert forked == plain
+    assert plain[3]["num_preemptions"] >= 10, "the workload must preempt"
+
+
+def test_a_fork_is_a_copy():
+    engine = Engine(_config())
+    requests = _workload()
+    for request in requests[:8]:
+        engine.add_request(request)
+    for _ in range(5):
+        engine.step()
+    fork = fork_engine(engine)
+    assert fork.scheduler is not engine.scheduler and fork.block_pool is not engine.block_pool
+    assert [r.request_id for r in fork.scheduler.running] == [r.request_id for r in engine.scheduler.running]
+    assert all(a is not b for a, b in zip(fork.scheduler.running, engine.scheduler.running, strict=True))
+    assert fork.block_pool.num_free == engine.block_pool.num_free and fork.early_saver is None
+    before = [(r.num_computed_tokens, list(r.block_ids)) for r in engine.scheduler.running]
+    for _ in range(10):
+        fork.step()
+    assert [(r.num_computed_tokens, list(r.block_ids)) for r in engine.scheduler.running] == before
+
+
+@pytest.mark.parametrize("backend", ["null", "tiny"])
+def test_the_forecast_is_what_the_live_run_does(backend):
+    """Without early saves the live engine follows the fork step for step: at every step,
+    the preemptions the fork saw within the horizon are exactly the live run's."""
+    engine = Engine(_config(backend))
+    lookahead = Lookahead(horizon_ms=15.0, horizon_steps=4)
+    forecasts = []
+
+    def hook(engine):
+        forecasts.append((engine.clock.now(), engine.num_steps, lookahead.forecast(engine)))
+
+    _trace(engine, _workload(), hook=hook)
+    events = preemption_events(engine.scheduler.records)
+    assert sum(len(t) for t in events.values()) >= 10
+    step_ends = np.asarray([t for t, _, _ in forecasts])
+    checked = 0
+    for t_s, _, forecast in forecasts:
+        truth = {}
+        for rid, times in events.items():
+            later = times[times >= t_s - 1e-12]
+            if len(later):
+                dt = later[0] - t_s
+                steps = 1 + int(np.count_nonzero((step_ends > t_s + 1e-12) & (step_ends <= later[0] + 1e-12)))
+                if dt <= lookahead.horizon_s + 1e-9 or steps <= lookahead.horizon_steps:
+                    truth[rid] = (dt, steps)
+        got = {rid: v for rid, v in forecast.preempted.items() if rid in lookahead.within(forecast)}
+        assert set(got) == set(truth), t_s
+        for rid, (dt, steps) in truth.items():
+            assert got[rid][0] == pytest.approx(dt, abs=1e-9) and got[rid][1] == steps
+        checked += len(truth)
+    assert checked >= 10
+
+
+def test_the_lookahead_policy_saves_early_and_keeps_outputs():
+    _, requests = _run_policy("none")
+    engine, early_requests = _run_policy("lookahead")
+    assert all(r.state is RequestState.FINISHED for r in early_requests)
+    assert _digests(early_requests) == _digests(requests)
+    saver = engine.saver
+    assert saver.num_early_saves > 0 and saver.early_bytes_used > 0
+    assert saver.early_bytes_used + saver.early_bytes_wasted == saver.early_bytes_raw
+
+
+def _run_policy(policy):
+    engine = Engine(_config(policy=policy))
+    requests = _workload()
+    engine.run(requests)
+    return engine, requests
+
+
+def test_the_lookahead_needs_the_virtual_clock():
+    with pytest.raises(ConfigError, match="virtual"):
+        small_config(clock={"kind": "wall"}, preemption={"mode": "swap"}, early_save={"policy": "lookahead"})

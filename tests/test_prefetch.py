@@ -1,0 +1,135 @@
+"""Restore prefetch: lossless outputs never change, every prefetched byte ends used or
+wasted (exact after every step), blocks are conserved, and prefetch hides restores."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from preempt.config import ConfigError
+from preempt.engine import Engine
+from preempt.request import RequestState
+from tests.conftest import small_config
+from tests.test_preemption import AGGRESSIVE, _digests, _run, _workload
+
+
+def _config(mode="swap_zstd", num_blocks=48, backend="tiny", **early):
+    return small_config(
+        model={"backend": backend},
+        cache={"num_blocks": num_blocks},
+        scheduler={"max_num_seqs": 4, "policy": "priority_score"},
+        preemption={"mode": mode, **AGGRESSIVE},
+        early_save={"prefetch": True, **early},
+    )
+
+
+def check_accounting(engine):
+    """The invariants after a step: bytes used + wasted + held == prefetched, for the
+    copy-in and the decode ahead; blocks held by prefetch are exactly the prefetched
+    (waiting, host-located) requests' blocks; every block is free or someone's."""
+    saver, scheduler, pool = engine.saver, engine.scheduler, engine.block_pool
+    assert (
+        saver.prefetch_bytes
+        == saver.prefetch_bytes_used + saver.prefetch_bytes_wasted + saver.prefetch_bytes_held
+    )
+    assert saver.predecode_bytes == (
+        saver.predecode_bytes_used + saver.predecode_bytes_wasted + saver.predecode_bytes_held
+    )
+    waiting = scheduler.waiting_requests()
+    owners = scheduler.running + waiting
+    for request in saver.prefetched_requests:
+        assert request in waiting and request.kv_location == "host"
+        assert request.block_ids == saver._prefetched[request].block_ids
+    for request in waiting:
+        if request.block_ids:  # only a paused or a prefetched waiting request holds blocks
+            assert request in scheduler.paused or saver.is_prefetched(request)
+    held = [b for r in owners for b in r.block_ids]
+    assert len(held) == len(set(held)), "a block held twice"
+    assert pool.num_free + len(held) == pool.num_blocks
+
+
+@pytest.mark.parametrize("mode", ["swap", "swap_zstd", "swap_mixed"])
+def test_prefetch_changes_no_lossless_output(mode):
+    _, unpreempted_requests = _run("recompute", policy="vllm_fcfs")
+    extra = {"head_plan": "fp16"} if mode == "swap_mixed" else {}
+    config = _config(mode)
+    config = config.model_copy(update={"preemption": config.preemption.model_copy(update=extra)})
+    engine = Engine(config)
+    requests = _workload()
+    engine.run(requests, on_step=lambda _: check_accounting(engine))
+    assert all(r.state is RequestState.FINISHED for r in requests)
+    assert _digests(requests) == _digests(unpreempted_requests)
+    saver = engine.saver
+    assert saver.num_prefetch_hits > 0, "the workload must prefetch"
+    assert saver.prefetch_bytes == saver.prefetch_bytes_used + saver.prefetch_bytes_wasted
+    assert saver.host_pool.num_used_slots == 0
+    saver.host_pool.check()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    num_blocks=st.integers(24, 80),
+    depth=st.integers(1, 6),
+    share=st.sampled_from([0.1, 0.3, 1.0]),
+    host_budget=st.sampled_from([1, 200_000, 10**9]),
+    seed=st.integers(0, 3),
+    abort_every=st.sampled_from([0, 7]),
+)
+def test_prefetch_accounting_is_exact_after_every_step(
+    num_blocks, depth, share, host_budget, seed, abort_every
+):
+    config = _config(
+        "swap_zstd",
+        num_blocks=num_blocks,
+        backend="null",
+        prefetch_depth=depth,
+        prefetch_block_share=share,
+        prefetch_host_budget=host_budget,
+    )
+    engine = Engine(config)
+    requests = _workload(seed)
+    steps = []
+
+    def on_step(output):
+        steps.append(1)
+        if abort_every and len(steps) % abort_every == 0:
+            waiting = engine.scheduler.waiting_requests()
+            prefetched = [r for r in waiting if engine.saver.is_prefetched(r)]
+            if prefetched:  # an aborted prefetched request: its copy-in is wasted
+                engine.abort_request(prefetched[0], "test")
+        check_accounting(engine)
+
+    engine.run(requests, on_step=on_step)
+    assert all(r.state.is_final for r in requests)
+    saver = engine.saver
+    assert saver.prefetch_bytes_held == 0 and saver.predecode_bytes_held == 0
+    assert saver.prefetch_bytes == saver.prefetch_bytes_used + saver.prefetch_bytes_wasted
+    assert saver.host_pool.num_used_slots == 0
+    assert engine.block_pool.num_free == engine.block_pool.num_blocks
+
+
+def test_prefetch_hides_restore_stall_on_the_virtual_clock():
+    stalls = {}
+    for prefetch in (False, True):
+        config = small_config(
+            model={"backend": "null"},
+            cache={"num_blocks": 64},
+            scheduler={"max_num_seqs": 4, "policy": "priority_score"},
+            # a slow host decode, so that restores cost something to hide
+            preemption={"mode": "swap_zstd", **AGGRESSIVE, "codec_decode_mb_s": {"zstd": 50.0}},
+            early_save={"prefetch": prefetch},
+        )
+        engine = Engine(config)
+        engine.run(_workload())
+        stalls[prefetch] = engine.stall_restore_s
+        if prefetch:
+            assert engine.saver.num_prefetch_hits > 0
+    assert stalls[False] > 0 and stalls[True] < 0.5 * stalls[False]
+
+
+def test_prefetch_needs_the_virtual_clock_and_a_save_mode():
+    with pytest.raises(ConfigError, match="virtual"):
+        small_config(clock={"kind": "wall"}, preemption={"mode": "swap"}, early_save={"prefetch": True})
+    with pytest.raises(ConfigError, match="recompute"):
+        small_config(preemption={"mode": "recompute"}, early_save={"prefetch": True})
