@@ -22,7 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.tables import MD_COLUMNS, markdown_table, metric_fingerprint, read_csv, sla_levels, sla_table
+from experiments.stats import Interval, compare, t_interval
+from experiments.tables import (
+    MD_COLUMNS,
+    interval_table,
+    markdown_table,
+    metric_fingerprint,
+    read_csv,
+    sla_interval_table,
+    sla_levels,
+    sla_table,
+)
 
 HELD, NOT_HELD, INCONCLUSIVE, NOT_MEASURED = (
     "held",
@@ -32,7 +42,7 @@ HELD, NOT_HELD, INCONCLUSIVE, NOT_MEASURED = (
 )
 DTYPE_BITS = {"float64": 64, "float32": 32, "bfloat16": 16, "float16": 16}
 
-Arms = dict[str, dict[str, Any]]  # arm name -> results row (+ "_config": its engine config)
+Arms = dict[str, list[dict[str, Any]]]  # arm name -> its results rows, one per seed (+ "_config")
 
 
 @dataclass(frozen=True)
@@ -48,30 +58,72 @@ class Claim:
     text: str
     method: str  # how this report measures it
     evaluate: Callable[[Arms], Finding]
+    regime: str = ""  # where its mechanism binds (docs/regimes.md), when the quick load is not it
 
 
-def _ok(arms: Arms, *names: str) -> list[dict[str, Any]] | None:
-    rows = [arms.get(name) for name in names]
-    if any(row is None or row["status"] != "ok" for row in rows):
+def _ok(arms: Arms, *names: str) -> list[list[dict[str, Any]]] | None:
+    """Each arm's rows of the seeds that ran ok in every named arm (paired by seed)."""
+    if any(name not in arms for name in names):
         return None
-    return rows
+    seeds = [{_seed(r) for r in arms[name] if r["status"] == "ok"} for name in names]
+    common = set.intersection(*seeds)
+    if not common:
+        return None
+    return [sorted((r for r in arms[name] if _seed(r) in common), key=_seed) for name in names]
+
+
+def _seed(row: dict[str, Any]) -> int:
+    return int(row["_config"]["seed"])
 
 
 def _missing(arms: Arms, *names: str) -> Finding:
     absent = [n for n in names if n not in arms]
     if absent:
         return Finding(f"needs arm(s) {', '.join(absent)}", NOT_MEASURED)
-    skipped = {n: arms[n] for n in names if arms[n]["status"] != "ok"}
-    detail = "; ".join(f"{n} {row['status']}: {row.get('notes') or ''}".strip() for n, row in skipped.items())
-    return Finding(detail, NOT_MEASURED)
+    parts = []
+    for n in names:
+        bad = [r for r in arms[n] if r["status"] != "ok"]
+        if bad:
+            parts.append(f"{n} {bad[0]['status']}: {bad[0].get('notes') or ''}".strip())
+    return Finding("; ".join(parts) or "no seed ran in every arm", NOT_MEASURED)
 
 
-def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return metric_fingerprint(a) == metric_fingerprint(b)
+def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    """Identical metrics in every seed: the change never decided anything."""
+    return all(metric_fingerprint(x) == metric_fingerprint(y) for x, y in zip(a, b, strict=True))
 
 
-def _pct(x: float) -> str:
-    return f"{x * 100:+.1f}%"
+def _iv(rows: list[dict[str, Any]], metric: str) -> Interval:
+    return t_interval([float(r[metric]) for r in rows])
+
+
+def _paired(a: list[dict[str, Any]], b: list[dict[str, Any]], fn: Callable[[Any, Any], float]) -> Interval:
+    """Interval over seeds of fn(row of a, row of b): same seed = same requests."""
+    return t_interval([fn(x, y) for x, y in zip(a, b, strict=True)])
+
+
+def _f(iv: Interval, digits: int = 3, scale: float = 1.0, unit: str = "") -> str:
+    return iv.format(digits, scale, unit)
+
+
+def _pct_iv(iv: Interval) -> str:
+    if not iv.is_defined:
+        return f"{iv.mean * 100:+.1f}% (n={iv.num}, no interval)"
+    return f"{iv.mean * 100:+.1f}% [{iv.lo * 100:+.1f}%, {iv.hi * 100:+.1f}%]"
+
+
+def _verdict(*decisions: str | None) -> str:
+    """Several interval checks that must all hold: any 'did not hold' decides; all 'held'
+    hold; anything else is inconclusive."""
+    if NOT_HELD in decisions:
+        return NOT_HELD
+    if decisions and all(d == HELD for d in decisions):
+        return HELD
+    return INCONCLUSIVE
+
+
+def _n(rows: list[dict[str, Any]]) -> str:
+    return f"n={len(rows)} seeds"
 
 
 def _top_level(row: dict[str, Any]) -> str:
@@ -82,6 +134,17 @@ def _nan(x: Any) -> bool:
     return isinstance(x, float) and math.isnan(x)
 
 
+def _rel(metric: str) -> Callable[[dict[str, Any], dict[str, Any]], float]:
+    def fn(x: dict[str, Any], y: dict[str, Any]) -> float:
+        return x[metric] / y[metric] - 1 if y[metric] else math.nan
+
+    return fn
+
+
+def _diff(metric: str) -> Callable[[dict[str, Any], dict[str, Any]], float]:
+    return lambda x, y: x[metric] - y[metric]
+
+
 # ---------------------------------------------------------------- the claims
 
 
@@ -90,17 +153,21 @@ def _threshold(arms: Arms) -> Finding:
     rows = _ok(arms, *names)
     if rows is None:
         return _missing(arms, *names)
-    goodput = [r["goodput_req_s"] for r in rows]
-    top = _top_level(rows[1])
-    ttft = [r[f"sla{top}_ttft_p99_s"] for r in rows]
-    measured = (
-        f"goodput {goodput[0]:.3g} / {goodput[1]:.3g} / {goodput[2]:.3g} req/s and level-{top} TTFT p99 "
-        f"{ttft[0]:.3g} / {ttft[1]:.3g} / {ttft[2]:.3g} s at margins 0 / 0.2 / 0.5 "
-        f"({rows[1]['num_priority_preemptions']} priority preemptions at 0.2)"
-    )
-    if _same(rows[0], rows[1]) and _same(rows[1], rows[2]):
-        return Finding(measured + "; the margin changed nothing on this workload", INCONCLUSIVE)
-    return Finding(measured, HELD if goodput[1] >= 0.99 * max(goodput) else NOT_HELD)
+    zero, score, fifty = rows
+    top = _top_level(score[0])
+    parts = [
+        f"goodput {_f(_iv(zero, 'goodput_req_s'))} / {_f(_iv(score, 'goodput_req_s'))} / "
+        f"{_f(_iv(fifty, 'goodput_req_s'))} req/s at margins 0 / 0.2 / 0.5",
+        f"level-{top} TTFT p99 {_f(_iv(score, f'sla{top}_ttft_p99_s'))} s at 0.2",
+    ]
+    if _same(zero, score) and _same(score, fifty):
+        return Finding("; ".join(parts) + f"; the margin changed nothing ({_n(score)})", INCONCLUSIVE)
+    decisions = []
+    for name, other in (("0", zero), ("0.5", fifty)):
+        rel = _paired(score, other, _rel("goodput_req_s"))
+        parts.append(f"0.2 vs {name}: {_pct_iv(rel)}")
+        decisions.append(compare(rel, -0.01, claimed="above"))
+    return Finding("; ".join(parts) + f" ({_n(score)})", _verdict(*decisions))
 
 
 def _vip(arms: Arms) -> Finding:
@@ -108,39 +175,54 @@ def _vip(arms: Arms) -> Finding:
     if rows is None:
         return _missing(arms, "vllm_priority", "score")
     base, score = rows
-    top = _top_level(score)
+    top = _top_level(score[0])
     key = f"sla{top}_ttft_p99_s"
-    measured = f"level-{top} TTFT p99 {base[key]:.3g} s (vllm_priority) -> {score[key]:.3g} s (score)"
-    design = _ok(arms, "vllm_fcfs", "swap_zstd")
-    if design is not None:
-        measured += f"; {design[0][key]:.3g} s (vllm_fcfs) -> {design[1][key]:.3g} s (swap_zstd, the design)"
-    if score["num_priority_preemptions"] == 0:
+    diff = _paired(score, base, _diff(key))
+    measured = (
+        f"level-{top} TTFT p99 {_f(_iv(base, key))} s (vllm_priority) -> {_f(_iv(score, key))} s (score); "
+        f"difference {_f(diff)} s ({_n(score)})"
+    )
+    if not any(r["num_priority_preemptions"] for r in score):
         return Finding(measured + "; no priority preemption happened", INCONCLUSIVE)
-    return Finding(measured, HELD if score[key] < base[key] else NOT_HELD)
+    return Finding(measured, compare(diff, 0.0, claimed="below") or INCONCLUSIVE)
+
+
+def _overhead_metric(row: dict[str, Any]) -> tuple[str, str]:
+    if row["_config"]["preemption"]["mode"] == "recompute":
+        return "recomputed_tokens", "recomputed tokens"
+    return "preemption_stall_s", "s of stall"
+
+
+# (fixed slice, dynamic slice): the first pair that ran and differs decides, time-sharing first
+SLICE_PAIRS = (
+    ("time_share_static", "time_share_dynamic"),
+    ("swap_zstd_static", "swap_zstd"),
+    ("score", "slices_dynamic"),
+)
 
 
 def _dynamic_slices(arms: Arms) -> Finding:
     parts, verdict = [], None
-    for static, dynamic, metric, unit in (
-        ("swap_zstd_static", "swap_zstd", "preemption_stall_s", "s of stall"),
-        ("score", "slices_dynamic", "recomputed_tokens", "recomputed tokens"),
-    ):
+    for static, dynamic in SLICE_PAIRS:
         rows = _ok(arms, static, dynamic)
         if rows is None:
             continue
-        before, after = rows[0][metric], rows[1][metric]
+        metric, unit = _overhead_metric(rows[0][0])
         if _same(*rows):
-            parts.append(f"{static} and {dynamic} ran identically: the slice never decided a preemption")
+            parts.append(f"{static} and {dynamic} ran identically in every seed: the slice never decided")
             continue
-        if before == 0:
-            parts.append(f"{static}/{dynamic}: no {unit} under either")
+        if not any(r[metric] for r in rows[0]):
+            parts.append(f"{static}/{dynamic}: no {unit} under the fixed slice")
             continue
-        reduction = 1 - after / before
-        parts.append(f"{before:.4g} -> {after:.4g} {unit} ({_pct(-reduction)}; {static} -> {dynamic})")
-        if verdict is None:  # the saving pair decides when present: stall is the SPEC's overhead
-            verdict = HELD if reduction >= 0.23 - 0.05 else NOT_HELD
+        reduction = _paired(rows[1], rows[0], lambda d, s, m=metric: 1 - d[m] / s[m] if s[m] else math.nan)
+        parts.append(
+            f"{static} -> {dynamic}: {_f(_iv(rows[0], metric))} -> {_f(_iv(rows[1], metric))} {unit}, "
+            f"reduction {_pct_iv(reduction)} ({_n(rows[0])})"
+        )
+        if verdict is None:  # the first pair that binds decides
+            verdict = compare(reduction, 0.23 - 0.05, claimed="above") or INCONCLUSIVE
     if not parts:
-        return _missing(arms, "swap_zstd_static", "swap_zstd")
+        return _missing(arms, *SLICE_PAIRS[1])
     return Finding("; ".join(parts), verdict or INCONCLUSIVE)
 
 
@@ -148,75 +230,82 @@ def _save_restore_ms(arms: Arms) -> Finding:
     parts = []
     for name in ("swap_zstd", "swap_raw", "swap_mixed"):
         rows = _ok(arms, name)
-        if rows is not None and rows[0]["num_saves"]:
+        if rows is not None and all(r["num_saves"] for r in rows[0]):
             r = rows[0]
             parts.append(
-                f"{name} save {r['save_ms_p50']:.3g} ms (p99 {r['save_ms_p99']:.3g}), restore "
-                f"{r['restore_ms_p50']:.3g} ms (p99 {r['restore_ms_p99']:.3g})"
+                f"{name} save {_f(_iv(r, 'save_ms_p50'))} ms, restore {_f(_iv(r, 'restore_ms_p50'))} ms"
             )
     rows = _ok(arms, "swap_zstd")
     if rows is None:
         return _missing(arms, "swap_zstd")
-    if not rows[0]["num_saves"]:
-        return Finding("swap_zstd saved nothing", INCONCLUSIVE)
-    r = rows[0]
-    inside = all(5 <= r[k] <= 15 for k in ("save_ms_p50", "restore_ms_p50") if not _nan(r[k]))
-    return Finding("; ".join(parts) + " (median, virtual clock)", HELD if inside else NOT_HELD)
+    if not all(r["num_saves"] for r in rows[0]):
+        return Finding("swap_zstd saved nothing in some seed", INCONCLUSIVE)
+    decisions = []
+    for key in ("save_ms_p50", "restore_ms_p50"):
+        if all(not _nan(r[key]) for r in rows[0]):
+            iv = _iv(rows[0], key)
+            above, below = compare(iv, 5.0, claimed="above"), compare(iv, 15.0, claimed="below")
+            decisions.append(NOT_HELD if NOT_HELD in (above, below) else _verdict(above, below))
+    measured = "; ".join(parts) + f" (median per run, mean over {_n(rows[0])}, virtual clock)"
+    return Finding(measured, _verdict(*decisions))
 
 
-def _lossy_real(arms: Arms, plan: str | None = None) -> dict[str, Any] | None:
+def _lossy_real(arms: Arms, plan: str | None = None) -> list[dict[str, Any]] | None:
     """A swap_mixed arm without early saves on a backend with real KV and tokens."""
-    for row in arms.values():
-        cfg = row["_config"]
+    for rows in arms.values():
+        ok = [r for r in rows if r["status"] == "ok"]
+        if not ok:
+            continue
+        cfg = ok[0]["_config"]
         if (
-            row["status"] == "ok"
-            and cfg["preemption"]["mode"] == "swap_mixed"
+            cfg["preemption"]["mode"] == "swap_mixed"
             and cfg["early_save"]["policy"] == "none"
             and cfg["model"]["backend"] != "null"
             and (plan is None or cfg["preemption"]["head_plan"] == plan)
         ):
-            return row
+            return ok
     return None
 
 
 def _mixed_bytes(arms: Arms) -> Finding:
     parts = []
     modelled = _ok(arms, "swap_mixed")
-    if modelled and modelled[0]["_config"]["model"]["backend"] == "null" and modelled[0]["num_saves"]:
+    if modelled and modelled[0][0]["_config"]["model"]["backend"] == "null" and modelled[0][0]["num_saves"]:
         parts.append(
-            f"modelled (null backend, the head plan's sizes): {_pct(modelled[0]['stored_over_raw'] - 1)}"
+            f"modelled (null backend, the head plan's sizes): {_f(_iv(modelled[0], 'stored_over_raw'))}x"
         )
         fp8 = _ok(arms, "swap_fp8")
-        if fp8 and fp8[0]["num_saves"]:
-            parts.append(f"uniform FP8: {_pct(fp8[0]['stored_over_raw'] - 1)}")
+        if fp8 and fp8[0][0]["num_saves"]:
+            parts.append(f"uniform FP8: {_f(_iv(fp8[0], 'stored_over_raw'))}x")
     real = _lossy_real(arms)
-    if real is None or not real["num_saves"]:
+    if real is None or not all(r["num_saves"] for r in real):
         return Finding("; ".join(parts + ["no swap_mixed save on real KV (tiny/hf backend)"]), NOT_MEASURED)
-    dtype = real["_config"]["model"]["dtype"]
-    ratio = real["stored_over_raw"]
-    parts.insert(0, f"{real['arm']} on real {dtype} KV: {_pct(ratio - 1)} ({real['num_saves']} saves)")
+    dtype = real[0]["_config"]["model"]["dtype"]
+    ratio = _iv(real, "stored_over_raw")
+    parts.insert(0, f"{real[0]['arm']} on real {dtype} KV: stored/raw {_f(ratio)} ({_n(real)})")
     if DTYPE_BITS[dtype] != 16:
         # Kept heads stay in the cache's dtype and FP8 is 1 byte: against 32-bit KV the
         # ratio is not the 16-bit one, and no rescaling recovers it without the plan.
         return Finding("; ".join(parts) + " (not 16-bit KV: not comparable)", NOT_MEASURED)
-    return Finding("; ".join(parts), HELD if ratio <= 0.65 + 0.05 else NOT_HELD)
+    return Finding("; ".join(parts), compare(ratio, 0.65 + 0.05, claimed="below") or INCONCLUSIVE)
 
 
 def _warmup(arms: Arms) -> Finding:
     real = _lossy_real(arms)
     if real is None:
         return Finding("no swap_mixed arm with real tokens (tiny/hf backend)", NOT_MEASURED)
-    if _nan(real["token_agreement"]):
-        return Finding(f"{real['arm']}: {real.get('quality_note') or 'no reference'}", NOT_MEASURED)
-    warmup = real["_config"]["preemption"]["warmup_tokens"]
+    if any(_nan(r["token_agreement"]) for r in real):
+        return Finding(f"{real[0]['arm']}: {real[0].get('quality_note') or 'no reference'}", NOT_MEASURED)
+    warmup = real[0]["_config"]["preemption"]["warmup_tokens"]
+    exact = _iv(real, "exact_match_share")
     measured = (
-        f"{real['arm']} vs its lossless reference, {warmup} warm-up tokens: token agreement "
-        f"{real['token_agreement']:.4g}, identical outputs {real['exact_match_share']:.3g} "
-        f"({real['num_restores']} lossy restores)"
+        f"{real[0]['arm']} vs its lossless reference, {warmup} warm-up tokens: token agreement "
+        f"{_f(_iv(real, 'token_agreement'), 4)}, identical outputs {_f(exact)} "
+        f"({sum(r['num_restores'] for r in real)} lossy restores, {_n(real)})"
     )
-    if not real["num_restores"]:
+    if not any(r["num_restores"] for r in real):
         return Finding(measured + "; no lossy restore happened", INCONCLUSIVE)
-    return Finding(measured, HELD if real["exact_match_share"] >= 0.95 else NOT_HELD)
+    return Finding(measured, compare(exact, 0.95, claimed="above") or INCONCLUSIVE)
 
 
 def _early_warning(arms: Arms) -> Finding:
@@ -226,27 +315,31 @@ def _early_warning(arms: Arms) -> Finding:
     parent = parent_rows[0]
     parts = []
     for name in ("early_lstm", "early_rule", "early_always", "early_oracle"):
-        row = _ok(arms, name)
-        if row is None:
+        rows = _ok(arms, "swap_mixed", name)
+        if rows is None:
             continue
-        r = row[0]
-        text = f"{name} stall {r['preemption_stall_s']:.3g} s"
-        if parent["preemption_stall_s"]:
-            text += f" ({_pct(r['preemption_stall_s'] / parent['preemption_stall_s'] - 1)})"
-        if not _nan(r.get("early_save_precision", math.nan)):
-            text += f", precision {r['early_save_precision']:.2f} recall {r['early_save_recall']:.2f}"
+        base, r = rows
+        change = _pct_iv(_paired(r, base, _rel("preemption_stall_s")))
+        text = f"{name} stall {_f(_iv(r, 'preemption_stall_s'))} s ({change})"
+        if not any(_nan(x.get("early_save_precision", math.nan)) for x in r):
+            precision, recall = _iv(r, "early_save_precision"), _iv(r, "early_save_recall")
+            text += f", precision {_f(precision, 2)} recall {_f(recall, 2)}"
         parts.append(text)
-    measured = f"swap_mixed stall {parent['preemption_stall_s']:.3g} s; " + "; ".join(parts)
-    rows = _ok(arms, "early_lstm")
+    measured = f"swap_mixed stall {_f(_iv(parent, 'preemption_stall_s'))} s; " + "; ".join(parts)
+    rows = _ok(arms, "swap_mixed", "early_lstm")
     if rows is None:
         missing = _missing(arms, "early_lstm")
         return Finding(f"{missing.measured}; {measured}", NOT_MEASURED)
-    lstm = rows[0]
-    if _same(parent, lstm):
+    base, lstm = rows
+    if _same(base, lstm):
         return Finding(measured + "; early_lstm ran identically to swap_mixed: no early save", NOT_MEASURED)
-    if not parent["preemption_stall_s"]:
+    if not any(r["preemption_stall_s"] for r in base):
         return Finding(measured, INCONCLUSIVE)
-    return Finding(measured, HELD if lstm["preemption_stall_s"] < parent["preemption_stall_s"] else NOT_HELD)
+    diff = _paired(lstm, base, _diff("preemption_stall_s"))
+    return Finding(
+        measured + f"; difference {_f(diff)} s ({_n(base)})",
+        compare(diff, 0.0, claimed="below") or INCONCLUSIVE,
+    )
 
 
 def _rate_limit(arms: Arms) -> Finding:
@@ -254,15 +347,19 @@ def _rate_limit(arms: Arms) -> Finding:
     if rows is None:
         return _missing(arms, "slices_dynamic", "rate_limit")
     free, capped = rows
-    cap = capped["_config"]["preemption"]["max_preemption_per_min"]
+    cap = capped[0]["_config"]["preemption"]["max_preemption_per_min"]
     key = "peak_priority_preemptions_per_min"
     measured = (
-        f"peak priority preemptions per minute {free[key]} uncapped -> {capped[key]} with cap {cap}; "
-        f"goodput {free['goodput_req_s']:.3g} -> {capped['goodput_req_s']:.3g} req/s"
+        f"peak priority preemptions per minute {_f(_iv(free, key))} uncapped -> {_f(_iv(capped, key))} "
+        f"with cap {cap} (max {max(r[key] for r in free)} -> {max(r[key] for r in capped)}); goodput "
+        f"{_f(_iv(free, 'goodput_req_s'))} -> {_f(_iv(capped, 'goodput_req_s'))} req/s ({_n(free)})"
     )
-    if free[key] <= cap:
+    # A cap is a hard bound, not an average: it holds when no seed's capped run passes it.
+    if any(r[key] > cap for r in capped):
+        return Finding(measured, NOT_HELD)
+    if not any(r[key] > cap for r in free):
         return Finding(measured + "; the cap was never reached", INCONCLUSIVE)
-    return Finding(measured, HELD if capped[key] <= cap else NOT_HELD)
+    return Finding(measured, HELD)
 
 
 def _zero_copy(arms: Arms) -> Finding:
@@ -272,24 +369,24 @@ def _zero_copy(arms: Arms) -> Finding:
     if rows is None:
         return _missing(arms, "swap_raw", "pause")
     swap, pause = rows
+    moved = _paired(pause, swap, _diff("kv_bytes_moved"))
+    stall = _paired(pause, swap, _diff("preemption_stall_s"))
     measured = (
-        f"KV moved {swap['kv_bytes_moved'] / 1e9:.3g} GB (swap_raw) vs "
-        f"{pause['kv_bytes_moved'] / 1e9:.3g} GB (pause: {pause['num_priority_preemptions']} priority "
-        f"preemptions paused, {pause['num_reclaims']} reclaimed, {pause['num_memory_preemptions']} forced "
-        f"saves); stall {swap['preemption_stall_s']:.3g} vs {pause['preemption_stall_s']:.3g} s"
+        f"KV moved {_f(_iv(swap, 'kv_bytes_moved'), scale=1e-9)} GB (swap_raw) vs "
+        f"{_f(_iv(pause, 'kv_bytes_moved'), scale=1e-9)} GB (pause; {sum(r['num_reclaims'] for r in pause)} "
+        f"reclaims over the seeds), difference {_f(moved, scale=1e-9)} GB; stall difference {_f(stall)} s "
+        f"({_n(swap)})"
     )
-    zstd = _ok(arms, "swap_zstd")
-    if zstd is not None:
-        measured += (
-            f" (swap_zstd: {zstd[0]['kv_bytes_moved'] / 1e9:.3g} GB, {zstd[0]['preemption_stall_s']:.3g} s)"
-        )
-    if not pause["num_preemptions"]:
+    if not any(r["num_preemptions"] for r in pause):
         return Finding(measured + "; no preemption", INCONCLUSIVE)
-    held = (
-        pause["kv_bytes_moved"] < swap["kv_bytes_moved"]
-        and pause["preemption_stall_s"] <= swap["preemption_stall_s"]
-    )
-    return Finding(measured, HELD if held else NOT_HELD)
+    # fewer bytes (interval below 0) and a stall that is not longer (interval not above 0)
+    bytes_verdict = compare(moved, 0.0, claimed="below")
+    stall_longer = compare(stall, 0.0, claimed="above") == HELD
+    if bytes_verdict == NOT_HELD or stall_longer:
+        return Finding(measured, NOT_HELD)
+    if bytes_verdict == HELD and stall.is_defined and stall.lo <= 0:
+        return Finding(measured, HELD)
+    return Finding(measured, INCONCLUSIVE)
 
 
 def _zstd_critical_path(arms: Arms) -> Finding:
@@ -297,28 +394,33 @@ def _zstd_critical_path(arms: Arms) -> Finding:
     if rows is None:
         return _missing(arms, "swap_raw", "swap_zstd")
     raw, zstd = rows
+    diff = _paired(zstd, raw, _diff("preemption_stall_s"))
     measured = (
-        f"stall {raw['preemption_stall_s']:.3g} s (raw) vs {zstd['preemption_stall_s']:.3g} s (zstd); "
-        f"goodput {raw['goodput_req_s']:.3g} vs {zstd['goodput_req_s']:.3g} req/s; host bytes "
-        f"{raw['kv_saved_bytes_stored'] / 1e9:.3g} vs {zstd['kv_saved_bytes_stored'] / 1e9:.3g} GB"
+        f"stall {_f(_iv(raw, 'preemption_stall_s'))} s (raw) vs "
+        f"{_f(_iv(zstd, 'preemption_stall_s'))} s (zstd), "
+        f"difference {_f(diff)} s; goodput {_f(_iv(raw, 'goodput_req_s'))} vs "
+        f"{_f(_iv(zstd, 'goodput_req_s'))} req/s ({_n(raw)})"
     )
-    if not zstd["num_saves"]:
+    if not any(r["num_saves"] for r in zstd):
         return Finding(measured + "; nothing saved", INCONCLUSIVE)
-    return Finding(measured, HELD if zstd["preemption_stall_s"] > raw["preemption_stall_s"] else NOT_HELD)
+    return Finding(measured, compare(diff, 0.0, claimed="above") or INCONCLUSIVE)
 
 
 def _zstd_ratio(arms: Arms) -> Finding:
-    for row in arms.values():
-        cfg = row["_config"]
-        if row["status"] == "ok" and cfg["preemption"]["mode"] == "swap_zstd" and row["num_saves"]:
-            if cfg["model"]["backend"] == "null":
-                continue
-            ratio = row["kv_saved_bytes_raw"] / row["kv_saved_bytes_stored"]
-            model = cfg["model"]
-            measured = f"{row['arm']}: {ratio:.3g}x on {model['dtype']} KV of the {model['backend']} model"
-            if DTYPE_BITS[cfg["model"]["dtype"]] != 16:
-                return Finding(measured + " (not 16-bit KV: not comparable)", NOT_MEASURED)
-            return Finding(measured, HELD if 1.05 <= ratio <= 1.25 else NOT_HELD)
+    for rows in arms.values():
+        ok = [r for r in rows if r["status"] == "ok" and r["num_saves"]]
+        if not ok:
+            continue
+        cfg = ok[0]["_config"]
+        if cfg["preemption"]["mode"] != "swap_zstd" or cfg["model"]["backend"] == "null":
+            continue
+        ratio = t_interval([r["kv_saved_bytes_raw"] / r["kv_saved_bytes_stored"] for r in ok])
+        model = cfg["model"]
+        measured = f"{ok[0]['arm']}: {_f(ratio)}x on {model['dtype']} KV of the {model['backend']} model"
+        if DTYPE_BITS[model["dtype"]] != 16:
+            return Finding(measured + " (not 16-bit KV: not comparable)", NOT_MEASURED)
+        inside = _verdict(compare(ratio, 1.05, claimed="above"), compare(ratio, 1.25, claimed="below"))
+        return Finding(measured, inside)
     return Finding("no swap_zstd save on real KV (the null backend uses the configured ratio)", NOT_MEASURED)
 
 
@@ -418,6 +520,7 @@ class Source:
     path: Path
     info: dict[str, Any]
     rows: list[dict[str, Any]]
+    summary: list[dict[str, Any]] | None = None  # summary.csv: points with intervals (seeds)
 
     @classmethod
     def load(cls, label: str, path: str | Path) -> Source:
@@ -432,16 +535,30 @@ class Source:
             row["_config"] = configs[row["run"]]
             for key in ("notes", "quality_note", "parent"):
                 row[key] = "" if _nan(row.get(key)) else row.get(key, "")
-        return cls(label, path, info, rows)
+        summary = read_csv(path / "summary.csv") if (path / "summary.csv").is_file() else None
+        return cls(label, path, info, rows, summary)
 
-    def points(self) -> list[tuple[str, Arms, list[dict[str, Any]]]]:
-        """(grid point label, arms by name, rows) per grid point, in run order."""
+    def points(self) -> list[tuple[str, Arms, list[dict[str, Any]], list[dict[str, Any]] | None]]:
+        """(grid point label, arm -> its rows over seeds, rows, summary rows or None) per
+        grid point (seeds are replicates of a point, not points), in run order."""
         columns = [key.rsplit(".", 1)[-1] for key in self.info.get("grid", {})]
+
+        def label_of(row: dict[str, Any]) -> str:
+            return ", ".join(f"{c}={row[c]}" for c in columns)
+
         groups: dict[str, list[dict[str, Any]]] = {}
         for row in self.rows:
-            label = ", ".join(f"{c}={row[c]}" for c in columns)
-            groups.setdefault(label, []).append(row)
-        return [(label, {r["arm"]: r for r in rows}, rows) for label, rows in groups.items()]
+            groups.setdefault(label_of(row), []).append(row)
+        summary: dict[str, list[dict[str, Any]]] = {}
+        for row in self.summary or []:
+            summary.setdefault(label_of(row), []).append(row)
+        out = []
+        for label, rows in groups.items():
+            arms: Arms = {}
+            for row in rows:
+                arms.setdefault(row["arm"], []).append(row)
+            out.append((label, arms, rows, summary.get(label) if self.summary is not None else None))
+        return out
 
 
 def _copy_plots(source: Source, images_dir: Path, link_base: Path) -> list[tuple[str, str]]:
@@ -461,11 +578,14 @@ def render(sources: list[Source], out: Path, command: str) -> str:
     verdicts: dict[str, dict[str, Finding]] = {}
     columns: list[str] = []
     for source in sources:
-        for label, arms, _ in source.points():
+        for label, arms, _, _ in source.points():
             column = source.label + (f" ({label})" if label else "")
             columns.append(column)
             for claim in CLAIMS:
                 verdicts.setdefault(claim.key, {})[column] = claim.evaluate(arms)
+    by_source = {
+        s.label: [c for c in columns if c == s.label or c.startswith(s.label + " (")] for s in sources
+    }
 
     lines = [
         "# Results",
@@ -473,16 +593,20 @@ def render(sources: list[Source], out: Path, command: str) -> str:
         f"Generated by `{command}` from "
         + ", ".join(f"`{s.path}` (commit `{s.info.get('git_rev', '?')}`)" for s in sources)
         + ". Do not edit by hand: rerun the ablations and this command. Every number the article "
-        "claims is a hypothesis here; each row says what we measured and whether it held.",
+        "claims is a hypothesis here; each row says what we measured and whether it held. "
+        "Values are means over seeds with 95% intervals `[lo, hi]` (Student t; differences "
+        "between arms are paired by seed); a claim is `held` or `did not hold` only when the "
+        "interval lies on one side of its bound, otherwise `inconclusive` with the interval.",
         "",
         "## Claims at a glance",
         "",
-        "| claim | source | " + " | ".join(columns) + " |",
-        "| --- | --- | " + " | ".join("---" for _ in columns) + " |",
+        "| claim | source | " + " | ".join(by_source) + " | where its mechanism binds |",
+        "| --- | --- | " + " | ".join("---" for _ in by_source) + " | --- |",
     ]
     for claim in CLAIMS:
-        cells = [verdicts[claim.key][c].verdict for c in columns]
-        lines.append(f"| {claim.text} | {claim.source} | " + " | ".join(cells) + " |")
+        cells = [_glance([verdicts[claim.key][c].verdict for c in cols]) for cols in by_source.values()]
+        regime = claim.regime or "–"
+        lines.append(f"| {claim.text} | {claim.source} | " + " | ".join(cells) + f" | {regime} |")
     lines += [""]
     for column in columns:
         lines += [
@@ -507,14 +631,20 @@ def render(sources: list[Source], out: Path, command: str) -> str:
             "",
             info.get("description", "").strip(),
             "",
-            f"`{info['source']}`: {len(source.rows)} runs in {info.get('wall_s', 0):.0f} s wall with "
-            f"{info.get('jobs')} jobs; wandb {info.get('wandb')}; "
+            f"`{info['source']}`: {len(source.rows)} runs (seeds {info.get('seeds') or 'one'}) in "
+            f"{info.get('wall_s', 0):.0f} s wall with {info.get('jobs')} jobs"
+            f"{' on Ray at ' + info['ray_address'] if info.get('ray_address') else ''}; "
+            f"wandb {info.get('wandb')}; "
             f"predictor {info.get('predictor') or 'none'}.",
             "",
         ]
-        for label, _, rows in source.points():
+        for label, _, rows, points in source.points():
             if label:
                 lines += [f"### {label}", ""]
+            if points is not None:
+                lines += [interval_table(points), "", "Per SLA class (higher = more important):", ""]
+                lines += [sla_interval_table(points), ""]
+                continue
             lines += [markdown_table(rows, MD_COLUMNS), "", "Per SLA class (higher = more important):", ""]
             lines += [sla_table(rows), ""]
         notes = [(r["run"], r["notes"]) for r in source.rows if r.get("notes")]
@@ -526,19 +656,38 @@ def render(sources: list[Source], out: Path, command: str) -> str:
     return "\n".join(lines)
 
 
-def report(quick: str | Path, out: str | Path, paper: str | Path | None = None, command: str = "") -> Path:
-    """Write the report to `out` (plots copied to `out`'s stem directory); returns `out`."""
+def _glance(verdicts: list[str]) -> str:
+    """One cell per source: the verdict, or with several points how many got which."""
+    if len(verdicts) == 1:
+        return verdicts[0]
+    counts = {v: verdicts.count(v) for v in (HELD, NOT_HELD, INCONCLUSIVE, NOT_MEASURED) if v in verdicts}
+    return ", ".join(f"{v} {n}/{len(verdicts)}" for v, n in counts.items())
+
+
+def report(
+    quick: str | Path,
+    out: str | Path,
+    paper: str | Path | None = None,
+    command: str = "",
+    sweeps: list[str | Path] = (),
+) -> Path:
+    """Write the report to `out` (plots copied to `out`'s stem directory); returns `out`.
+    `sweeps`: more ablation directories (regime sweeps), each judged per grid point and
+    labelled by its ablation's name."""
     out = Path(out)
     sources = [Source.load("quick", quick)]
     if paper is not None:
         sources.append(Source.load("paper", paper))
+    for path in sweeps:
+        source = Source.load("sweep", path)
+        sources.append(Source.load(source.info.get("name", Path(path).name), path))
     out.parent.mkdir(parents=True, exist_ok=True)
     text = render(sources, out, command or f"preempt report --quick {quick} --out {out}")
     if paper is None:
         text += (
             "\n## Paper ablation\n\nNot run for this report: `preempt ablate --config "
-            "experiments/configs/paper.yaml --out runs/ablate-paper` on a machine with many cores, "
-            "then add `--paper runs/ablate-paper`.\n"
+            "experiments/configs/paper.yaml --out runs/ablate-paper [--ray-address ADDR]` "
+            "(docs/regimes.md: its time on N Ray workers), then add `--paper runs/ablate-paper`.\n"
         )
     out.write_text(text)
     return out

@@ -191,7 +191,7 @@ def interval_cell(row: dict[str, Any], column: str) -> str:
         return "–"
     if isinstance(lo, float) and math.isnan(lo):
         return fmt(float(mean), column) + (" (n=1)" if row.get("num_seeds") == 1 else "")
-    if lo == hi:
+    if abs(float(hi) - float(lo)) <= 1e-9 * max(abs(float(mean)), 1e-300):  # the same in every seed
         return fmt(float(mean), column)
     return f"{fmt(float(mean), column)} [{fmt(float(lo), column)}, {fmt(float(hi), column)}]"
 

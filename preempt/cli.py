@@ -102,9 +102,10 @@ def _feature_config(args: argparse.Namespace) -> Any:
             continue
         name = key.strip().removeprefix("features.")
         if name not in FeatureConfig.__dataclass_fields__:
-            raise ConfigError(f"unknown config key 'features.{name}'; choose every_k_steps or horizon_ms")
+            choices = ", ".join(FeatureConfig.__dataclass_fields__)
+            raise ConfigError(f"unknown config key 'features.{name}'; choose one of {choices}")
         try:
-            values[name] = int(raw) if name == "every_k_steps" else float(raw)
+            values[name] = FeatureConfig.parse(name, raw)
         except ValueError:
             raise ConfigError(f"config key 'features.{name}': not a number: '{raw}'") from None
     args.set = engine_sets
@@ -137,8 +138,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
     info = {
         "trace": config.workload.trace,
         "seed": config.seed,
-        "horizon_ms": feature_config.horizon_ms,
-        "every_k_steps": feature_config.every_k_steps,
+        **feature_config.meta(),
         "num_preemptions": summary["num_preemptions"],
         "sim_time_s": summary["sim_time_s"],
         "config": config.model_dump(mode="json"),
@@ -426,9 +426,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     from experiments.report import report
 
     paper = f" --paper {args.paper}" if args.paper else ""
+    paper += "".join(f" --sweep {path}" for path in args.sweep)
     command = f"preempt report --quick {args.quick}{paper} --out {args.out}"
     try:
-        path = report(args.quick, args.out, paper=args.paper, command=command)
+        path = report(args.quick, args.out, paper=args.paper, command=command, sweeps=args.sweep)
     except FileNotFoundError as err:
         print(f"preempt: error: {err}", file=sys.stderr)
         return 2
@@ -645,6 +646,9 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="docs/results.md from ablation outputs (claims, measured, held?)")
     report.add_argument("--quick", type=Path, required=True, help="output directory of the quick ablation")
     report.add_argument("--paper", type=Path, help="output directory of the paper ablation")
+    report.add_argument(
+        "--sweep", type=Path, action="append", default=[], help="a regime sweep's output dir (repeatable)"
+    )
     report.add_argument("--out", type=Path, default=Path("docs/results.md"), help="(docs/results.md)")
     report.set_defaults(func=cmd_report)
     return parser
