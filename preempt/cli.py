@@ -341,7 +341,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not Path(value).is_file():
             print(f"preempt: error: --{key}: no such file: {value}", file=sys.stderr)
             return 2
-    result: dict[str, Any] = BENCHMARKS[args.name](args.quick, **options)
+    from preempt.parity.harness import PeerError
+
+    try:
+        result: dict[str, Any] = BENCHMARKS[args.name](args.quick, **options)
+    except PeerError as err:  # bench vllm: no peer virtualenv, or it failed
+        print(f"preempt: error: {err}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(result))
     else:

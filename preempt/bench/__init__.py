@@ -59,6 +59,12 @@ def _clock(quick: bool) -> dict[str, Any]:
     return bench_clock(quick)
 
 
+def _vllm(quick: bool) -> dict[str, Any]:
+    from preempt.bench.vllm import bench_vllm
+
+    return bench_vllm(quick)
+
+
 BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "engine": _engine,
     "save": _save,
@@ -68,5 +74,6 @@ BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "kernels": _kernels,
     "predictor": _predictor,
     "clock": _clock,
+    "vllm": _vllm,
 }
 """name -> fn(quick, **options); options (`--model`, `--plan`) only for those that take them."""
