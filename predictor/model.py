@@ -45,6 +45,8 @@ class PreemptionLSTM(pl.LightningModule):
         threshold: float = 0.5,
         history: str = "full",
         every_k_steps: int = 1,
+        horizon_steps: int = 0,
+        feature_set: str = "v1",
     ) -> None:
         super().__init__()
         # Everything needed to rebuild the data split and to use the model online lives
@@ -54,6 +56,8 @@ class PreemptionLSTM(pl.LightningModule):
         # their first step (predictor.data), as the online predictor runs it. Checkpoints
         # without it were trained on zero-started windows. `every_k_steps`: the data's
         # logging period; online, one LSTM step must stand for the same k engine steps.
+        # `horizon_steps` / `feature_set`: the labels' step horizon and the features'
+        # set (preempt.features.FEATURE_SETS); online, a different one is refused.
         self.save_hyperparameters()
         self.lstm = nn.LSTM(input_size=NUM_FEATURES, hidden_size=HIDDEN_SIZE, batch_first=True)
         self.head = nn.Linear(HIDDEN_SIZE, 1)

@@ -90,6 +90,27 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     return state, dict(hparams)
 
 
+def check_trained_for(
+    path: str | Path, hparams: dict[str, Any], horizon_ms: float, horizon_steps: int, feature_set: str
+) -> None:
+    """Refuse a checkpoint trained for another horizon or feature set: its probabilities
+    answer another question, or read other columns. Checkpoints from before these were
+    recorded were trained on `v1` features with a 50 ms, time-only horizon."""
+    trained = (
+        float(hparams.get("horizon_ms", 50.0)),
+        int(hparams.get("horizon_steps", 0)),
+        str(hparams.get("feature_set", "v1")),
+    )
+    wanted = (float(horizon_ms), int(horizon_steps), str(feature_set))
+    if trained != wanted:
+        raise PredictorCheckpointError(
+            f"{path} was trained for horizon_ms={trained[0]:g}, horizon_steps={trained[1]}, "
+            f"feature_set={trained[2]}, but the engine asks for horizon_ms={wanted[0]:g}, "
+            f"horizon_steps={wanted[1]}, feature_set={wanted[2]} (set early_save.horizon_ms/"
+            "horizon_steps/feature_set to match, or retrain on data collected that way)"
+        )
+
+
 class OnlinePredictor:
     """P(preempted within the horizon) for the running requests, one LSTM step per call.
 

@@ -150,6 +150,8 @@ def train(data: str | Path, out_dir: str | Path, config: TrainConfig | None = No
         val_fraction=config.val_fraction,
         test_fraction=config.test_fraction,
         every_k_steps=int(table.meta.get("every_k_steps", 1)),
+        horizon_steps=int(table.meta.get("horizon_steps", 0)),
+        feature_set=str(table.meta.get("feature_set", "v1")),
     )
     model.set_normalization(*datamodule.feature_stats())
 

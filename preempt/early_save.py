@@ -84,19 +84,45 @@ class RulePolicy(EarlySavePolicy):
 
 
 class LSTMPolicy(EarlySavePolicy):
-    def __init__(self, checkpoint: str, threshold: float | None) -> None:
-        from predictor.online import OnlinePredictor  # torch, only when asked for
+    def __init__(self, config: EarlySaveConfig) -> None:
+        from predictor.online import OnlinePredictor, check_trained_for  # torch, only when asked for
 
+        checkpoint = config.checkpoint
         try:
-            self.predictor = OnlinePredictor.from_checkpoint(checkpoint, threshold=threshold)
+            self.predictor = OnlinePredictor.from_checkpoint(checkpoint, threshold=config.threshold)
+            check_trained_for(
+                checkpoint,
+                self.predictor.hparams,
+                config.horizon_ms,
+                config.horizon_steps,
+                config.feature_set,
+            )
         except (OSError, ValueError) as exc:
             raise ConfigError(f"config key 'early_save.checkpoint': {exc}") from None
+        self.feature_set = config.feature_set
+        # A model trained on rows logged every k steps takes one LSTM step per k engine
+        # steps; between, the last decision stands.
+        self.every_k_steps = self.predictor.every_k_steps
+        self._stepping = True
+        self._chosen: set[int] = set()
         self.last_probs: np.ndarray = np.zeros(0, dtype=np.float32)
 
-    def select(self, running: Sequence[Request], features: np.ndarray, now: float) -> list[Request]:
-        probs = self.predictor.step([r.request_id for r in running], features)
-        self.last_probs = probs
-        return [r for r, p in zip(running, probs, strict=True) if p >= self.predictor.threshold]
+    def prepare(self, engine: Engine) -> None:
+        # The steps preempt.features.FeatureLogger logs a row at, so online = offline.
+        self._stepping = engine.num_steps % self.every_k_steps == 0
+
+    @property
+    def needs_features_now(self) -> bool:
+        return self._stepping
+
+    def select(self, running: Sequence[Request], features: np.ndarray | None, now: float) -> list[Request]:
+        if self._stepping:
+            ids = [r.request_id for r in running]
+            probs = self.predictor.step(ids, features)
+            self.last_probs = probs
+            threshold = self.predictor.threshold
+            self._chosen = {rid for rid, p in zip(ids, probs, strict=True) if p >= threshold}
+        return [r for r in running if r.request_id in self._chosen]
 
     def forget(self, requests: Sequence[Request]) -> None:
         self.predictor.forget(r.request_id for r in requests)
@@ -169,7 +195,7 @@ def make_policy(config: EarlySaveConfig) -> EarlySavePolicy | None:
     if config.policy == "rule":
         return RulePolicy()
     if config.policy == "lstm":
-        return LSTMPolicy(config.checkpoint, config.threshold)
+        return LSTMPolicy(config)
     if config.policy == "lookahead":
         return LookaheadPolicy(config.horizon_ms, config.horizon_steps, config.lookahead_every_steps)
     return OraclePolicy(config.oracle_log, config.horizon_ms)
@@ -194,7 +220,9 @@ class EarlySaver:
             return
         now = engine.clock.now()
         self.policy.prepare(engine)
-        features = engine_features(engine) if self.policy.needs_features else None
+        policy = self.policy
+        needs = policy.needs_features and getattr(policy, "needs_features_now", True)
+        features = engine_features(engine, getattr(policy, "feature_set", "v1")) if needs else None
         chosen = self.policy.select(running, features, now)
         self.num_selected += len(chosen)
         for request in chosen:

@@ -84,6 +84,37 @@ FEATURE_DOCS: dict[str, str] = {
 }
 NUM_FEATURES = len(FEATURE_NAMES)
 
+SCALE_FREE_NAMES: tuple[str, ...] = (
+    "num_preemptions",
+    "pool_share",
+    "slice_usage",
+    "rank_share",
+    "sla_level",
+    "need_share",
+    "queue_share",
+    "free_kv_fraction",
+)
+"""The `scale_free` feature set: the same 8 slots, none of them in tokens, requests or
+seconds, so a model fitted on one trace reads another trace's values in the same range
+(mooncake's requests are ~7x longer than azure-conv's and its pool ~16x larger)."""
+
+SCALE_FREE_DOCS: dict[str, str] = {
+    "num_preemptions": FEATURE_DOCS["num_preemptions"],
+    "pool_share": "KV blocks this request holds / all KV blocks",
+    "slice_usage": FEATURE_DOCS["slice_usage"],
+    "rank_share": "score_rank / (running requests - 1): 0 = the lowest score, the next victim",
+    "sla_level": FEATURE_DOCS["sla_level"],
+    "need_share": "KV blocks it still needs to reach max_tokens / free KV blocks (capped at 10)",
+    "queue_share": "waiting requests that beat it by the trigger margin / max_num_seqs "
+    "(a share of the batch's seats; capped at 10)",
+    "free_kv_fraction": FEATURE_DOCS["free_kv_fraction"],
+}
+
+FEATURE_SETS: dict[str, tuple[str, ...]] = {"v1": FEATURE_NAMES, "scale_free": SCALE_FREE_NAMES}
+"""Feature sets by name; a checkpoint records the one it was trained on, and the online
+predictor refuses another."""
+_NEED_CAP = 10.0
+
 # Engine-clock times are float sums of step durations: t + 0.05 and the record's time can
 # differ in the last bit, so the horizon is inclusive with this slack.
 _HORIZON_SLACK_S = 1e-9
@@ -97,12 +128,39 @@ class FeatureConfig:
     """Log the running requests after every k-th step that ran something."""
     horizon_ms: float = 50.0
     """A row is positive when its request is preempted within this many ms (engine clock)."""
+    horizon_steps: int = 0
+    """... or within this many engine steps, whichever reaches further (0: time only). With
+    long prompts one step can outlast any fixed time horizon."""
+    feature_set: str = "v1"
+    """`v1` (FEATURE_NAMES) or `scale_free` (SCALE_FREE_NAMES)."""
 
     def __post_init__(self) -> None:
         if self.every_k_steps < 1:
             raise ValueError(f"features.every_k_steps must be >= 1, got {self.every_k_steps}")
         if not self.horizon_ms > 0:
             raise ValueError(f"features.horizon_ms must be > 0, got {self.horizon_ms}")
+        if self.horizon_steps < 0:
+            raise ValueError(f"features.horizon_steps must be >= 0, got {self.horizon_steps}")
+        if self.feature_set not in FEATURE_SETS:
+            raise ValueError(
+                f"features.feature_set must be one of {sorted(FEATURE_SETS)}, got '{self.feature_set}'"
+            )
+
+    @staticmethod
+    def parse(name: str, raw: str) -> int | float | str:
+        """A `--set features.NAME=RAW` value with the field's type."""
+        if name == "feature_set":
+            return raw.strip()
+        return int(raw) if name in ("every_k_steps", "horizon_steps") else float(raw)
+
+    def meta(self) -> dict[str, Any]:
+        """What a dataset (and a checkpoint trained on it) records about its labels and features."""
+        return {
+            "horizon_ms": self.horizon_ms,
+            "horizon_steps": self.horizon_steps,
+            "every_k_steps": self.every_k_steps,
+            "feature_set": self.feature_set,
+        }
 
 
 def compute_features(
@@ -140,19 +198,52 @@ def compute_features(
     return out
 
 
-def engine_features(engine: Engine) -> np.ndarray:
-    """`compute_features` of the engine's running requests now, (R, 8): what the feature
-    logger records and what the early-save policies decide on."""
+def scale_free_features(
+    running: Sequence[Request],
+    waiting_scores: np.ndarray,
+    now: float,
+    num_free_blocks: int,
+    num_blocks: int,
+    block_size: int,
+    max_num_seqs: int,
+    preemption: PreemptionConfig,
+) -> np.ndarray:
+    """The `scale_free` set (SCALE_FREE_NAMES), (R, 8) float32, from the `v1` columns
+    and the pool: shares of the pool, of the running requests and of the batch's seats."""
+    v1 = compute_features(running, waiting_scores, now, num_free_blocks, num_blocks, preemption)
+    num_running = len(running)
+    out = np.empty_like(v1)
+    out[:, 0] = v1[:, 0]
+    held = np.fromiter((len(r.block_ids) for r in running), np.float32, num_running)
+    out[:, 1] = held / num_blocks
+    out[:, 2] = v1[:, 2]
+    out[:, 3] = v1[:, 3] / max(1, num_running - 1)
+    out[:, 4] = v1[:, 4]
+    final_tokens = np.fromiter((r.num_prompt_tokens + r.max_tokens for r in running), np.float32, num_running)
+    need = np.maximum(0.0, np.ceil(final_tokens / block_size) - held)
+    out[:, 5] = np.minimum(need / max(1, num_free_blocks), _NEED_CAP)
+    out[:, 6] = np.minimum(v1[:, 6] / max_num_seqs, _NEED_CAP)
+    out[:, 7] = v1[:, 7]
+    return out
+
+
+def engine_features(engine: Engine, feature_set: str = "v1") -> np.ndarray:
+    """The features (`feature_set`) of the engine's running requests now, (R, 8): what
+    the feature logger records and what the early-save policies decide on."""
     scheduler = engine.scheduler
     now = engine.clock.now()
-    return compute_features(
+    args = (
         scheduler.running,
         scheduler.waiting_scores(now),
         now,
         engine.block_pool.num_free,
         engine.block_pool.num_blocks,
-        engine.config.preemption,
     )
+    if feature_set == "scale_free":
+        return scale_free_features(
+            *args, engine.block_size, scheduler.config.max_num_seqs, engine.config.preemption
+        )
+    return compute_features(*args, engine.config.preemption)
 
 
 class FeatureLogger:
@@ -168,20 +259,26 @@ class FeatureLogger:
         self._counts: list[int] = []
         self._times: list[float] = []
         self._features: list[np.ndarray] = []
+        self._num_tokens: list[np.ndarray] = []
+        self._step_ends: list[float] = []  # every step that ran something: the step horizon
 
     @property
     def num_rows(self) -> int:
         return sum(self._counts)
 
     def __call__(self, engine: Engine, output: StepOutput) -> None:
-        if not output.scheduled.chunks or engine.num_steps % self.config.every_k_steps:
+        if not output.scheduled.chunks:
+            return
+        self._step_ends.append(engine.clock.now())
+        if engine.num_steps % self.config.every_k_steps:
             return
         scheduler = engine.scheduler
         running = scheduler.running
         if not running:
             return
         now = engine.clock.now()
-        features = engine_features(engine)
+        features = engine_features(engine, self.config.feature_set)
+        self._num_tokens.append(np.fromiter((r.num_computed_tokens for r in running), np.int64, len(running)))
         self._request_ids.append(np.fromiter((r.request_id for r in running), np.int64, len(running)))
         self._steps.append(engine.num_steps)
         self._counts.append(len(running))
@@ -190,14 +287,22 @@ class FeatureLogger:
 
     def columns(self, records: Sequence[PreemptionRecord]) -> dict[str, np.ndarray]:
         """All rows so far, labelled: request_id, step, t_s, features (N, 8), label,
-        time_to_preemption_s."""
+        time_to_preemption_s, steps_to_preemption, num_tokens (KV tokens computed)."""
         counts = np.asarray(self._counts, dtype=np.int64)
         request_ids = np.concatenate(self._request_ids) if self._request_ids else np.zeros(0, np.int64)
         t_s = np.repeat(np.asarray(self._times, dtype=np.float64), counts)
         features = (
             np.concatenate(self._features) if self._features else np.zeros((0, NUM_FEATURES), np.float32)
         )
-        label, time_to = label_rows(request_ids, t_s, records, self.config.horizon_ms / 1000.0)
+        label, time_to, steps_to = label_rows(
+            request_ids,
+            t_s,
+            records,
+            self.config.horizon_ms / 1000.0,
+            horizon_steps=self.config.horizon_steps,
+            step_ends=np.asarray(self._step_ends, dtype=np.float64),
+        )
+        num_tokens = np.concatenate(self._num_tokens) if self._num_tokens else np.zeros(0, np.int64)
         return {
             "request_id": request_ids,
             "step": np.repeat(np.asarray(self._steps, dtype=np.int64), counts),
@@ -205,6 +310,8 @@ class FeatureLogger:
             "features": features,
             "label": label,
             "time_to_preemption_s": time_to,
+            "steps_to_preemption": steps_to,
+            "num_tokens": num_tokens,
         }
 
 
@@ -218,9 +325,18 @@ def preemption_events(records: Sequence[PreemptionRecord]) -> dict[int, np.ndarr
 
 
 def label_rows(
-    request_ids: np.ndarray, t_s: np.ndarray, records: Sequence[PreemptionRecord], horizon_s: float
-) -> tuple[np.ndarray, np.ndarray]:
-    """(label int64 (N,), time_to_preemption_s float64 (N,)) for rows (request_id, t_s)."""
+    request_ids: np.ndarray,
+    t_s: np.ndarray,
+    records: Sequence[PreemptionRecord],
+    horizon_s: float,
+    horizon_steps: int = 0,
+    step_ends: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(label int64 (N,), time_to_preemption_s float64 (N,), steps_to_preemption int64
+    (N,)) for rows (request_id, t_s). Steps to a preemption: 1 for the next schedule(),
+    plus the steps that ended after the row and by the preemption (`step_ends`: the end
+    time of every step that ran something; without it, steps are not counted: -1).
+    A row is positive within `horizon_s` or within `horizon_steps` steps."""
     events = preemption_events(records)
     time_to = np.full(len(request_ids), math.inf, dtype=np.float64)
     # Rows grouped by request once (stable sort), instead of one scan of all rows per request.
@@ -232,8 +348,20 @@ def label_rows(
         nxt = np.searchsorted(event_times, t_s[rows], side="left")  # first event at or after t
         has_next = nxt < len(event_times)
         time_to[rows[has_next]] = event_times[nxt[has_next]] - t_s[rows[has_next]]
-    label = (time_to <= horizon_s + _HORIZON_SLACK_S).astype(np.int64)
-    return label, time_to
+    label = time_to <= horizon_s + _HORIZON_SLACK_S
+    steps_to = np.full(len(request_ids), -1, dtype=np.int64)
+    if step_ends is not None:
+        has = np.isfinite(time_to)
+        event_t = t_s[has] + time_to[has]
+        after = np.searchsorted(step_ends, t_s[has] + _HORIZON_SLACK_S, side="right")
+        by = np.searchsorted(step_ends, event_t + _HORIZON_SLACK_S, side="right")
+        steps_to[has] = 1 + np.maximum(0, by - after)
+        if horizon_steps > 0:
+            label[has] |= steps_to[has] <= horizon_steps
+    return label.astype(np.int64), time_to, steps_to
+
+
+_OPTIONAL_COLUMNS = ("steps_to_preemption", "num_tokens")  # absent in datasets of older collects
 
 
 def build_dataset(columns: dict[str, np.ndarray], info: dict[str, Any]) -> Dataset:
@@ -256,12 +384,16 @@ def build_dataset(columns: dict[str, np.ndarray], info: dict[str, Any]) -> Datas
             "features": list_type(datasets.Value("float32"), length=NUM_FEATURES),
             "label": datasets.Value("int64"),
             "time_to_preemption_s": datasets.Value("float64"),
+            **{name: datasets.Value("int64") for name in _OPTIONAL_COLUMNS if name in columns},
         }
     )
     num_rows = len(columns["request_id"])
     data = dict(columns)
     data["seed"] = np.full(num_rows, int(info.get("seed", 0)), dtype=np.int64)
-    meta = {"feature_names": list(FEATURE_NAMES), "feature_docs": FEATURE_DOCS, **info}
+    feature_set = info.get("feature_set", "v1")
+    names = FEATURE_SETS[feature_set]
+    docs = SCALE_FREE_DOCS if feature_set == "scale_free" else FEATURE_DOCS
+    meta = {"feature_names": list(names), "feature_docs": docs, **info}
     ds_info = datasets.DatasetInfo(description=json.dumps(meta), features=features)
     # Arrow takes (N, 8) float32 as a fixed-size list column without a Python loop, and
     # the columns already have the schema's types, so no (row-by-row) cast is needed.

@@ -131,7 +131,7 @@ def test_labels_on_hand_made_records():
         _record(1.01, 3, action="pause", reason="priority"),
         _record(1.02, 3, action="save", reason="reclaim"),  # deferred save of a paused one
     ]
-    label, time_to = label_rows(request_ids, t_s, records, horizon_s=0.05)
+    label, time_to, _ = label_rows(request_ids, t_s, records, horizon_s=0.05)
     np.testing.assert_array_equal(label, [1, 1, 0, 0, 0, 0, 1])
     np.testing.assert_allclose(time_to[:3], [0.05, 0.03, math.inf])
     assert time_to[3] == math.inf  # the only later record kept it running
@@ -174,6 +174,8 @@ def test_collect_writes_a_dataset(tmp_path, capsys):
         "features",
         "label",
         "time_to_preemption_s",
+        "steps_to_preemption",
+        "num_tokens",
     }
     assert dataset.features["features"].length == 8
     assert dataset.features["features"].feature.dtype == "float32"
@@ -243,3 +245,60 @@ def test_scheduler_waiting_scores_track_the_queue(mode):
         slow = np.sort(priority_scores(scheduler.waiting_requests(), now, weights))
         np.testing.assert_allclose(fast, slow, rtol=0, atol=1e-9)
     assert steps > 10 and engine.scheduler.num_preemptions > 0
+
+
+def test_step_horizon_counts_engine_steps():
+    records = [PreemptionRecord(1.0, 7, "memory", "save", 10)]
+    ids = np.array([7, 7, 7, 7], dtype=np.int64)
+    t_s = np.array([0.2, 0.6, 0.9, 1.0])
+    step_ends = np.array([0.1, 0.2, 0.3, 0.6, 0.8, 0.9, 1.0, 1.5])
+    label, time_to, steps_to = label_rows(ids, t_s, records, 0.05, horizon_steps=2, step_ends=step_ends)
+    # 0.2 -> steps ending at 0.3, 0.6, 0.8, 0.9, 1.0 come first: the 6th schedule decides it
+    assert steps_to.tolist() == [6, 4, 2, 1]
+    assert label.tolist() == [0, 0, 1, 1]
+    time_only, _, _ = label_rows(ids, t_s, records, 0.05, horizon_steps=0, step_ends=step_ends)
+    assert time_only.tolist() == [0, 0, 0, 1]
+
+
+def test_scale_free_features_do_not_move_with_the_scale():
+    """Doubling every length, the pool and the queue's seats leaves the shares alone."""
+    from preempt.config import PreemptionConfig
+    from preempt.features import SCALE_FREE_NAMES, scale_free_features
+
+    def batch(scale):
+        running = []
+        for i in range(4):
+            r = make_request(i, 40 * scale, 8 * scale, sla_level=i % 2)
+            r.num_computed_tokens = 40 * scale
+            r.block_ids = list(range(i * 10 * scale, i * 10 * scale + 10 * scale))
+            running.append(r)
+        return running
+
+    prefs = PreemptionConfig(priority_weights={"age": 0.0, "sla": 0.8, "tokens": 0.0})
+    small = scale_free_features(batch(1), np.zeros(0), 0.0, 40, 100, 4, 8, prefs)
+    large = scale_free_features(batch(2), np.zeros(0), 0.0, 80, 200, 4, 16, prefs)
+    assert small.shape == (4, len(SCALE_FREE_NAMES))
+    np.testing.assert_allclose(small, large, rtol=1e-6)
+    assert small[0, SCALE_FREE_NAMES.index("pool_share")] == pytest.approx(0.1)
+    assert small[0, SCALE_FREE_NAMES.index("need_share")] == pytest.approx(2 / 40)
+
+
+def test_collect_scale_free_features_with_a_step_horizon(tmp_path, capsys):
+    import datasets
+
+    features_dir = tmp_path / "features"
+    args = ["collect", "--config", str(COLLECT_CONFIG), "--out", str(tmp_path / "run")]
+    args += ["--features", str(features_dir), "--duration", "40", "--no-progress"]
+    sets = ["--set", "features.feature_set=scale_free", "--set", "features.horizon_steps=3"]
+    assert main([*args, *sets]) == 0
+    capsys.readouterr()
+    dataset = datasets.load_from_disk(str(features_dir))
+    meta = json.loads(dataset.info.description)
+    assert meta["feature_set"] == "scale_free" and meta["horizon_steps"] == 3
+    assert meta["feature_names"][1] == "pool_share"
+    table = dataset.with_format("numpy")[:]
+    expected = (table["time_to_preemption_s"] <= 0.05 + 1e-9) | (
+        (table["steps_to_preemption"] >= 1) & (table["steps_to_preemption"] <= 3)
+    )
+    assert np.all(table["label"] == expected) and table["label"].sum() > 0
+    assert np.all(table["features"][:, 1] <= 1.0) and np.all(table["num_tokens"] > 0)

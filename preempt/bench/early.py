@@ -1,15 +1,17 @@
-"""`preempt bench early`: how much of the preemption stall early saves hide, and at what cost.
+"""`preempt bench early`: how much of the preemption stall early work hides, and at what cost.
 
 1. Virtual clock (`null` backend, the collect workload: azure-conv at 4x with a VIP mix
-   and a small KV pool, so both priority and memory preemptions happen): one replay per
-   early-save policy, each against `none` in the same run. Per policy: the save-side
-   stall (compute waiting for a victim's copy-out: what an early save can hide),
-   `stall_hidden` = 1 - stall(policy) / stall(none), early bytes claimed by preemptions
-   and wasted (the request finished, or the copy was evicted for a demand save), and
-   `waste_share` = wasted / early-saved bytes. `oracle` replays the `none` run's
-   preemptions; `lstm` runs only when `--model` names a predictor checkpoint.
-   Restores are never hidden by an early save (they need the host copy back); their
-   stall is reported next to it.
+   and a small KV pool, so both priority and memory preemptions happen), modes `swap`
+   (raw) and `swap_zstd` (and `swap_mixed` unless --quick). In the same run, one replay
+   per arm: `none` (no early work: the baseline), `prefetch` (restore prefetch only), and
+   each early-save policy with restore prefetch on: `rule`, `lookahead` (the oracle:
+   forks the engine and simulates ahead, an upper bound), `oracle_log` (the older oracle
+   that replays the `prefetch` arm's preemptions), `lstm` when `--model` names a
+   predictor checkpoint. Per arm: the save-side stall (compute waiting for a victim's
+   copy-out), the restore stall, their sum, `stall_hidden` = 1 - total(arm) /
+   total(none) and `save_stall_hidden` likewise for the save side only; early bytes
+   claimed by preemptions and wasted (the request finished, or the copy was evicted),
+   `waste_share` = wasted / early-saved bytes; prefetch hits, misses and bytes wasted.
 2. Wall clock (tiny model on CPU, swap_zstd): median engine step time while every
    running request is early-saved each step (write-through, the heaviest policy), against
    no early saves, in the same run.
@@ -31,31 +33,41 @@ _COLLECT = Path(__file__).resolve().parents[2] / "experiments" / "configs" / "co
 
 
 def bench_early(quick: bool, model: str | None = None) -> dict[str, Any]:
-    modes = ("swap",) if quick else ("swap", "swap_mixed", "swap_zstd")
+    modes = ("swap", "swap_zstd") if quick else ("swap", "swap_zstd", "swap_mixed")
     result: dict[str, Any] = {"virtual": {m: _virtual(m, quick, model) for m in modes}}
     result["wall"] = _wall(num_steps=5 if quick else 20)
     return result
 
 
-def _virtual(mode: str, quick: bool, model: str | None) -> dict[str, Any]:
+ARMS = ("none", "prefetch", "rule", "lookahead", "oracle_log")
+
+
+def _virtual(mode: str, quick: bool, model: str | None, horizon: list[str] | None = None) -> dict[str, Any]:
     duration = 60 if quick else 200
-    overrides = [f"workload.duration_s={duration}", f"preemption.mode={mode}"]
-    policies = ["none", "always", "rule", "oracle"] + (["lstm"] if model else [])
+    overrides = [f"workload.duration_s={duration}", f"preemption.mode={mode}", *(horizon or [])]
+    arms = list(ARMS) + (["lstm"] if model else [])
     out: dict[str, Any] = {"workload": f"{_COLLECT.name}, {duration} s of trace", "policies": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for policy in policies:
-            extra = [f"early_save.policy={policy}"]
-            if policy == "oracle":
-                extra.append(f"early_save.oracle_log={Path(tmp) / 'none' / 'preemptions.parquet'}")
-            if policy == "lstm":
+        for arm in arms:
+            extra = [] if arm == "none" else ["early_save.prefetch=true"]
+            policy = {"none": "none", "prefetch": "none", "oracle_log": "oracle"}.get(arm, arm)
+            extra.append(f"early_save.policy={policy}")
+            if arm == "oracle_log":
+                extra.append(f"early_save.oracle_log={Path(tmp) / 'prefetch' / 'preemptions.parquet'}")
+            if arm == "lstm":
                 extra.append(f"early_save.checkpoint={model}")
             config = load_config(_COLLECT, overrides + extra)
-            summary = replay(config, Path(tmp) / policy, progress=False)
-            out["policies"][policy] = _row(summary)
-    base = out["policies"]["none"]["stall_save_s"]
+            summary = replay(config, Path(tmp) / arm, progress=False)
+            out["policies"][arm] = _row(summary)
+    base = out["policies"]["none"]
     for row in out["policies"].values():
-        row["stall_hidden"] = round(1 - row["stall_save_s"] / base, 3) if base > 0 else None
+        row["stall_hidden"] = _hidden(row["stall_total_s"], base["stall_total_s"])
+        row["save_stall_hidden"] = _hidden(row["stall_save_s"], base["stall_save_s"])
     return out
+
+
+def _hidden(stall: float, base: float) -> float | None:
+    return round(1 - stall / base, 3) if base > 0 else None
 
 
 def _row(summary: dict[str, Any]) -> dict[str, Any]:
@@ -69,6 +81,11 @@ def _row(summary: dict[str, Any]) -> dict[str, Any]:
         "early_used_gb": round(summary.get("early_bytes_used", 0) / 1e9, 3),
         "early_wasted_gb": round(summary.get("early_bytes_wasted", 0) / 1e9, 3),
         "waste_share": round(summary["early_bytes_wasted"] / early, 3) if early else None,
+        "stall_total_s": round(summary["preemption_stall_s"], 4),
+        "prefetch_hits": summary.get("num_prefetch_hits"),
+        "prefetch_misses": summary.get("num_prefetch_misses"),
+        "prefetch_gb": round(summary.get("prefetch_bytes", 0) / 1e9, 3),
+        "prefetch_wasted_gb": round(summary.get("prefetch_bytes_wasted", 0) / 1e9, 3),
         "wall_time_s": round(summary["wall_time_s"], 2),
     }
 

@@ -210,3 +210,24 @@ def test_bench_predictor_quick_reports_the_step_ratio():
     ratio = result["predictor_step_us_median"] / result["null_engine_step_us_median"]
     assert result["predictor_fraction_of_step"] == pytest.approx(ratio, abs=1e-4)
     assert result["meets_target"] == (ratio <= result["target_fraction"])
+
+
+def test_a_checkpoint_for_another_horizon_or_feature_set_is_refused_online(trained, tmp_path):
+    from preempt.config import ConfigError, EarlySaveConfig
+    from preempt.early_save import make_policy
+
+    path = str(trained[0])
+    assert make_policy(EarlySaveConfig(policy="lstm", checkpoint=path)).feature_set == "v1"  # as trained
+    for wrong in ({"horizon_ms": 100.0}, {"horizon_steps": 4}, {"feature_set": "scale_free"}):
+        with pytest.raises(ConfigError, match="trained for horizon_ms=50, horizon_steps=0, feature_set=v1"):
+            make_policy(EarlySaveConfig(policy="lstm", checkpoint=path, **wrong))
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    checkpoint["hyper_parameters"].update(horizon_steps=4, feature_set="scale_free")
+    other = tmp_path / "scale_free.ckpt"
+    torch.save(checkpoint, other)
+    with pytest.raises(ConfigError, match="feature_set=scale_free, but the engine asks for .*feature_set=v1"):
+        make_policy(EarlySaveConfig(policy="lstm", checkpoint=str(other)))
+    policy = make_policy(
+        EarlySaveConfig(policy="lstm", checkpoint=str(other), horizon_steps=4, feature_set="scale_free")
+    )
+    assert policy.feature_set == "scale_free"
