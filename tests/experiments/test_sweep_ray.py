@@ -113,3 +113,15 @@ def test_derived_link_and_prompt_inputs_change_the_run(tmp_path):
     bad = _sweep_config(tmp_path, grid={"derive.link_gb_s": [0]})
     with pytest.raises(ValueError, match="derive.link_gb_s"):
         plan_ablation(bad, tmp_path / "bad")
+
+
+def test_regime_table_has_a_row_per_point_with_intervals(sweeps):
+    from experiments.regimes import regime_table
+    from experiments.tables import interval_cell
+
+    tmp, local, _ = sweeps
+    lines = regime_table(tmp / "local").splitlines()
+    assert "swap_raw stall share" in lines[0] and "swap_raw save ms p50" in lines[0]
+    assert [line.split(" | ")[0] for line in lines[2:]] == ["| 4.0", "| 8.0"]
+    point = next(p for p in local.points if p["run"] == "swap_raw@rate_scale=8.0")
+    assert lines[3].split(" | ")[1] == interval_cell(point, "stall_share")
