@@ -80,10 +80,18 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
         "swap mode; not V0's scheduler, hence no system name)",
     ),
     Arm(
-        "sglang_threshold",
+        "sglang_priority",
         "vllm_fcfs",
-        {"scheduler.policy": "sglang_threshold"},
-        "SGLang: preempt on priority only past a priority gap; retract = recompute (no HiCache)",
+        {"scheduler.policy": "sglang_priority"},
+        "SGLang 0.5.23 with priority scheduling: its own loop (prefill first, new-token-ratio "
+        "admission, retraction by fewest outputs), priority preemption past the threshold, "
+        "recompute, no radix cache (docs/sglang.md)",
+    ),
+    Arm(
+        "sglang_fcfs",
+        "sglang_priority",
+        {"scheduler.policy": "sglang_fcfs"},
+        "SGLang 0.5.23's default fcfs: no priority scheduling, no priority preemption",
     ),
     # -- the SPEC's design, one piece at a time
     Arm(

@@ -64,6 +64,25 @@ class CacheConfig(_Section):
     block vLLM keeps as its null block (so `num_blocks` here is vLLM's `num_gpu_blocks` - 1)."""
 
 
+class SglangConfig(_Section):
+    """The `sglang_*` policies' own knobs, named and defaulted as SGLang 0.5.23's server
+    arguments (python/sglang/srt/arg_groups/fields/schedule.py and environ.py)."""
+
+    chunked_prefill_size: int | None = Field(None, gt=0)
+    """Tokens of one prefill chunk. None: `scheduler.max_num_batched_tokens`, so every
+    policy gets the same step budget (SGLang's own default on an H100/H200 is 8192)."""
+    max_prefill_tokens: int | None = Field(None, gt=0)
+    """Tokens one prefill batch may hold. None: `scheduler.max_num_batched_tokens`
+    (SGLang's default is 16384)."""
+    schedule_conservativeness: float = Field(1.0, gt=0)
+    """Scales the initial new-token ratio (0.7 x this, capped at 1)."""
+    priority_preemption_threshold: int = Field(0, ge=0)
+    """`sglang_priority`: a waiting request preempts a running one only when its level
+    exceeds the victim's by MORE than this (SGLang's
+    --priority-scheduling-preemption-threshold, strict, default 10 on a priority scale of
+    the user's choosing; SLA levels here are 0-2, so 0: any higher level)."""
+
+
 class SchedulerConfig(_Section):
     max_num_seqs: int = Field(128, gt=0)
     """Most requests in one batch."""
@@ -77,6 +96,8 @@ class SchedulerConfig(_Section):
     allocated chunk by chunk. Mirrors vLLM 0.32's `scheduler_reserve_full_isl` (on by
     default there); off, only the first chunk must fit, as vLLM did before it, which admits
     long prompts that are preempted a few steps later."""
+    sglang: SglangConfig = SglangConfig()
+    """The `sglang_*` policies' scheduler (preempt.sglang_scheduler)."""
 
     @field_validator("policy")
     @classmethod
@@ -224,10 +245,6 @@ class PreemptionConfig(_Section):
     score_floor): 20% of the incumbent's magnitude, never less than 20% of the floor."""
     score_floor: float = Field(1.0, gt=0)
     """Keeps the margin meaningful when the incumbent's score is near zero."""
-    priority_gap: int = Field(1, ge=1)
-    """`sglang_threshold`: preempt only if the challenger's SLA level exceeds the victim's
-    by at least this (SGLang's --priority-scheduling-preemption-threshold, default 10 on
-    its own priority scale)."""
     mlfq: MlfqConfig = MlfqConfig()
     """`fastserve_mlfq`: the queues of FastServe's skip-join MLFQ."""
     max_preemption_per_min: int | None = Field(30, gt=0)

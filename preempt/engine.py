@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from preempt.block_pool import BlockPool, blocks_needed
+from preempt.block_pool import BlockPool
 from preempt.clock import make_clock
 from preempt.config import EngineConfig
 from preempt.cost_model import CostModel, StepShape, get_target
@@ -52,9 +52,13 @@ class Engine:
             self.saver = Saver(
                 config, getattr(self.runner, "kv_cache", None), self.cost_model, self.block_size
             )
-        self.scheduler = Scheduler(
+        policy = get_policy(config.scheduler.policy, config.preemption)
+        scheduler_cls = Scheduler
+        if policy.loop == "sglang":
+            from preempt.sglang_scheduler import SglangScheduler as scheduler_cls
+        self.scheduler = scheduler_cls(
             config.scheduler,
-            get_policy(config.scheduler.policy, config.preemption),
+            policy,
             self.block_pool,
             self.block_size,
             preemption=config.preemption,
@@ -89,12 +93,8 @@ class Engine:
                 f"prompt_too_long: prompt+max_tokens={max_len} > max_model_len="
                 f"{self.config.model.max_model_len}",
             )
-        elif blocks_needed(max_len, self.block_size) > self.block_pool.num_blocks:
-            self._abort(
-                request,
-                f"exceeds_kv_capacity: needs {blocks_needed(max_len, self.block_size)} "
-                f"blocks, pool has {self.block_pool.num_blocks}",
-            )
+        elif (reason := self.scheduler.never_fits(request)) is not None:
+            self._abort(request, f"exceeds_kv_capacity: {reason}")
         else:
             self.scheduler.add_request(request)
 

@@ -33,6 +33,7 @@ class SchedulingPolicy(ABC):
     """
 
     name: str
+    loop: str = "vllm"  # whose scheduling loop runs it: "vllm" (Scheduler) or "sglang"
     uses_time_slices: bool = False
     uses_failure_fallback: bool = False
 
@@ -86,21 +87,35 @@ class VllmPriorityPolicy(SchedulingPolicy):
         return max(running, key=lambda r: (-r.sla_level, r.arrival_s))
 
 
-class SglangThresholdPolicy(VllmPriorityPolicy):
-    """SGLang-like: priority order, and a waiting request preempts the lowest-priority
-    running one only when its level exceeds the victim's by `priority_gap`. No slices."""
+class SglangFcfsPolicy(SchedulingPolicy):
+    """SGLang 0.5.23, `--schedule-policy fcfs` without priority scheduling: its own loop
+    (`preempt.sglang_scheduler.SglangScheduler`: prefill batches first, decode otherwise,
+    new-token-ratio admission, retraction). The waiting queue keeps append order
+    (SchedulePolicy.calc_priority does not sort fcfs), retracted requests go to its tail;
+    the retraction victim is the request with the fewest output tokens, ties to the
+    longest prompt, then to the last in the batch (ScheduleBatch._get_decode_retraction_order
+    sorts by (len(output_ids), -len(origin_input_ids)) descending and pops the end)."""
 
-    name = "sglang_threshold"
+    name = "sglang_fcfs"
+    loop = "sglang"
+    priority_scheduling = False
 
-    def priority_victim(
-        self, challenger: Request, candidates: Sequence[Request], now: float
-    ) -> Request | None:
-        if not candidates:
-            return None
-        victim = max(candidates, key=self.admission_key)  # lowest level, latest arrival
-        if challenger.sla_level - victim.sla_level >= self.config.priority_gap:
-            return victim
-        return None
+    def admission_key(self, request: Request) -> tuple:
+        # Empty: the scheduler's insertion counter alone orders the heap, i.e. append order.
+        return (-request.sla_level,) if self.priority_scheduling else ()
+
+    def select_victim(self, running: Sequence[Request], now: float) -> Request:
+        return min(reversed(running), key=lambda r: (r.num_output_tokens, -r.num_prompt_tokens))
+
+
+class SglangPriorityPolicy(SglangFcfsPolicy):
+    """SGLang 0.5.23 with `--enable-priority-scheduling` (fcfs): the queue sorted by
+    (priority, entry time) with a larger value more important (our `sla_level`), and
+    priority preemption when the running batch is full (`PrefillAdder.preempt_to_schedule`,
+    threshold `scheduler.sglang.priority_preemption_threshold`)."""
+
+    name = "sglang_priority"
+    priority_scheduling = True
 
 
 class PriorityScorePolicy(SchedulingPolicy):
@@ -193,7 +208,8 @@ POLICIES: dict[str, type[SchedulingPolicy]] = {
     for policy in (
         VllmFcfsPolicy,
         VllmPriorityPolicy,
-        SglangThresholdPolicy,
+        SglangFcfsPolicy,
+        SglangPriorityPolicy,
         PriorityScorePolicy,
         FastServeMlfqPolicy,
     )

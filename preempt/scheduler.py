@@ -164,6 +164,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.running or self._waiting)
 
+    def never_fits(self, request: Request) -> str | None:
+        """Why `request` could never run in this pool even alone (None: it can): its prompt
+        plus `max_tokens` needs more blocks than the pool has."""
+        need = blocks_needed(request.num_prompt_tokens + request.max_tokens, self.block_size)
+        if need > self.block_pool.num_blocks:
+            return f"needs {need} blocks, pool has {self.block_pool.num_blocks}"
+        return None
+
     def add_request(self, request: Request) -> None:
         if request.state is not RequestState.PREEMPTED:
             request.state = RequestState.WAITING

@@ -337,7 +337,7 @@ def test_aborting_a_saved_request_frees_its_slot():
     ),
     limit=st.integers(1, 5),
     strategy=st.sampled_from(["static", "dynamic"]),
-    policy=st.sampled_from(["priority_score", "sglang_threshold"]),
+    policy=st.sampled_from(["priority_score", "fastserve_mlfq"]),
     mode=st.sampled_from(["recompute", "swap", "pause"]),
     gap_s=st.floats(0.0005, 0.05),
 )

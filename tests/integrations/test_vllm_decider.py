@@ -41,7 +41,7 @@ def views(n: int, seed: int) -> list[RequestView]:
     return out
 
 
-@pytest.mark.parametrize("policy", ["priority_score", "vllm_fcfs", "vllm_priority", "sglang_threshold"])
+@pytest.mark.parametrize("policy", ["priority_score", "vllm_fcfs", "vllm_priority", "sglang_priority"])
 def test_victim_order_is_select_victim_again_and_again(policy):
     decider = PreemptionDecider(PluginSettings(policy=policy))
     for seed in range(30):
