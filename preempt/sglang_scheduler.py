@@ -98,6 +98,10 @@ class SglangScheduler(Scheduler):
         self.min_ratio = min(self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
         self.ratio_decay = (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_ratio
+        # A chunk is cut to whole pages, so it must hold one (SGLang's are far larger).
+        budget = self.config.max_num_batched_tokens
+        self.chunked_prefill_size = max(self.sglang.chunked_prefill_size or budget, self.block_size)
+        self.max_prefill_tokens = max(self.sglang.max_prefill_tokens or budget, self.block_size)
         self.chunked: Request | None = None  # at most one request mid-chunk (SCH:4324-4327)
         self.batch_is_full = False
         self._entry: dict[Request, int] = {}  # wait_queue_entry_time, as a queueing count
@@ -173,8 +177,7 @@ class SglangScheduler(Scheduler):
             return None  # SCH:4098-4101
         budget = _PrefillBudget(self)
         budget.total_offset = sum(self._running_offset(r) for r in decoding)
-        rem_input = self.sglang.max_prefill_tokens or self.config.max_num_batched_tokens
-        rem_chunk = self.sglang.chunked_prefill_size or self.config.max_num_batched_tokens
+        rem_input, rem_chunk = self.max_prefill_tokens, self.chunked_prefill_size
         can_run: list[ScheduledChunk] = []
 
         if self.chunked is not None:  # SP:1140-1222, add_chunked_req

@@ -125,8 +125,9 @@ def test_invariants_under_random_load(lengths, num_blocks, max_num_seqs, budget,
             engine.saver.host_pool.check()
             num_saved = sum(r.kv_location == "host" for r in waiting)
             assert engine.saver.host_pool.num_used_slots == num_saved
-        # SGLang's decode step runs every running request, whatever the token budget.
-        limit = budget if scheduler.policy.loop == "vllm" else max(budget, max_num_seqs)
+        # SGLang's decode step runs every running request whatever the token budget, and its
+        # prefill chunks are whole pages (at least one).
+        limit = budget if scheduler.policy.loop == "vllm" else max(budget, max_num_seqs, engine.block_size)
         assert output.scheduled.num_batched_tokens <= limit
         assert len(output.scheduled.chunks) <= max_num_seqs and len(scheduler.running) <= max_num_seqs
         for r in output.finished:
