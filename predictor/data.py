@@ -51,6 +51,11 @@ class FeatureTable(NamedTuple):
     step: np.ndarray  # (N,) int64
     t_s: np.ndarray  # (N,) float64, engine clock
     meta: dict[str, Any]  # the dataset's info.description (feature names, config, ...)
+    num_tokens: np.ndarray | None = None  # (N,) int64 KV tokens computed; None in older datasets
+    source: np.ndarray | None = None  # (N,) int64: which dataset of a mix the row came from
+    kv_bytes_per_token: np.ndarray | None = None  # (N,) float64: its deployment's KV per token
+    copy_bytes_per_s: np.ndarray | None = None  # (N,) float64: its device-to-host copy rate
+    block_size: np.ndarray | None = None  # (N,) int64
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,60 @@ class SplitConfig:
 
 
 def load_table(path: str | Path) -> FeatureTable:
-    """Read a dataset written by `preempt collect` (or any with its schema)."""
+    """Read a dataset written by `preempt collect` (or any with its schema); "a,b,c"
+    reads a mix of datasets (requests stay apart: each source has its own groups). A mix
+    must share its feature set and horizon, and `meta` is the first one's, with
+    `sources` naming the traces."""
+    paths = [p for p in str(path).split(",") if p]
+    if len(paths) > 1:
+        return _concat([_load_one(p, index) for index, p in enumerate(paths)])
+    return _load_one(path, 0)
+
+
+_SAME_IN_A_MIX = ("feature_set", "horizon_ms", "horizon_steps", "every_k_steps")
+
+
+def _concat(tables: list[FeatureTable]) -> FeatureTable:
+    first = tables[0].meta
+    for table in tables[1:]:
+        for key in _SAME_IN_A_MIX:
+            if table.meta.get(key) != first.get(key):
+                raise DataError(
+                    f"datasets of a mix differ in {key}: {first.get(key)} vs {table.meta.get(key)}"
+                )
+    offsets = np.cumsum([0] + [int(t.group.max()) + 1 for t in tables[:-1]])
+    columns = {}
+    for name in FeatureTable._fields:
+        if name == "meta":
+            continue
+        values = [getattr(t, name) for t in tables]
+        if any(v is None for v in values):
+            columns[name] = None
+            continue
+        if name == "group":
+            values = [v + offset for v, offset in zip(values, offsets, strict=True)]
+        columns[name] = np.concatenate(values)
+    meta = dict(first, sources=[t.meta.get("trace") for t in tables])
+    return FeatureTable(meta=meta, **columns)
+
+
+def _deployment(meta: dict[str, Any]) -> tuple[float, float, int]:
+    """(KV bytes per token, copy bytes/s, block size) of the dataset's deployment."""
+    from preempt.cost_model import CostModel, get_target
+
+    config = meta.get("config") or {}
+    target = (config.get("clock") or {}).get("target", "h200-llama3-8b")
+    block_size = int((config.get("cache") or {}).get("block_size", 16))
+    try:
+        cost_model = CostModel(get_target(target))
+    except (KeyError, ValueError, OSError):
+        return 0.0, 0.0, block_size
+    nbytes = 1e9
+    rate = nbytes / max(cost_model.copy_time_s(nbytes) - cost_model.copy_time_s(0.0), 1e-12)
+    return float(cost_model.target.kv_bytes_per_token), rate, block_size
+
+
+def _load_one(path: str | Path, index: int) -> FeatureTable:
     import datasets  # late: ~1 s; the training CLI pays it anyway
 
     path = Path(path)
@@ -82,7 +140,18 @@ def load_table(path: str | Path) -> FeatureTable:
     request_id = table.column("request_id").to_numpy()
     seed = table.column("seed").to_numpy() if "seed" in table.column_names else np.zeros_like(request_id)
     _, group = np.unique(np.stack([seed, request_id], axis=1), axis=0, return_inverse=True)
+    meta = json.loads(dataset.info.description or "{}")
+    num_rows = len(request_id)
+    kv_bytes, rate, block_size = _deployment(meta)
+    num_tokens = (
+        table.column("num_tokens").to_numpy().astype(np.int64) if "num_tokens" in table.column_names else None
+    )
     return FeatureTable(
+        num_tokens=num_tokens,
+        source=np.full(num_rows, index, dtype=np.int64),
+        kv_bytes_per_token=np.full(num_rows, kv_bytes),
+        copy_bytes_per_s=np.full(num_rows, rate),
+        block_size=np.full(num_rows, block_size, dtype=np.int64),
         features=features,
         label=table.column("label").to_numpy().astype(np.int64),
         time_to_preemption_s=table.column("time_to_preemption_s").to_numpy().astype(np.float64),
@@ -90,7 +159,7 @@ def load_table(path: str | Path) -> FeatureTable:
         seed=seed.astype(np.int64),
         step=table.column("step").to_numpy().astype(np.int64),
         t_s=table.column("t_s").to_numpy().astype(np.float64),
-        meta=json.loads(dataset.info.description or "{}"),
+        meta=meta,
     )
 
 

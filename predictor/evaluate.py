@@ -139,22 +139,109 @@ def event_keys(table: FeatureTable) -> np.ndarray:
     return np.stack([table.group, event_us], axis=1)
 
 
+WASTE_WEIGHT = 1.0
+"""Expected value: a second of copy-link time spent on bytes that are never claimed costs
+as much as a second of stall avoided (the link and the host memory they took)."""
+
+
+def expected_value_curve(
+    table: FeatureTable,
+    rows: np.ndarray,
+    scores: np.ndarray,
+    waste_weight: float = WASTE_WEIGHT,
+    num_points: int = 40,
+) -> list[dict[str, float]]:
+    """The precision/recall curve with the expected value of each threshold, as the
+    engine's early saves would realise it (preempt.saver): a warned row copies the
+    request's full blocks not yet copied since its last preemption; those bytes are
+    claimed at its next preemption, where they avoid their copy time at the measured
+    copy rate (at most the lead time of the first warning: a copy must end in time), or
+    wasted if it finishes first. EV = stall avoided (s) - waste_weight * copy time of the
+    wasted bytes (s). Needs the dataset's `num_tokens` column (collects since issue 15)."""
+    if table.num_tokens is None:
+        raise ValueError("the dataset has no num_tokens column (collect it again) for the expected value")
+    labels = table.label[rows].astype(bool)
+    time_to = table.time_to_preemption_s[rows]
+    t_s = table.t_s[rows]
+    event_t = np.where(np.isfinite(time_to), t_s + time_to, np.inf)
+    block = table.block_size[rows]
+    full_bytes = (table.num_tokens[rows] // block * block) * table.kv_bytes_per_token[rows]
+    rate = table.copy_bytes_per_s[rows]
+    group = table.group[rows]
+    # Epochs: a request's rows up to its next preemption (or its end); early copies
+    # accumulate within one and are claimed (or wasted) at its end.
+    order = np.lexsort((t_s, event_t, group))
+    g, e = group[order], event_t[order]
+    starts = np.flatnonzero(np.r_[True, (g[1:] != g[:-1]) | (e[1:] != e[:-1])])
+    has_event = np.isfinite(e[starts])
+    epoch_rate = rate[order][starts]
+    num_pos = int(labels.sum())
+    # Positives are ~1% of rows: quantiles dense towards the top, where thresholds live.
+    quantiles = np.r_[np.linspace(0.0, 0.9, 10), 1.0 - np.geomspace(0.1, 1e-5, max(2, num_points - 10)), 1.0]
+    candidates = np.unique(np.quantile(scores, quantiles)) if len(scores) else []
+    curve = []
+    for threshold in candidates:
+        warned = scores[order] >= threshold
+        copied = np.maximum.reduceat(np.where(warned, full_bytes[order], 0.0), starts)
+        lead = np.maximum.reduceat(np.where(warned, time_to[order], -1.0), starts)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            copy_s = np.where(epoch_rate > 0, copied / epoch_rate, 0.0)
+        avoided = np.minimum(copy_s, np.maximum(lead, 0.0))[has_event].sum()
+        wasted_s = copy_s[~has_event].sum()
+        predicted = scores >= threshold
+        tp = int(np.sum(predicted & labels))
+        curve.append(
+            {
+                "threshold": float(threshold),
+                "precision": tp / int(predicted.sum()) if predicted.any() else math.nan,
+                "recall": tp / num_pos if num_pos else math.nan,
+                "stall_avoided_s": float(avoided),
+                "wasted_copy_s": float(wasted_s),
+                "wasted_gb": float(copied[~has_event].sum() / 1e9),
+                "copied_gb": float(copied.sum() / 1e9),
+                "expected_value_s": float(avoided - waste_weight * wasted_s),
+            }
+        )
+    return curve
+
+
+def best_expected_value_threshold(curve: list[dict[str, float]]) -> float:
+    """The curve's threshold of the largest expected value (inf: never warn, if none pays)."""
+    if not curve:
+        return math.inf
+    best = max(curve, key=lambda point: point["expected_value_s"])
+    return best["threshold"] if best["expected_value_s"] > 0 else math.inf
+
+
 def evaluate_scores(
     table: FeatureTable,
     val_rows: np.ndarray,
     eval_rows: np.ndarray,
     val_scores: np.ndarray,
     eval_scores: np.ndarray,
-) -> dict[str, float]:
-    """Threshold at max F1 on val, then every metric on the eval rows."""
-    threshold = best_f1_threshold(val_scores, table.label[val_rows])
-    return binary_metrics(
+    rule: str = "f1",
+) -> dict[str, Any]:
+    """Threshold on val (max F1, or `rule="expected_value"`: max expected value, the
+    val curve it picked from under `threshold_curve`), then every metric on the eval rows."""
+    curve = None
+    if rule == "expected_value":
+        curve = expected_value_curve(table, val_rows, val_scores)
+        threshold = best_expected_value_threshold(curve)
+    elif rule == "f1":
+        threshold = best_f1_threshold(val_scores, table.label[val_rows])
+    else:
+        raise ValueError(f"threshold rule must be 'f1' or 'expected_value', got '{rule}'")
+    out: dict[str, Any] = binary_metrics(
         eval_scores,
         table.label[eval_rows],
         table.time_to_preemption_s[eval_rows],
         threshold,
         event_keys(table)[eval_rows],
     )
+    out["threshold_rule"] = rule
+    if curve is not None:
+        out["threshold_curve"] = curve
+    return out
 
 
 def jsonable(value: Any) -> Any:

@@ -58,6 +58,9 @@ class TrainConfig:
     val_fraction: float = 0.15
     test_fraction: float = 0.15
     wandb: str | None = None
+    threshold_rule: str = "expected_value"
+    """How the operating threshold is chosen on val: `expected_value` (stall avoided vs
+    copy time wasted at the deployment's copy rate; predictor.evaluate) or `f1`."""
     """online | offline | disabled; None: online if WANDB_API_KEY is set, else offline."""
     wandb_project: str = "preempt-predictor"
     limit_train_batches: int | float | None = None
@@ -204,8 +207,12 @@ def train(data: str | Path, out_dir: str | Path, config: TrainConfig | None = No
     rows = datamodule.rows
     val_scores = best.predict_rows(datamodule.loader("val"), rows["val"])
     test_scores = best.predict_rows(datamodule.loader("test"), rows["test"])
-    test = evaluate_scores(table, rows["val"], rows["test"], val_scores, test_scores)
-    val = evaluate_scores(table, rows["val"], rows["val"], val_scores, val_scores)
+    rule = config.threshold_rule
+    if rule == "expected_value" and table.num_tokens is None:
+        rule = "f1"  # an older dataset without the bytes per row: F1 it is (metrics say so)
+    test = evaluate_scores(table, rows["val"], rows["test"], val_scores, test_scores, rule)
+    val = evaluate_scores(table, rows["val"], rows["val"], val_scores, val_scores, rule)
+    val.pop("threshold_curve", None)  # the same curve as test's (both chosen on val)
     _store_threshold(checkpoint_path, test["threshold"])
 
     metrics: dict[str, Any] = {

@@ -70,3 +70,41 @@ def test_binary_metrics_and_event_recall():
 def test_jsonable_writes_nan_and_inf_as_null():
     out = jsonable({"a": math.nan, "b": {"c": math.inf, "d": 1.5}, "e": 3})
     assert json.loads(json.dumps(out)) == {"a": None, "b": {"c": None, "d": 1.5}, "e": 3}
+
+
+def test_expected_value_threshold_weighs_stall_avoided_against_bytes_wasted():
+    from predictor.data import FeatureTable
+    from predictor.evaluate import best_expected_value_threshold, evaluate_scores, expected_value_curve
+
+    # Request 0 is preempted at t = 1.0 (rows at 0.90 and 0.95); request 1 never is.
+    n = 4
+    table = FeatureTable(
+        features=np.zeros((n, 8), np.float32),
+        label=np.array([1, 1, 0, 0]),
+        time_to_preemption_s=np.array([0.10, 0.05, np.inf, np.inf]),
+        group=np.array([0, 0, 1, 1]),
+        seed=np.zeros(n, np.int64),
+        step=np.array([1, 2, 1, 2]),
+        t_s=np.array([0.90, 0.95, 0.90, 0.95]),
+        meta={},
+        num_tokens=np.array([1000, 1000, 4000, 4000]),
+        source=np.zeros(n, np.int64),
+        kv_bytes_per_token=np.full(n, 1e6),
+        copy_bytes_per_s=np.full(n, 1e10),  # 1000 tokens: 0.1 s of copy
+        block_size=np.full(n, 16),
+    )
+    rows = np.arange(n)
+    scores = np.array([0.9, 0.8, 0.3, 0.2])
+    curve = expected_value_curve(table, rows, scores, num_points=20)
+    by_threshold = {round(p["threshold"], 6): p for p in curve}
+    high = by_threshold[round(float(np.quantile(scores, 1.0)), 6)]  # warns once, 0.1 s ahead
+    assert high["stall_avoided_s"] == pytest.approx(min(992e6 / 1e10, 0.10))
+    assert high["wasted_copy_s"] == 0.0 and high["precision"] == 1.0
+    low = min(curve, key=lambda p: p["threshold"])  # warns request 1 too: 4 GB in vain
+    assert low["wasted_gb"] == pytest.approx(4000 * 1e6 / 1e9) and low["expected_value_s"] < 0
+    threshold = best_expected_value_threshold(curve)
+    assert 0.3 < threshold <= 0.9
+    metrics = evaluate_scores(table, rows, rows, scores, scores, rule="expected_value")
+    assert metrics["threshold_curve"] == expected_value_curve(table, rows, scores)
+    assert 0.3 < metrics["threshold"] <= 0.9
+    assert metrics["precision"] == 1.0 and metrics["recall"] > 0
