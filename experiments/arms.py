@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from experiments.derive import DERIVED_PREFIX, apply_derived
 from preempt.config import ConfigError, EarlySaveConfig, EngineConfig, build_config, read_config_file
@@ -238,6 +238,11 @@ class AblationConfig(_Frozen):
     requests are of which SLA class, prompts, synthetic arrivals); tables, plots and
     verdicts then carry 95% intervals over seeds (experiments.stats). None: one run with
     the base's seed."""
+    replicate: dict[str, list[Any]] = Field(default_factory=dict)
+    """Dotted key -> one value per seed, set with it: what else differs between the
+    replicates, e.g. `workload.start_s: [0, 600, 1200, 1800, 2400]` replays a different
+    window of the real trace per seed (with trace arrivals the seed alone only redraws the
+    SLA classes and prompt tokens). Not part of the run key: it is the seed's."""
     predictor: str | None = None
     """predictor.ckpt for `lstm` early-save arms (`--predictor` overrides). Without one,
     those arms are skipped with a note; a path that does not exist is an error."""
@@ -252,6 +257,13 @@ class AblationConfig(_Frozen):
         if seeds is not None and len(set(seeds)) != len(seeds):
             raise ValueError("seeds must be distinct")
         return seeds
+
+    @model_validator(mode="after")
+    def _one_value_per_seed(self) -> AblationConfig:
+        for key, values in self.replicate.items():
+            if self.seeds is None or len(values) != len(self.seeds):
+                raise ValueError(f"replicate '{key}': needs one value per seed ({len(self.seeds or [])})")
+        return self
 
 
 # ---------------------------------------------------------------- resolution
@@ -449,6 +461,10 @@ def plan_ablation(
                 for key, value in point.items():
                     if not key.startswith(DERIVED_PREFIX):
                         set_dotted(data, key, value)
+                if "seed" in point:  # what else this replicate changes
+                    index = ablation.seeds.index(point["seed"])
+                    for key, values in ablation.replicate.items():
+                        set_dotted(data, key, values[index])
                 for assignment in final_overrides:
                     set_dotted(data, *parse_assignment(assignment))
                 for key, value in point.items():  # last: they derive from the settled config

@@ -125,3 +125,13 @@ def test_regime_table_has_a_row_per_point_with_intervals(sweeps):
     assert [line.split(" | ")[0] for line in lines[2:]] == ["| 4.0", "| 8.0"]
     point = next(p for p in local.points if p["run"] == "swap_raw@rate_scale=8.0")
     assert lines[3].split(" | ")[1] == interval_cell(point, "stall_share")
+
+
+def test_replicate_gives_each_seed_its_own_trace_window(tmp_path):
+    path = _sweep_config(tmp_path, replicate={"workload.start_s": [0, 600]})
+    plan = plan_ablation(path, tmp_path / "out")
+    starts = {run.key: run.config.workload.start_s for run in plan.runs}
+    assert starts["swap_raw@rate_scale=4.0,seed=0"] == 0 and starts["swap_raw@rate_scale=8.0,seed=1"] == 600
+    bad = _sweep_config(tmp_path, replicate={"workload.start_s": [0]})
+    with pytest.raises(ValueError, match="replicate 'workload.start_s': needs one value per seed"):
+        plan_ablation(bad, tmp_path / "bad")
