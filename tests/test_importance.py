@@ -277,3 +277,14 @@ def test_plan_for_budget_is_the_exact_knapsack_optimum():
         assert other.params() == plan.params()
     with pytest.raises(ValueError, match="no plan"):
         plan_for_budget(scores, sizes, 0.01, params=(16, 0, 0))
+
+
+def test_key_value_split_adds_up_and_refuses_drop():
+    from preempt.importance import key_value_split
+
+    model, windows = _tiny_lm(), _windows(num=2, length=40)
+    split = key_value_split(model, windows, 32, ("kivi2",), (8, 0, 0))["kivi2"]
+    assert split["keys"] > 0 and split["values"] > 0  # each half alone moves the output
+    assert split["both"] > max(split["keys"], split["values"])  # and together more than either
+    with pytest.raises(ValueError, match="drop"):
+        key_value_split(model, windows, 32, ("drop",), (8, 0, 0))
