@@ -195,11 +195,12 @@ def test_the_ablation_path_never_imports_lightning():
 def test_paper_grid_runs_every_arm_at_every_point_with_references_at_the_same_point(tmp_path):
     plan = plan_ablation("experiments/configs/paper.yaml", tmp_path, predictor=None)
     points = {tuple(sorted(run.grid_point.items())) for run in plan.runs}
-    assert len(points) == 6 and len(plan.runs) == 6 * len(STANDARD_ARMS)
-    oracle = plan.run("early_oracle@trace=azure-code,rate_scale=2.0")
-    assert oracle.reference == "swap_mixed@trace=azure-code,rate_scale=2.0"
+    assert len(points) == 6 * 5 and len(plan.runs) == 6 * 5 * len(STANDARD_ARMS)  # 5 seeds per point
+    oracle = plan.run("early_oracle@trace=azure-code,rate_scale=2.0,seed=3")
+    assert oracle.reference == "swap_mixed@trace=azure-code,rate_scale=2.0,seed=3"
     assert oracle.config.workload.trace == "azure-code" and oracle.config.workload.rate_scale == 2.0
-    assert plan.run("early_lstm@trace=azure-conv,rate_scale=1.0").skip_reason  # no predictor given
+    assert oracle.config.seed == 3
+    assert plan.run("early_lstm@trace=azure-conv,rate_scale=1.0,seed=0").skip_reason  # no predictor given
 
 
 def test_base_config_file_is_read_relative_to_the_ablation(tmp_path):
