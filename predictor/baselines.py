@@ -40,13 +40,17 @@ def rule_scores(table: FeatureTable) -> np.ndarray:
     """1 / (1 + rank by priority score among the slice-used requests of the row's step).
 
     `score_rank` orders all running requests by score, so it orders any subset too."""
-    score = _column(table, "score_rank")
+    names = table.meta.get("feature_names", list(FEATURE_NAMES))
+    # The scale-free set's rank_share is score_rank / (running - 1): the same order in a step.
+    score = _column(table, "score_rank" if "score_rank" in names else "rank_share")
     is_candidate = _column(table, "slice_usage") >= 1.0
     out = np.zeros(len(score), dtype=np.float64)
     rows = np.flatnonzero(is_candidate)
-    # Rank within each step (and run): sort by (step key, score), count from each key's start.
+    # Rank within each step (and run, and dataset of a mix): sort by (step key, score),
+    # count from each key's start.
+    source = table.source if table.source is not None else np.zeros_like(table.seed)
     _, step_key = np.unique(
-        np.stack([table.seed[rows], table.step[rows]], axis=1), axis=0, return_inverse=True
+        np.stack([source[rows], table.seed[rows], table.step[rows]], axis=1), axis=0, return_inverse=True
     )
     step_key = step_key.reshape(-1)
     order = np.lexsort((score[rows], step_key))

@@ -319,11 +319,25 @@ def evaluate_checkpoint(
     val_labels = fit.table.label[val_rows]
     keys = event_keys(table)[eval_rows]
 
-    def score(val_scores: np.ndarray, eval_scores: np.ndarray) -> dict[str, float]:
+    sources = table.source[eval_rows] if table.source is not None else np.zeros(len(eval_rows), np.int64)
+    names = table.meta.get("sources") or [table.meta.get("trace")]
+
+    def score(val_scores: np.ndarray, eval_scores: np.ndarray) -> dict[str, Any]:
         threshold = best_f1_threshold(val_scores, val_labels)
-        return binary_metrics(
-            eval_scores, table.label[eval_rows], table.time_to_preemption_s[eval_rows], threshold, keys
-        )
+        labels, time_to = table.label[eval_rows], table.time_to_preemption_s[eval_rows]
+        out: dict[str, Any] = binary_metrics(eval_scores, labels, time_to, threshold, keys)
+        if len(names) > 1:  # a mix: the same rows and threshold, reported per trace
+            out["per_source"] = {
+                str(name): binary_metrics(
+                    eval_scores[sources == i],
+                    labels[sources == i],
+                    time_to[sources == i],
+                    threshold,
+                    keys[sources == i],
+                )
+                for i, name in enumerate(names)
+            }
+        return out
 
     eval_loader = sequence_loader(SequenceBatches(table, eval_rows), fit.batch_size)
     results: dict[str, Any] = {

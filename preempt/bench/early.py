@@ -34,9 +34,23 @@ _COLLECT = Path(__file__).resolve().parents[2] / "experiments" / "configs" / "co
 
 def bench_early(quick: bool, model: str | None = None) -> dict[str, Any]:
     modes = ("swap", "swap_zstd") if quick else ("swap", "swap_zstd", "swap_mixed")
-    result: dict[str, Any] = {"virtual": {m: _virtual(m, quick, model) for m in modes}}
+    horizon = _horizon_of(model) if model else []
+    result: dict[str, Any] = {"virtual": {m: _virtual(m, quick, model, horizon) for m in modes}}
+    result["horizon"] = horizon
     result["wall"] = _wall(num_steps=5 if quick else 20)
     return result
+
+
+def _horizon_of(model: str) -> list[str]:
+    """The checkpoint's horizon and feature set, for every arm (the oracle looks as far)."""
+    from predictor.online import load_checkpoint
+
+    _, hparams = load_checkpoint(model)
+    return [
+        f"early_save.horizon_ms={float(hparams.get('horizon_ms', 50.0))}",
+        f"early_save.horizon_steps={int(hparams.get('horizon_steps', 0))}",
+        f"early_save.feature_set={hparams.get('feature_set', 'v1')}",
+    ]
 
 
 ARMS = ("none", "prefetch", "rule", "lookahead", "oracle_log")

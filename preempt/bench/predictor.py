@@ -6,8 +6,11 @@ engine step, then computes the running requests' features (preempt.features) and
 `OnlinePredictor.step` on them, with torch on one thread; all three are timed in the same
 iteration, so load from other processes hits the baseline and the predictor alike.
 Reported: medians over the iterations, the predictor's step as a fraction of the engine
-step (target <= 5%), the same with the feature computation included, the first step of
-256 new requests (slot allocation), and the step alone at other batch sizes.
+step (target <= 5%), the same with the feature computation included (both feature sets),
+the first step of 256 new requests (slot allocation), the step alone at other batch
+sizes, and the amortized cost when the model steps every k engine steps (a checkpoint
+trained on rows logged every k steps, `preempt collect --set features.every_k_steps=k`:
+the engine's `lstm` policy then computes features and steps once per k steps).
 
 The predictor has random weights: its cost does not depend on their values, and the
 benchmark must not need a trained checkpoint.
@@ -70,7 +73,7 @@ def bench_predictor(quick: bool = False) -> dict[str, Any]:
     try:
         engine = decoding_engine(num_running, num_waiting)
         predictor = random_predictor()
-        step_s, features_s, predictor_s = [], [], []
+        step_s, features_s, predictor_s, scale_free_s = [], [], [], []
         for index in range(num_steps + 20):
             started = time.perf_counter()
             engine.step()
@@ -80,10 +83,13 @@ def bench_predictor(quick: bool = False) -> dict[str, Any]:
             featured = time.perf_counter()
             probs = predictor.step(ids, features)
             done = time.perf_counter()
+            engine_features(engine, "scale_free")
+            scaled = time.perf_counter()
             if index >= 20:  # warm-up: allocation, caches, the allocator's first sizes
                 step_s.append(stepped - started)
                 features_s.append(featured - stepped)
                 predictor_s.append(done - featured)
+                scale_free_s.append(scaled - done)
         assert len(engine.scheduler.running) == num_running and len(probs) == num_running
         cold_s = []
         for _ in range(5 if quick else 20):
@@ -94,6 +100,7 @@ def bench_predictor(quick: bool = False) -> dict[str, Any]:
         step_us = _median_us(step_s)
         predictor_us = _median_us(predictor_s)
         features_us = _median_us(features_s)
+        scale_free_us = _median_us(scale_free_s)
         return {
             "bench": "predictor",
             "num_running": num_running,
@@ -105,6 +112,13 @@ def bench_predictor(quick: bool = False) -> dict[str, Any]:
             "features_us_median": features_us,
             "predictor_fraction_of_step": round(predictor_us / step_us, 4),
             "features_and_predictor_fraction_of_step": round((features_us + predictor_us) / step_us, 4),
+            "scale_free_features_us_median": scale_free_us,
+            "scale_free_features_and_predictor_fraction_of_step": round(
+                (scale_free_us + predictor_us) / step_us, 4
+            ),
+            "amortized_fraction_every_k_steps": {
+                str(k): round((scale_free_us + predictor_us) / k / step_us, 4) for k in (1, 4, 8, 16, 32)
+            },
             "target_fraction": TARGET_FRACTION,
             "meets_target": predictor_us / step_us <= TARGET_FRACTION,
             "predictor_first_step_256_new_us_median": _median_us(cold_s),
