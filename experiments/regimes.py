@@ -6,7 +6,7 @@ Owns: one table with a row per grid point of the sweep (target, prompt scale, co
 ...) and, per arm, the stall share (`preemption_stall_s / sim_time_s`: the share of the
 run the GPU waited on KV saves and restores) with its 95% interval, plus goodput of each
 arm against the recompute arm (`rate_limit`, the design without saving) and what early
-saves won back (`early_rule_raw` against `swap_raw`, paired by seed).
+saves won back (each `early_*` arm against its parent, paired by seed).
 
 Must never: hold a typed number (everything is read from the sweep's files).
 """
@@ -20,7 +20,7 @@ from typing import Any
 from experiments.stats import t_interval
 from experiments.tables import interval_cell, read_csv
 
-RECOMPUTE, RAW, EARLY = "rate_limit", "swap_raw", "early_rule_raw"
+RECOMPUTE, RAW = "rate_limit", "swap_raw"
 
 
 def _by_point(rows: list[dict[str, Any]], columns: list[str]) -> dict[tuple, dict[str, dict[str, Any]]]:
@@ -53,8 +53,12 @@ def regime_table(out_dir: Path) -> str:
     head += [f"{arm} save ms p50" for arm in saving if arm == RAW]
     if RECOMPUTE in arms and RAW in arms:
         head.append(f"goodput {RAW} - {RECOMPUTE} (req/s)")
-    if EARLY in arms and RAW in arms:
-        head.append(f"stall {EARLY} - {RAW} (s)")
+    early = {
+        row["arm"]: row["parent"].split("@", 1)[0]
+        for row in summary
+        if row["arm"].startswith("early_") and row["parent"].split("@", 1)[0] in arms
+    }
+    head += [f"stall {arm} - {parent} (s)" for arm, parent in early.items()]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
     for point, by_arm in _by_point(summary, columns).items():
         cells = [str(v) for v in point]
@@ -62,8 +66,8 @@ def regime_table(out_dir: Path) -> str:
         cells += [interval_cell(by_arm[RAW], "save_ms_p50") for arm in saving if arm == RAW]
         if RECOMPUTE in arms and RAW in arms:
             cells.append(_paired(runs, RAW, RECOMPUTE, point, columns, "goodput_req_s").format())
-        if EARLY in arms and RAW in arms:
-            cells.append(_paired(runs, EARLY, RAW, point, columns, "preemption_stall_s").format())
+        for arm, parent in early.items():
+            cells.append(_paired(runs, arm, parent, point, columns, "preemption_stall_s").format())
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
