@@ -217,6 +217,9 @@ def sweep_lines(
             hi = np.array([float(r.get(f"{metric}_hi", math.nan)) for r in rows])
             ax.plot(x, y, marker="o", markersize=3, label=arm, **style)
             ax.fill_between(x, lo, hi, color=style["color"], alpha=0.15, linewidth=0)
+        xs = [float(p[axis]) for p in points if axis in p]
+        if xs and min(xs) > 0 and max(xs) / min(xs) >= 8:  # load from 0.25x to 4x: even steps
+            ax.set_xscale("log", base=2)
         ax.set_xlabel(axis)
         ax.set_title(label, fontsize=9)
         ax.grid(alpha=0.3)

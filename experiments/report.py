@@ -432,6 +432,7 @@ CLAIMS: list[Claim] = [
         "goodput of `score` (margin 0.2) over margins 0 and 0.5, paired by seed: both intervals above -1% "
         "(held), one below (did not hold)",
         _threshold,
+        regime="wherever priority preemptions happen: the quick load, load.yaml from 1x",
     ),
     Claim(
         "priority",
@@ -439,6 +440,7 @@ CLAIMS: list[Claim] = [
         "Priority-score preemption protects the most important class",
         "top SLA level's TTFT p99, `score` - `vllm_priority` paired by seed: interval below 0",
         _vip,
+        regime="queues: load.yaml from 1x (verdict per load point with `--sweep runs/load`)",
     ),
     Claim(
         "dynamic_slices",
@@ -449,6 +451,7 @@ CLAIMS: list[Claim] = [
         "`time_share_static`/`_dynamic` (slices decide who runs), `swap_zstd_static`/`swap_zstd`, "
         "`score`/`slices_dynamic`",
         _dynamic_slices,
+        regime="time sharing (`time_share_static` vs `time_share_dynamic`): the slice decides who runs",
     ),
     Claim(
         "save_restore_ms",
@@ -458,6 +461,8 @@ CLAIMS: list[Claim] = [
         "target's KV over PCIe plus the calibrated codec throughput; wall-clock codec numbers: "
         "docs/benchmarks.md)",
         _save_restore_ms,
+        regime="raw saves of long contexts or over shared links (regimes.yaml); zstd saves never: "
+        "the codec sets their time",
     ),
     Claim(
         "mixed_bytes",
@@ -466,6 +471,7 @@ CLAIMS: list[Claim] = [
         "stored / raw bytes of a `swap_mixed` arm on real 16-bit KV, interval below 0.70x (the null "
         "backend's sizes follow the head plan by construction and are shown, not judged)",
         _mixed_bytes,
+        regime="16-bit KV: quick's bfloat16 tiny arms",
     ),
     Claim(
         "warmup",
@@ -474,6 +480,7 @@ CLAIMS: list[Claim] = [
         "share of requests whose greedy outputs under a `swap_mixed` arm with real tokens equal the "
         "lossless reference's: interval above 0.95",
         _warmup,
+        regime="quick's tiny arms (lossy restores in every seed)",
     ),
     Claim(
         "early_warning",
@@ -482,6 +489,8 @@ CLAIMS: list[Claim] = [
         "stall of `early_lstm` - its parent `swap_mixed`, paired by seed: interval below 0 (rule, always "
         "and oracle shown)",
         _early_warning,
+        regime="where stall is a real share of time: zstd saves, long contexts, shared links "
+        "(docs/regimes.md)",
     ),
     Claim(
         "rate_limit",
@@ -490,6 +499,7 @@ CLAIMS: list[Claim] = [
         "peak priority preemptions in any 60 s window of `rate_limit` at most its cap in every seed (a "
         "hard bound), where `slices_dynamic` (uncapped) exceeds it in some seed",
         _rate_limit,
+        regime="load.yaml from 2x, where uncapped priority preemptions pass 30 a minute",
     ),
     Claim(
         "zero_copy",
@@ -498,6 +508,7 @@ CLAIMS: list[Claim] = [
         "`pause` - `swap_raw` (same uncompressed path) KV bytes moved, paired by seed: interval below 0, "
         "and the stall difference's interval not above 0",
         _zero_copy,
+        regime="preempted requests that resume before their blocks are needed: quick, load.yaml",
     ),
     Claim(
         "zstd_critical_path",
@@ -506,6 +517,7 @@ CLAIMS: list[Claim] = [
         "costs more than it saves",
         "stall of `swap_zstd` - `swap_raw`, paired by seed: interval above 0",
         _zstd_critical_path,
+        regime="every regime with saves (regimes.yaml)",
     ),
     Claim(
         "zstd_ratio",
@@ -513,6 +525,7 @@ CLAIMS: list[Claim] = [
         "zstd level 3 compresses FP16 KV only ~1.09-1.18x",
         "raw / stored bytes of a `swap_zstd` arm on real 16-bit KV, interval inside [1.05, 1.25]",
         _zstd_ratio,
+        regime="16-bit KV: quick's bfloat16 tiny arms",
     ),
 ]
 
