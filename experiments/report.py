@@ -627,14 +627,21 @@ def render(sources: list[Source], out: Path, command: str) -> str:
         regime = claim.regime or "–"
         lines.append(f"| {claim.text} | {claim.source} | " + " | ".join(cells) + f" | {regime} |")
     lines += [""]
+    multi_point = {c for cols in by_source.values() if len(cols) > 1 for c in cols}
     for column in columns:
+        # A sweep's points list only the claims they measure (the glance table counts the rest).
+        shown = [
+            c for c in CLAIMS if column not in multi_point or verdicts[c.key][column].verdict != NOT_MEASURED
+        ]
+        if not shown:
+            continue
         lines += [
             f"## Claims: {column}",
             "",
             "| claim | how measured | measured | verdict |",
             "| --- | --- | --- | --- |",
         ]
-        for claim in CLAIMS:
+        for claim in shown:
             finding = verdicts[claim.key][column]
             measured = finding.measured.replace("|", "\\|")
             lines.append(
