@@ -13,11 +13,14 @@ from preempt.features import FEATURE_NAMES, save_dataset
 COL = {name: i for i, name in enumerate(FEATURE_NAMES)}
 
 
-def synthetic_dataset(path: Path, num_requests: int = 120, seed: int = 0, running: int = 6) -> Path:
+def synthetic_dataset(
+    path: Path, num_requests: int = 120, seed: int = 0, running: int = 6, with_tokens: bool = False
+) -> Path:
     """Requests run in overlapping groups of `running`; at each step the lowest-ranked one
     is preempted within the horizon when the KV pool is nearly full (plus 2% label noise).
     Every row is a plausible feature vector; labels follow the features of the row's step
-    and the one before (free KV falling), so both the LSTM and the baselines can learn."""
+    and the one before (free KV falling), so both the LSTM and the baselines can learn.
+    `with_tokens`: also the `num_tokens` column (from seq_ktokens), for the expected value."""
     rng = np.random.default_rng(seed)
     rows: dict[str, list] = {k: [] for k in ("request_id", "step", "t_s", "features", "label", "ttp")}
     step = 0
@@ -53,5 +56,7 @@ def synthetic_dataset(path: Path, num_requests: int = 120, seed: int = 0, runnin
         "label": np.asarray(rows["label"], np.int64),
         "time_to_preemption_s": np.asarray(rows["ttp"], np.float64),
     }
+    if with_tokens:
+        columns["num_tokens"] = (columns["features"][:, COL["seq_ktokens"]] * 1000).astype(np.int64)
     save_dataset(columns, {"seed": seed, "horizon_ms": 50.0, "trace": "synthetic"}, path)
     return path

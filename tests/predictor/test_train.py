@@ -4,6 +4,7 @@ fixture trains once; the other tests reuse its checkpoint)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -173,3 +174,28 @@ def test_two_process_ddp_training_writes_one_checkpoint(data_path, tmp_path):
     assert (out / "predictor.ckpt").is_file() and json.loads((out / "metrics.json").read_text())[
         "split"
     ] == "test"
+
+
+def test_threshold_by_expected_value_on_a_mix(tmp_path):
+    """Two datasets trained as one mix: the operating threshold comes from the expected
+    value on val, the curve it was picked from is in metrics.json and the checkpoint holds
+    that threshold; evaluating the mix reports each source at the same threshold."""
+    from predictor.online import load_checkpoint
+
+    first = synthetic_dataset(tmp_path / "a", num_requests=60, seed=1, with_tokens=True)
+    second = synthetic_dataset(tmp_path / "b", num_requests=60, seed=1, with_tokens=True)
+    mix = f"{first},{second}"
+    config = TrainConfig(max_epochs=1, batch_size=256, seq_len=4, wandb="disabled", progress=False)
+    metrics = train(mix, tmp_path / "out", config)
+    assert metrics["threshold_rule"] == "expected_value"
+    curve = metrics["threshold_curve"]
+    assert len(curve) > 5 and {"precision", "recall", "expected_value_s", "wasted_gb"} <= set(curve[0])
+    best = max(curve, key=lambda point: point["expected_value_s"])
+    expected = best["threshold"] if best["expected_value_s"] > 0 else None  # inf is written as null
+    assert metrics["threshold"] == expected
+    _, hparams = load_checkpoint(tmp_path / "out" / "predictor.ckpt")
+    assert hparams["threshold"] == (expected if expected is not None else math.inf)
+    # the same seed in both: requests must still stay apart (one group per source)
+    assert metrics["num_train_rows"] + metrics["num_val_rows"] + metrics["num_test_rows"] == 2 * len(
+        load_table(first).label
+    )
