@@ -119,7 +119,7 @@ def _git_rev() -> str:
 def _validate_workloads(plan: AblationPlan) -> None:
     """Bad traces and empty slices fail here, before any arm runs (one build per distinct
     workload: lengths, prompts and arrivals only, no model)."""
-    from preempt.workload import build_workload
+    from preempt.core.workload import build_workload
 
     seen = set()
     for run in plan.runs:

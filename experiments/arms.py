@@ -29,7 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from experiments.derive import DERIVED_PREFIX, apply_derived
-from preempt.config import ConfigError, EarlySaveConfig, EngineConfig, build_config, read_config_file
+from preempt.core.config import ConfigError, EarlySaveConfig, EngineConfig, build_config, read_config_file
 
 # ---------------------------------------------------------------- the registry
 
@@ -305,7 +305,7 @@ def _format_pydantic(err: ValidationError) -> str:
 
 
 def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
-    """`preempt.config.apply_override` for a value that is already typed."""
+    """`preempt.core.config.apply_override` for a value that is already typed."""
     parts = key.strip().split(".")
     if not all(parts):
         raise ConfigError(f"empty key in '{key}'")

@@ -5,7 +5,7 @@ the point's engine config then names (the engine has no knob for either):
 
 - `derive.link_gb_s: X`: the point's `clock.target` with its host<->device copy link at X
   GB/s one way (both ways scaled by the same factor), written as a full target profile
-  (`preempt/cost_model.py` format). PCIe Gen5 x16 is the built-in 50 GB/s; Gen4 x16 ~25;
+  (`preempt/core/cost_model.py` format). PCIe Gen5 x16 is the built-in 50 GB/s; Gen4 x16 ~25;
   a link shared by N GPUs (or by N tenants' copies) ~50/N.
 - `derive.prompt_scale: X`: the point's `workload.trace` with every prompt X times longer
   (rounded, at least 1 token), arrivals and output lengths unchanged, as a Mooncake-format
@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from preempt.config import ConfigError
+from preempt.core.config import ConfigError
 
 DERIVED_PREFIX = "derive."
 DERIVED_KEYS = ("derive.link_gb_s", "derive.prompt_scale")
@@ -48,7 +48,7 @@ def _tag(x: float) -> str:
 
 def link_target(target: str, gb_s: float, inputs: Path) -> str:
     """A profile file: `target` with its copy link at `gb_s` GB/s one way."""
-    from preempt.cost_model import get_target
+    from preempt.core.cost_model import get_target
 
     base = get_target(target)
     device = base.device.to_dict()
@@ -74,7 +74,7 @@ def link_target(target: str, gb_s: float, inputs: Path) -> str:
 
 def scaled_trace(trace: str, scale: float, inputs: Path) -> str:
     """A JSONL trace: `trace` with prompts `scale` times longer."""
-    from preempt.workload import load_trace, resolve_trace
+    from preempt.core.workload import load_trace, resolve_trace
 
     rows = load_trace(trace)
     lines = [

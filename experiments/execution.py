@@ -44,7 +44,7 @@ def run_arm(key: str, config_json: dict[str, Any], run_dir: str) -> dict[str, An
     """Replay one run into `run_dir` and return {"status", "metrics" | "error"}. Errors
     come back as values so one broken run cannot lose the rest."""
     from experiments.measure import run_metrics
-    from preempt.config import build_config
+    from preempt.core.config import build_config
     from preempt.replay import replay
 
     try:

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from preempt.config import ConfigError
+from preempt.core.config import ConfigError
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

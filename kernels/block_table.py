@@ -1,9 +1,9 @@
 """The SPEC's `update_block_table` kernel (§4, zero-copy context switch), on the device.
 
 Owns: `_update_block_table_kernel` and its wrappers: `update_block_table` (one request's
-row, the SPEC's kernel; same contract as preempt/block_table.py) and
+row, the SPEC's kernel; same contract as preempt/core/block_table.py) and
 `update_block_table_rows` (several rows in one launch, for a step that switches many
-requests). `update_block_table_ref` is preempt/block_table.py's reference itself. It
+requests). `update_block_table_ref` is preempt/core/block_table.py's reference itself. It
 moves no KV data and decides nothing about which blocks a request owns.
 
 Contract (from the reference): `block_table[row, :n] = block_ids`; the rest of the row is
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels import dispatch
-from preempt.block_table import update_block_table as update_block_table_ref
+from preempt.core.block_table import update_block_table as update_block_table_ref
 
 __all__ = ["update_block_table", "update_block_table_ref", "update_block_table_rows"]
 

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from preempt.config import ConfigError, EngineConfig, load_config
-from preempt.workload import TraceError
+from preempt.core.config import ConfigError, EngineConfig, load_config
+from preempt.core.workload import TraceError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -357,7 +357,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from preempt.calibrate import command
-    from preempt.cost_model import ProfileError
+    from preempt.core.cost_model import ProfileError
 
     try:
         if args.source == "vidur":

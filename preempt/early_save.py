@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from preempt.config import ConfigError, EarlySaveConfig
+from preempt.core.config import ConfigError, EarlySaveConfig
+from preempt.core.request import Request
 from preempt.features import FEATURE_NAMES, engine_features
-from preempt.request import Request
 
 if TYPE_CHECKING:
     from preempt.engine import Engine, StepOutput

@@ -15,12 +15,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from preempt.block_pool import BlockPool
-from preempt.clock import make_clock
-from preempt.config import EngineConfig
-from preempt.cost_model import CostModel, StepShape, get_target
+from preempt.core.block_pool import BlockPool
+from preempt.core.clock import make_clock
+from preempt.core.config import EngineConfig
+from preempt.core.cost_model import CostModel, StepShape, get_target
+from preempt.core.request import Request, RequestState
 from preempt.policies import get_policy
-from preempt.request import Request, RequestState
 from preempt.scheduler import Scheduler, SchedulerOutput
 
 

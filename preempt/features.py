@@ -46,9 +46,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from preempt.config import PreemptionConfig
+from preempt.core.config import PreemptionConfig
+from preempt.core.request import Request
 from preempt.priority import priority_scores, remaining_ktokens, time_slice_s
-from preempt.request import Request
 
 if TYPE_CHECKING:
     from datasets import Dataset

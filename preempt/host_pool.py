@@ -26,7 +26,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from preempt.sizes import format_size, parse_size
+from preempt.core.sizes import format_size, parse_size
 
 OOMReason = Literal["pool_full", "slot_too_small"]
 Blob = bytes | bytearray | memoryview | np.ndarray | torch.Tensor

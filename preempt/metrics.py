@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
+    from preempt.core.request import Request
     from preempt.engine import Engine, StepOutput
-    from preempt.request import Request
     from preempt.scheduler import PreemptionRecord
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -21,8 +21,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from preempt.config import EngineConfig
-from preempt.request import Request, ScheduledChunk
+from preempt.core.config import EngineConfig
+from preempt.core.request import Request, ScheduledChunk
 from preempt.sampling import Sample, SamplingParams, logprobs_of, process_logits, sample_token, token_seed
 
 __all__ = ["ModelRunner", "NullModelRunner", "TinyModelRunner", "sample_token", "token_seed"]

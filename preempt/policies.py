@@ -12,9 +12,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from preempt.config import PreemptionConfig
+from preempt.core.config import PreemptionConfig
+from preempt.core.request import Request
 from preempt.priority import beats, priority_score
-from preempt.request import Request
 
 
 class SchedulingPolicy(ABC):

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from preempt.block_pool import blocks_needed
-from preempt.config import EarlySaveConfig
+from preempt.core.block_pool import blocks_needed
+from preempt.core.config import EarlySaveConfig
 
 if TYPE_CHECKING:
     from preempt.engine import Engine, StepOutput

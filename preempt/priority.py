@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from preempt.config import PreemptionConfig, PriorityWeights
-from preempt.request import Request
+from preempt.core.config import PreemptionConfig, PriorityWeights
+from preempt.core.request import Request
 
 
 def remaining_ktokens(request: Request) -> float:

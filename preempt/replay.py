@@ -13,10 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from preempt.config import EngineConfig
+from preempt.core.config import EngineConfig
+from preempt.core.workload import build_workload
 from preempt.engine import Engine, StepOutput
 from preempt.results import summarize, write_preemptions_parquet, write_requests_parquet, write_summary
-from preempt.workload import build_workload
 
 
 def replay(

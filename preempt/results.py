@@ -27,8 +27,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from preempt.config import SLOConfig
-from preempt.request import Request, RequestState
+from preempt.core.config import SLOConfig
+from preempt.core.request import Request, RequestState
 from preempt.scheduler import PreemptionRecord
 
 

@@ -9,7 +9,7 @@ matches them (`StopStringMatcher`); stop *token ids* end a request inside the en
 
 It must never look at other requests or at the engine: a token is a pure function of
 (logits, params, the request's own tokens, a seed), so batching never changes it. The
-params are plain Python (no torch) so `preempt.request` can hold them without torch;
+params are plain Python (no torch) so `preempt.core.request` can hold them without torch;
 only the functions that take logits import torch.
 """
 

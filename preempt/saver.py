@@ -38,13 +38,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from preempt.block_pool import blocks_needed
 from preempt.codec import CorruptBlobError, MixedCodec, make_codec
-from preempt.config import ConfigError, EngineConfig, PreemptionConfig
-from preempt.cost_model import CostModel
+from preempt.core.block_pool import blocks_needed
+from preempt.core.config import ConfigError, EngineConfig, PreemptionConfig
+from preempt.core.cost_model import CostModel
+from preempt.core.request import Request
 from preempt.host_pool import HostPool, PreemptionHandlerOOM, SlotHandle
 from preempt.kv_cache import KVCache
-from preempt.request import Request
 from preempt.scheduler import MODE_CODEC, KVMover, PreemptionRecord
 
 

@@ -46,12 +46,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from preempt.block_pool import BlockPool, blocks_needed
-from preempt.config import PreemptionConfig, SchedulerConfig
-from preempt.limits import RATE_WINDOW_S, AdmissionBackoff, RateWindow
+from preempt.core.block_pool import BlockPool, blocks_needed
+from preempt.core.config import PreemptionConfig, SchedulerConfig
+from preempt.core.limits import RATE_WINDOW_S, AdmissionBackoff, RateWindow
+from preempt.core.request import Request, RequestState, ScheduledChunk
 from preempt.policies import SchedulingPolicy
 from preempt.priority import remaining_ktokens, time_slice_s
-from preempt.request import Request, RequestState, ScheduledChunk
 
 MODE_CODEC = {"swap": "raw", "swap_zstd": "zstd", "swap_mixed": "mixed"}
 

@@ -42,8 +42,8 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from preempt.block_pool import blocks_needed
-from preempt.request import Request, RequestState, ScheduledChunk
+from preempt.core.block_pool import blocks_needed
+from preempt.core.request import Request, RequestState, ScheduledChunk
 from preempt.scheduler import Scheduler, SchedulerOutput
 
 CLIP_MAX_NEW_TOKENS = 4096  # ENV:650, SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from preempt.config import EngineConfig, build_config
-from preempt.request import Request
+from preempt.core.config import EngineConfig, build_config
+from preempt.core.request import Request
 
 
 def make_request(

@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from preempt.block_pool import BlockPool, BlockPoolError, blocks_needed
+from preempt.core.block_pool import BlockPool, BlockPoolError, blocks_needed
 
 
 def test_blocks_needed_is_ceil_division():

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from preempt.block_table import update_block_table
+from preempt.core.block_table import update_block_table
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,8 @@ import pytest
 
 from preempt.calibrate import fit, vidur
 from preempt.cli import main
-from preempt.config import ConfigError, load_config
-from preempt.cost_model import (
+from preempt.core.config import ConfigError, load_config
+from preempt.core.cost_model import (
     MODELS,
     CostModel,
     ProfileError,

@@ -3,7 +3,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from preempt.config import ConfigError, EngineConfig, load_config
+from preempt.core.config import ConfigError, EngineConfig, load_config
 
 
 def test_defaults_are_valid_and_frozen():

@@ -1,7 +1,7 @@
 import pytest
 
-from preempt.clock import VirtualClock, WallClock
-from preempt.cost_model import TARGETS, CostModel, StepShape, get_target, smooth_max
+from preempt.core.clock import VirtualClock, WallClock
+from preempt.core.cost_model import TARGETS, CostModel, StepShape, get_target, smooth_max
 
 
 def test_llama3_8b_kv_bytes_and_capacity():

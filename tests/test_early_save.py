@@ -10,11 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from preempt.config import ConfigError, EarlySaveConfig
+from preempt.core.config import ConfigError, EarlySaveConfig
+from preempt.core.request import RequestState
 from preempt.early_save import OraclePolicy, RulePolicy, load_preemption_times
 from preempt.engine import Engine
 from preempt.features import FEATURE_NAMES
-from preempt.request import RequestState
 from preempt.scheduler import PreemptionRecord
 from tests.conftest import make_request, small_config
 from tests.test_preemption import AGGRESSIVE, _digests, _run, _workload

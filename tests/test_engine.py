@@ -6,9 +6,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from preempt.core.request import RequestState
 from preempt.engine import Engine, StepOutput
 from preempt.model.tiny import generate_naive
-from preempt.request import RequestState
 from tests.conftest import make_request, small_config
 
 

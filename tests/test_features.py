@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from preempt.cli import main
-from preempt.config import PreemptionConfig, build_config
+from preempt.core.config import PreemptionConfig, build_config
 from preempt.engine import Engine
 from preempt.features import (
     FEATURE_DOCS,
@@ -201,7 +201,7 @@ def test_collect_rejects_bad_feature_keys(tmp_path, capsys):
 
 def test_vectorised_priority_scores_equal_the_scalar_score():
 
-    from preempt.config import PriorityWeights
+    from preempt.core.config import PriorityWeights
     from preempt.priority import priority_score, priority_scores
     from tests.conftest import make_request
 
@@ -262,7 +262,7 @@ def test_step_horizon_counts_engine_steps():
 
 def test_scale_free_features_do_not_move_with_the_scale():
     """Doubling every length, the pool and the queue's seats leaves the shares alone."""
-    from preempt.config import PreemptionConfig
+    from preempt.core.config import PreemptionConfig
     from preempt.features import SCALE_FREE_NAMES, scale_free_features
 
     def batch(scale):

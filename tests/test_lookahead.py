@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from preempt.config import ConfigError
+from preempt.core.config import ConfigError
+from preempt.core.request import RequestState
 from preempt.engine import Engine
 from preempt.features import preemption_events
 from preempt.lookahead import Lookahead, fork_engine
-from preempt.request import RequestState
 from tests.conftest import small_config
 from tests.test_preemption import AGGRESSIVE, _digests, _workload
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kernels.plan import HeadClass, HeadPlan
-from preempt.request import RequestState
+from preempt.core.request import RequestState
 from tests.test_preemption import _digests, _run
 
 # small_config's model: 2 layers x 2 KV heads. Groups of 8 tokens, 2 sink and 4 recent

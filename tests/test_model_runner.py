@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from preempt.config import EngineConfig, build_config
+from preempt.core.config import EngineConfig, build_config
+from preempt.core.request import Request, ScheduledChunk
 from preempt.kv_cache import KVCache
 from preempt.model.tiny import generate_naive
 from preempt.model_runner import (
@@ -22,7 +23,6 @@ from preempt.model_runner import (
     sample_token,
     token_seed,
 )
-from preempt.request import Request, ScheduledChunk
 
 
 def config(backend: str = "tiny", dtype: str = "float64", seed: int = 0) -> EngineConfig:
@@ -176,7 +176,7 @@ def test_null_runner_is_deterministic() -> None:
 def test_null_backend_does_not_import_torch() -> None:
     code = (
         "import sys\n"
-        "from preempt.config import build_config\n"
+        "from preempt.core.config import build_config\n"
         "from preempt.model_runner import create_model_runner\n"
         "create_model_runner(build_config({'model': {'backend': 'null'}}), 8, 4)\n"
         "assert 'torch' not in sys.modules\n"

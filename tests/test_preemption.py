@@ -8,9 +8,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from preempt.core.request import RequestState
 from preempt.engine import Engine, StepOutput
 from preempt.priority import time_slice_s
-from preempt.request import RequestState
 from preempt.results import output_digest
 from preempt.scheduler import RATE_WINDOW_S
 from tests.conftest import make_request, small_config
@@ -374,7 +374,7 @@ def test_rate_limit_and_time_slices_hold(lengths, limit, strategy, policy, mode,
 
 
 def test_dynamic_slices_follow_length_classes():
-    from preempt.config import PreemptionConfig
+    from preempt.core.config import PreemptionConfig
 
     config = PreemptionConfig(min_time_slice_ms=15)
     short, medium, long = make_request(0, 50, 1), make_request(1, 300, 1), make_request(2, 600, 1)

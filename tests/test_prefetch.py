@@ -7,9 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from preempt.config import ConfigError
+from preempt.core.config import ConfigError
+from preempt.core.request import RequestState
 from preempt.engine import Engine
-from preempt.request import RequestState
 from tests.conftest import small_config
 from tests.test_preemption import AGGRESSIVE, _digests, _run, _workload
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from preempt.block_pool import BlockPool
-from preempt.config import SchedulerConfig
+from preempt.core.block_pool import BlockPool
+from preempt.core.config import SchedulerConfig
+from preempt.core.request import RequestState
 from preempt.policies import get_policy
-from preempt.request import RequestState
 from preempt.scheduler import Scheduler
 from tests.conftest import make_request
 
@@ -165,7 +165,7 @@ def test_baselines_have_no_failure_fallback_but_the_spec_design_does():
     # Eight requests that each need the whole pool by their end: they preempt each other
     # again and again. vLLM just keeps preempting; the SPEC design marks a request
     # PREEMPTION_FAILED after 3 preemptions (a victim of last resort from then on).
-    from preempt.config import PreemptionConfig
+    from preempt.core.config import PreemptionConfig
 
     for policy, protected in (("vllm_fcfs", False), ("priority_score", True)):
         config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from preempt.block_pool import BlockPool
-from preempt.config import PreemptionConfig, SchedulerConfig
+from preempt.core.block_pool import BlockPool
+from preempt.core.config import PreemptionConfig, SchedulerConfig
 from preempt.policies import get_policy
 from preempt.sglang_scheduler import CLIP_MAX_NEW_TOKENS, SglangScheduler
 from tests.conftest import make_request

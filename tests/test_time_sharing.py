@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from preempt.config import build_config
+from preempt.core.config import build_config
+from preempt.core.request import RequestState
 from preempt.engine import Engine
 from preempt.policies import get_policy
-from preempt.request import RequestState
 from tests.conftest import make_request
 
 

@@ -1,4 +1,4 @@
-"""Tests for preempt.workload: trace loaders, malformed input, and workload building."""
+"""Tests for preempt.core.workload: trace loaders, malformed input, and workload building."""
 
 from __future__ import annotations
 
@@ -9,8 +9,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from preempt.config import WorkloadConfig
-from preempt.workload import BUNDLED_TRACES, TraceError, TraceRow, build_workload, load_trace, resolve_trace
+from preempt.core.config import WorkloadConfig
+from preempt.core.workload import (
+    BUNDLED_TRACES,
+    TraceError,
+    TraceRow,
+    build_workload,
+    load_trace,
+    resolve_trace,
+)
 
 # ---------------------------------------------------------------- bundled traces
 

@@ -18,7 +18,14 @@ from typing import Any
 
 from preempt.calibrate import vidur
 from preempt.calibrate.fit import FIT_SETS, LINEAR_OPS, derive_device
-from preempt.cost_model import ELEMENTWISE_OPS, MODELS, CostModel, DeviceProfile, TargetProfile, load_device
+from preempt.core.cost_model import (
+    ELEMENTWISE_OPS,
+    MODELS,
+    CostModel,
+    DeviceProfile,
+    TargetProfile,
+    load_device,
+)
 
 DECODE_MAX_TOKENS = 128
 PREFILL_MIN_TOKENS = 512

@@ -42,9 +42,9 @@ from kernels.quantize_heads import quantize_heads
 from kernels.restore_blocks import restore_blocks
 from preempt.bench.save import _median_s
 from preempt.codec import MixedCodec
-from preempt.config import build_config
+from preempt.core.config import build_config
+from preempt.core.request import Request, ScheduledChunk
 from preempt.model_runner import TinyModelRunner
-from preempt.request import Request, ScheduledChunk
 
 MB = 1e6
 BLOCK_SIZE = 16

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from preempt.config import build_config, load_config
+from preempt.core.config import build_config, load_config
 from preempt.engine import Engine
 from preempt.replay import replay
 

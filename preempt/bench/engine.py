@@ -8,13 +8,13 @@ from typing import Any
 
 import numpy as np
 
-from preempt.config import build_config
+from preempt.core.config import build_config
+from preempt.core.request import Request
 from preempt.engine import Engine
-from preempt.request import Request
 
 
 def _replay_speed(overrides: dict[str, Any]) -> dict[str, Any]:
-    from preempt.workload import build_workload
+    from preempt.core.workload import build_workload
 
     config = build_config(overrides)
     requests = build_workload(config.workload, seed=config.seed)

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from preempt.config import build_config
+from preempt.core.config import build_config
+from preempt.core.request import Request
 from preempt.engine import Engine
-from preempt.request import Request
 from preempt.saver import Saver
 from preempt.scheduler import PreemptionRecord
 
@@ -207,7 +207,7 @@ def _soak(rate_scale: float, duration_s: float | None) -> dict[str, Any]:
             },
         }
     )
-    from preempt.workload import build_workload
+    from preempt.core.workload import build_workload
 
     requests = build_workload(config.workload, seed=config.seed)
     engine = Engine(config)

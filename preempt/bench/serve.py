@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 
 from preempt.bench.load import INSTALL_HINT, RequestTiming, guidellm_installed, run_guidellm, summarize
-from preempt.config import build_config
+from preempt.core.config import build_config
+from preempt.core.request import Request
 from preempt.engine import Engine
-from preempt.request import Request
 
 NUM_OUTPUT_TOKENS = 64
 LOAD_PROMPT_TOKENS = 64

@@ -3,5 +3,5 @@ operator times (Vidur's public profiles, `vidur.py` + `fit.py`) or measure them 
 CUDA device (`gpu.py`), and write a profile JSON that `clock.target` can name.
 
 Owns: the data loading, the fitting and the measurement protocol. Never imported by the
-engine (the engine reads the profile files through `preempt.cost_model`).
+engine (the engine reads the profile files through `preempt.core.cost_model`).
 """

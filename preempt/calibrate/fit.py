@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from preempt.calibrate.vidur import AllReducePoint, AttnPoint, OpPoint
-from preempt.cost_model import ELEMENTWISE_OPS, MODELS, CostModel, DeviceProfile, TargetProfile
+from preempt.core.cost_model import ELEMENTWISE_OPS, MODELS, CostModel, DeviceProfile, TargetProfile
 
 LINEAR_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
 FIT_SETS = {"h100": ("llama2-7b",), "a100": ("llama3-8b",)}

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from preempt.block_table import update_block_table
+from preempt.core.block_table import update_block_table
 
 # Gathered K+V bytes per decode group per layer: small enough to stay in L2/L3 between
 # the gather and SDPA's read of it (see module docstring).

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from preempt.config import ConfigError
+from preempt.core.config import ConfigError
 from preempt.model.tiny import ROPE_SCALING_TYPES, RopeScaling, TinyConfig, TinyLM, resolve_dtype
 from preempt.model.tokenizer import ByteTokenizer
 

@@ -12,8 +12,8 @@ import json
 
 import numpy as np
 
+from preempt.core.workload import load_trace
 from preempt.parity.workload import BUNDLED_DIR, parse_workload
-from preempt.workload import load_trace
 
 
 def _requests(prompts, outputs, arrivals, priorities) -> list[dict]:

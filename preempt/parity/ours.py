@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from preempt.config import EngineConfig, apply_override, build_config
+from preempt.core.config import EngineConfig, apply_override, build_config
+from preempt.core.request import Request
 from preempt.parity.workload import ParityWorkload
-from preempt.request import Request
 
 POLICIES = {"fcfs": "vllm_fcfs", "priority": "vllm_priority"}
 

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from preempt.config import EngineConfig
+from preempt.core.config import EngineConfig
 from preempt.metrics import CONTENT_TYPE, PreemptionMetrics
 from preempt.model.tokenizer import ByteTokenizer
 from preempt.serve.chat import chat_format_for, eos_token_ids

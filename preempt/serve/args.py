@@ -19,10 +19,10 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from preempt.config import ConfigError, EngineConfig, apply_override, build_config, read_config_file
+from preempt.core.config import ConfigError, EngineConfig, apply_override, build_config, read_config_file
+from preempt.core.sizes import parse_size
 from preempt.serve.app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, create_app
 from preempt.serve.engine_loop import DEFAULT_MAX_QUEUE, EngineLoop
-from preempt.sizes import parse_size
 
 logger = logging.getLogger("preempt.server")
 

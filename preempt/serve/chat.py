@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from preempt.config import EngineConfig
+from preempt.core.config import EngineConfig
 
 
 class ChatTemplateError(ValueError):

@@ -25,9 +25,9 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from preempt.config import ConfigError, EngineConfig
+from preempt.core.config import ConfigError, EngineConfig
+from preempt.core.request import Request, RequestState
 from preempt.metrics import PreemptionMetrics
-from preempt.request import Request, RequestState
 from preempt.sampling import SamplingParams
 
 logger = logging.getLogger("preempt.server")

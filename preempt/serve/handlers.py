@@ -25,8 +25,8 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from preempt.block_pool import blocks_needed
-from preempt.request import RequestState
+from preempt.core.block_pool import blocks_needed
+from preempt.core.request import RequestState
 from preempt.sampling import Sample, SamplingParams, StopStringMatcher
 from preempt.serve.chat import ChatFormat, ChatTemplateError
 from preempt.serve.engine_loop import EndEvent, EngineLoop, Rejected, RequestStream, TokensEvent

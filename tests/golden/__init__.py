@@ -63,7 +63,7 @@ _WALL = {"wall_time_s", "config"}
 
 
 def case_config(name: str):
-    from preempt.config import build_config
+    from preempt.core.config import build_config
 
     data = json.loads(json.dumps(_BASE))
     for section, values in CASES[name].items():

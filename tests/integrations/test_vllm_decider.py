@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from preempt.config import BackoffConfig, PreemptionConfig
+from preempt.core.config import BackoffConfig, PreemptionConfig
+from preempt.core.limits import AdmissionBackoff, RateWindow
 from preempt.integrations.vllm.clock import ReplayClock, StepClock
 from preempt.integrations.vllm.decider import PreemptionDecider, RequestView
 from preempt.integrations.vllm.settings import PluginSettings, SettingsError, load_settings, parse_settings
-from preempt.limits import AdmissionBackoff, RateWindow
 
 
 def fake_request(i: int, rng: random.Random, status: str = "RUNNING", preemptions: int = 0):

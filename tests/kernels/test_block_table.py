@@ -1,4 +1,4 @@
-"""update_block_table: the Triton kernel == preempt/block_table.py's reference."""
+"""update_block_table: the Triton kernel == preempt/core/block_table.py's reference."""
 
 from __future__ import annotations
 

@@ -108,9 +108,9 @@ def test_bad_arguments_are_errors(interp):
 
 def _real_kv(num_tokens: int) -> torch.Tensor:
     """KV of the tiny model (small-4l, bf16) after prefilling this repo's README."""
-    from preempt.config import build_config
+    from preempt.core.config import build_config
+    from preempt.core.request import Request
     from preempt.engine import Engine
-    from preempt.request import Request
 
     config = build_config(
         {

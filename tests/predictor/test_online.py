@@ -213,7 +213,7 @@ def test_bench_predictor_quick_reports_the_step_ratio():
 
 
 def test_a_checkpoint_for_another_horizon_or_feature_set_is_refused_online(trained, tmp_path):
-    from preempt.config import ConfigError, EarlySaveConfig
+    from preempt.core.config import ConfigError, EarlySaveConfig
     from preempt.early_save import make_policy
 
     path = str(trained[0])

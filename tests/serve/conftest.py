@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from preempt.config import EngineConfig, build_config
+from preempt.core.config import EngineConfig, build_config
 from preempt.serve import EngineLoop, PreemptServer, create_app
 from preempt.serve.args import uvicorn_config
 

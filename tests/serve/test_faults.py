@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from preempt.request import RequestState
+from preempt.core.request import RequestState
 from tests.serve.conftest import (
     SMALL_SLICES,
     LiveServer,

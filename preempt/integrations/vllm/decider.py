@@ -5,7 +5,7 @@ live vLLM request plus the plugin's own facts: arrival on the plugin's clock, SL
 slice used, PREEMPTION_FAILED), and the rules around the policy that preempt's
 `Scheduler` applies: time-slice eligibility, the rate cap, the failure fallback and the
 admission backoff. The arithmetic is preempt's own (`preempt.policies`,
-`preempt.priority.time_slice_s`, `preempt.limits`), never a copy. Never imports vLLM and
+`preempt.priority.time_slice_s`, `preempt.core.limits`), never a copy. Never imports vLLM and
 never mutates a vLLM request: the acting side (`scheduler.py`) does what is decided here.
 """
 
@@ -14,15 +14,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from preempt.core.limits import AdmissionBackoff, RateWindow
 from preempt.integrations.vllm.metrics import PluginMetrics
 from preempt.integrations.vllm.settings import PluginSettings
-from preempt.limits import AdmissionBackoff, RateWindow
 from preempt.policies import PriorityScorePolicy, get_policy
 from preempt.priority import priority_score, time_slice_s
 
 
 class RequestView:
-    """A vLLM `Request` as preempt's policies see a `preempt.request.Request`.
+    """A vLLM `Request` as preempt's policies see a `preempt.core.request.Request`.
 
     vLLM's `priority` (smaller is more important) becomes `sla_level = -priority`, read
     once at arrival; progress (computed tokens, outputs) is read live from the request.

@@ -14,10 +14,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from preempt.config import EngineConfig
+from preempt.core.config import EngineConfig
+from preempt.core.request import Request
 from preempt.parity.ours import engine_config
 from preempt.parity.workload import ParityWorkload
-from preempt.request import Request
 
 
 class TimedTrace(NamedTuple):

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from preempt.config import PreemptionConfig
+from preempt.core.config import PreemptionConfig
 from preempt.policies import POLICIES
 
 ENV_VAR = "PREEMPT_VLLM_CONFIG"

@@ -113,13 +113,13 @@ class ClockConfig(_Section):
     kind: Literal["virtual", "wall"] = "virtual"
     """`virtual`: step durations from the target's cost model (deterministic)."""
     target: str = "h200-llama3-8b"
-    """Deployment the virtual clock models: a built-in name (preempt.cost_model.TARGETS)
+    """Deployment the virtual clock models: a built-in name (preempt.core.cost_model.TARGETS)
     or a profile file (`*.json`, as `preempt calibrate` writes; docs/clock.md)."""
 
     @field_validator("target")
     @classmethod
     def _known_target(cls, name: str) -> str:
-        from preempt.cost_model import TARGETS, ProfileError, load_target
+        from preempt.core.cost_model import TARGETS, ProfileError, load_target
 
         if name.endswith(".json"):
             try:
@@ -127,7 +127,9 @@ class ClockConfig(_Section):
             except ProfileError as err:
                 raise ValueError(str(err)) from None
         elif name not in TARGETS:
-            raise ValueError(f"unknown target '{name}'; choose one of {sorted(TARGETS)} or a profile .json file")
+            raise ValueError(
+                f"unknown target '{name}'; choose one of {sorted(TARGETS)} or a profile .json file"
+            )
         return name
 
 
@@ -308,7 +310,7 @@ class PreemptionConfig(_Section):
     @field_validator("host_mem", "slot_size")
     @classmethod
     def _size(cls, value: int | str) -> int:
-        from preempt.sizes import parse_size
+        from preempt.core.sizes import parse_size
 
         size = parse_size(value)
         if size <= 0:
@@ -382,7 +384,7 @@ class EarlySaveConfig(_Section):
     @field_validator("host_budget", "prefetch_host_budget")
     @classmethod
     def _size(cls, value: int | str) -> int:
-        from preempt.sizes import parse_size
+        from preempt.core.sizes import parse_size
 
         return parse_size(value)
 

@@ -35,8 +35,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from preempt.config import WorkloadConfig
-from preempt.request import Request
+from preempt.core.config import WorkloadConfig
+from preempt.core.request import Request
 
 
 class TraceError(ValueError):
@@ -51,7 +51,7 @@ class TraceRow(NamedTuple):
     output_tokens: int
 
 
-_TRACE_DIR = Path(__file__).with_name("traces")
+_TRACE_DIR = Path(__file__).parents[1] / "traces"  # preempt/traces: package data
 
 BUNDLED_TRACES: dict[str, str] = {
     "azure-code": "azure_code_2023.csv",

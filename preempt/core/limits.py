@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from preempt.config import BackoffConfig
+from preempt.core.config import BackoffConfig
 
 RATE_WINDOW_S = 60.0
 
