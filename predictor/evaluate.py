@@ -152,7 +152,7 @@ def expected_value_curve(
     num_points: int = 40,
 ) -> list[dict[str, float]]:
     """The precision/recall curve with the expected value of each threshold, as the
-    engine's early saves would realise it (preempt.saver): a warned row copies the
+    engine's early saves would realise it (preempt.kv.saver): a warned row copies the
     request's full blocks not yet copied since its last preemption; those bytes are
     claimed at its next preemption, where they avoid their copy time at the measured
     copy rate (at most the lead time of the first warning: a copy must end in time), or

@@ -47,7 +47,7 @@ class Engine:
         self.runner = create_model_runner(config, num_blocks, self.block_size)
         self.saver = None
         if config.preemption.mode != "recompute":
-            from preempt.saver import Saver
+            from preempt.kv.saver import Saver
 
             self.saver = Saver(
                 config, getattr(self.runner, "kv_cache", None), self.cost_model, self.block_size

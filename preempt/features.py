@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from datasets import Dataset
 
     from preempt.engine import Engine, StepOutput
-    from preempt.scheduler import PreemptionRecord
+    from preempt.kv.record import PreemptionRecord
 
 FEATURE_NAMES: tuple[str, ...] = (
     "num_preemptions",

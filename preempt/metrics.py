@@ -46,7 +46,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 if TYPE_CHECKING:
     from preempt.core.request import Request
     from preempt.engine import Engine, StepOutput
-    from preempt.scheduler import PreemptionRecord
+    from preempt.kv.record import PreemptionRecord
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OTHER_SLA_LEVEL = "other"  # the label of every SLA level the config does not name

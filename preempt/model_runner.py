@@ -85,7 +85,7 @@ class TinyModelRunner(ModelRunner):
     def __init__(self, config: EngineConfig, num_blocks: int, block_size: int) -> None:
         import torch
 
-        from preempt.kv_cache import KVCache
+        from preempt.kv.kv_cache import KVCache
 
         if config.model.num_threads is not None:
             torch.set_num_threads(config.model.num_threads)  # process-wide: asked for explicitly

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 
 from preempt.core.config import SLOConfig
 from preempt.core.request import Request, RequestState
-from preempt.scheduler import PreemptionRecord
+from preempt.kv.record import PreemptionRecord
 
 
 def output_digest(token_ids: Sequence[int]) -> str:

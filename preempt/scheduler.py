@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -50,62 +48,9 @@ from preempt.core.block_pool import BlockPool, blocks_needed
 from preempt.core.config import PreemptionConfig, SchedulerConfig
 from preempt.core.limits import RATE_WINDOW_S, AdmissionBackoff, RateWindow
 from preempt.core.request import Request, RequestState, ScheduledChunk
+from preempt.kv.record import MODE_CODEC, KVMover, PreemptionRecord
 from preempt.policies import SchedulingPolicy
 from preempt.priority import remaining_ktokens, time_slice_s
-
-MODE_CODEC = {"swap": "raw", "swap_zstd": "zstd", "swap_mixed": "mixed"}
-
-
-@dataclass
-class PreemptionRecord:
-    """One preemption decision (or failed attempt, or deferred reclaim of a paused one)."""
-
-    time_s: float
-    request_id: int
-    reason: str  # "priority" | "memory" | "reclaim"
-    action: str  # what happened to the KV: "recompute" | "save" | "pause" | "none" (failed, kept running)
-    num_tokens: int  # tokens of KV the victim had
-    challenger_id: int | None = None
-    slice_used_s: float = 0.0  # the victim's executed time since it last started running
-    slice_s: float = 0.0  # its time slice at the decision
-    # Why the fallback was taken: "pool_full" | "slot_too_small" | "consecutive_limit". With
-    # action "none" the victim kept running; otherwise (a forced preemption) it was still
-    # preempted and is now PREEMPTION_FAILED: protected from later preemptions.
-    failure: str | None = None
-    codec: str | None = None
-    bytes_raw: int = 0  # filled by the KVMover on a save: bytes copied at the preemption
-    bytes_early: int = 0  # bytes an early save had already copied (not copied again)
-    bytes_stored: int = 0
-    save_s: float = 0.0
-    restore_s: float = 0.0
-    restored: bool | None = None  # None: not (yet) restored; False: fell back to recompute
-    warmup_tokens: int = 0  # lossy restore: last tokens recomputed at full precision
-
-
-class KVMover(ABC):
-    """The acting side of save/restore, called synchronously at decision time.
-
-    Rules: `save` copies the KV of the request's first `num_computed_tokens` tokens out of
-    `request.block_ids` into host memory and fills the record's byte counts and timing;
-    it must not touch the blocks' ownership (the scheduler frees them right after).
-    `restore` is called once the request's blocks cover `num_computed_tokens` again; it
-    writes the saved KV into them and frees the host copy; a lossy restore also marks the
-    request's dropped heads and sets `record.warmup_tokens` (the scheduler recomputes
-    that many last tokens). Neither raises on load
-    conditions: they return what went wrong.
-    """
-
-    @abstractmethod
-    def save(self, request: Request, codec: str, now: float, record: PreemptionRecord) -> str | None:
-        """Save the KV; None on success, else the failure reason (the host copy is not kept)."""
-
-    @abstractmethod
-    def restore(self, request: Request, now: float, record: PreemptionRecord) -> bool:
-        """Restore the KV; False if the saved copy was unusable (it is freed either way)."""
-
-    @abstractmethod
-    def discard(self, request: Request) -> None:
-        """Drop a saved copy that will never be restored (the request was aborted)."""
 
 
 class SchedulerOutput(NamedTuple):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from preempt.codec import (
+from preempt.kv.codec import (
     CODECS,
     MAGIC,
     Codec,
@@ -25,7 +25,7 @@ from preempt.codec import (
     pack_header,
     read_header,
 )
-from preempt.host_pool import HostPool
+from preempt.kv.host_pool import HostPool
 
 FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 # (num_layers, 2, num_tokens, num_kv_heads, head_dim), incl. an empty tokens dim and odd sizes
@@ -390,7 +390,7 @@ def test_mixed_zstd_payload_is_bounded_by_the_header():
     inflating it (never a huge allocation from a blob)."""
     import zstandard
 
-    from preempt.codec import FLAG_ZSTD
+    from preempt.kv.codec import FLAG_ZSTD
 
     payload = zstandard.ZstdCompressor(level=3).compress(bytes(8 << 20))  # 8 MiB of zeros
     blob = pack_header(MixedCodec.codec_id, FLAG_ZSTD, torch.float16, (1, 2, 1, 1, 8), payload) + payload
@@ -417,7 +417,7 @@ def test_mixed_newer_classes_round_trip_and_refuse_corruption(zstd):
 
 def test_mixed_legacy_plans_still_write_the_original_layout():
     from kernels.plan import HeadPlan
-    from preempt.codec import FLAG_FORMATS
+    from preempt.kv.codec import FLAG_FORMATS
 
     kv = kv_like((2, 2, 9, 3, 8), torch.float16)
     legacy = MixedCodec(HeadPlan.random(2, 3, fp8_share=0.5, drop_share=0.2, seed=0)).encode(kv)

@@ -15,7 +15,7 @@ from preempt.core.request import RequestState
 from preempt.early_save import OraclePolicy, RulePolicy, load_preemption_times
 from preempt.engine import Engine
 from preempt.features import FEATURE_NAMES
-from preempt.scheduler import PreemptionRecord
+from preempt.kv.record import PreemptionRecord
 from tests.conftest import make_request, small_config
 from tests.test_preemption import AGGRESSIVE, _digests, _run, _workload
 

@@ -20,7 +20,7 @@ from preempt.features import (
     compute_features,
     label_rows,
 )
-from preempt.scheduler import PreemptionRecord
+from preempt.kv.record import PreemptionRecord
 from tests.conftest import make_request
 
 COLLECT_CONFIG = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "collect.yaml"

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from preempt.host_pool import (
+from preempt.kv.host_pool import (
     ALIGN,
     HostPool,
     HostPoolError,

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from preempt.core.request import Request
 from preempt.engine import Engine, StepOutput
+from preempt.kv.record import PreemptionRecord
 from preempt.metrics import PreemptionMetrics
-from preempt.scheduler import PreemptionRecord
 from tests.conftest import make_request, small_config
 from tests.serve.conftest import running_server, serve_config, wait_for
 

@@ -13,7 +13,7 @@ import torch
 
 from preempt.core.config import EngineConfig, build_config
 from preempt.core.request import Request, ScheduledChunk
-from preempt.kv_cache import KVCache
+from preempt.kv.kv_cache import KVCache
 from preempt.model.tiny import generate_naive
 from preempt.model_runner import (
     ModelRunner,

@@ -119,7 +119,7 @@ def test_save_then_restore_gives_bit_identical_kv():
 
     before = logical_kv().clone()
     assert num_tokens % bs != 0  # a partial last block is part of the test
-    from preempt.scheduler import PreemptionRecord
+    from preempt.kv.record import PreemptionRecord
 
     record = PreemptionRecord(0.0, 0, "memory", "save", num_tokens)
     assert saver.save(request, "zstd", 0.0, record) is None
@@ -245,7 +245,7 @@ def test_lossy_mixed_mode_ends_every_request_and_masks_dropped_prefixes():
 def test_mixed_restore_dequantizes_into_new_blocks_and_asks_for_warmup():
     from kernels.plan import HeadClass, HeadPlan
     from kernels.restore_blocks import dequantize_fp8_ref
-    from preempt.scheduler import PreemptionRecord
+    from preempt.kv.record import PreemptionRecord
 
     engine = Engine(small_config(preemption={"mode": "swap_mixed", "head_plan": "fp8"}))
     saver = engine.saver
@@ -301,7 +301,7 @@ def test_mixed_mode_on_the_null_backend_stores_the_plans_share():
     target = engine.cost_model.target
     assert (plan.num_layers, plan.num_kv_heads) == (target.num_layers, target.num_kv_heads)
     assert engine.saver.mixed_ratio == pytest.approx(0.65, abs=0.01)  # SPEC §9: 35% smaller than FP16
-    from preempt.scheduler import PreemptionRecord
+    from preempt.kv.record import PreemptionRecord
 
     request = make_request(0, 100, 5)
     request.num_computed_tokens = 100

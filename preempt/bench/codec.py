@@ -41,9 +41,9 @@ from kernels.plan import HeadClass, HeadPlan, size_vs_fp16
 from kernels.quantize_heads import quantize_heads
 from kernels.restore_blocks import restore_blocks
 from preempt.bench.save import _median_s
-from preempt.codec import MixedCodec
 from preempt.core.config import build_config
 from preempt.core.request import Request, ScheduledChunk
+from preempt.kv.codec import MixedCodec
 from preempt.model_runner import TinyModelRunner
 
 MB = 1e6

@@ -24,8 +24,8 @@ import torch
 from preempt.core.config import build_config
 from preempt.core.request import Request
 from preempt.engine import Engine
-from preempt.saver import Saver
-from preempt.scheduler import PreemptionRecord
+from preempt.kv.record import PreemptionRecord
+from preempt.kv.saver import Saver
 
 MB = 1e6
 

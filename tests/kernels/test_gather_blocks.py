@@ -12,7 +12,7 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
 def saver_gather(kv_cache: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-    """preempt/saver.py's `_gather`, restated on the raw tensor: the behaviour to keep."""
+    """preempt/kv/saver.py's `_gather`, restated on the raw tensor: the behaviour to keep."""
     num_layers, _, _, block_size, num_heads, head_dim = kv_cache.shape
     num_blocks = -(-num_tokens // block_size)
     blocks = kv_cache.index_select(2, torch.tensor(block_ids[:num_blocks]))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels.plan import HeadClass, HeadPlan, bytes_per_token, scale_bytes
-from preempt.kv_cache import KVCache
+from preempt.kv.kv_cache import KVCache
 
 FP16, FP8, DROP = HeadClass.FP16, HeadClass.FP8, HeadClass.DROP
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from preempt.kv_cache import KVCache
+from preempt.kv.kv_cache import KVCache
 from preempt.model.attention import build_attention_metadata
 from preempt.model.tiny import PRESETS, TinyConfig, TinyLM, generate_naive, get_preset
 from preempt.model.tokenizer import ByteTokenizer

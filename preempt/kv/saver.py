@@ -38,14 +38,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from preempt.codec import CorruptBlobError, MixedCodec, make_codec
 from preempt.core.block_pool import blocks_needed
 from preempt.core.config import ConfigError, EngineConfig, PreemptionConfig
 from preempt.core.cost_model import CostModel
 from preempt.core.request import Request
-from preempt.host_pool import HostPool, PreemptionHandlerOOM, SlotHandle
-from preempt.kv_cache import KVCache
-from preempt.scheduler import MODE_CODEC, KVMover, PreemptionRecord
+from preempt.kv.codec import CorruptBlobError, MixedCodec, make_codec
+from preempt.kv.host_pool import HostPool, PreemptionHandlerOOM, SlotHandle
+from preempt.kv.kv_cache import KVCache
+from preempt.kv.record import MODE_CODEC, KVMover, PreemptionRecord
 
 
 def head_plan_for(config: PreemptionConfig, num_layers: int, num_kv_heads: int, seed: int):
