@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from predictor.data import FeatureTable
-from preempt.features import FEATURE_NAMES
+from preempt.engine.features import FEATURE_NAMES
 
 BASELINES = ("rule", "logreg", "oracle")
 

@@ -8,7 +8,7 @@ scored the same way: threshold chosen on val, metrics reported on the chosen spl
 distribution-shift test (`source`), val and the fitted baselines come from the training
 data, and the other dataset is only scored, as a deployed predictor would meet it.
 The LSTM's scores are its outputs over whole request histories, i.e. exactly what the
-online predictor returns (predictor.online).
+online predictor returns (preempt.engine.online_predictor).
 
 Must never: choose a threshold on the rows it reports (that would flatter every
 predictor alike, and hide how far the val choice transfers), or reach the network.

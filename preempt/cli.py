@@ -92,7 +92,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _feature_config(args: argparse.Namespace) -> Any:
     """Take the collect-only `--set features.KEY=VALUE` overrides out of args.set (the
     engine config has no `features` section) into a FeatureConfig."""
-    from preempt.features import FeatureConfig
+    from preempt.engine.features import FeatureConfig
 
     engine_sets, values = [], {}
     for assignment in args.set:
@@ -118,7 +118,7 @@ def _feature_config(args: argparse.Namespace) -> Any:
 def cmd_collect(args: argparse.Namespace) -> int:
     import time
 
-    from preempt.features import FeatureLogger, save_dataset
+    from preempt.engine.features import FeatureLogger, save_dataset
     from preempt.replay import replay
 
     feature_config = _feature_config(args)
@@ -207,7 +207,7 @@ def cmd_eval_predictor(args: argparse.Namespace) -> int:
 
     from predictor.data import DataError
     from predictor.evaluate import evaluate_checkpoint, jsonable
-    from predictor.online import PredictorCheckpointError, load_checkpoint
+    from preempt.engine.online_predictor import PredictorCheckpointError, load_checkpoint
 
     torch.set_num_threads(args.num_threads)
     try:

@@ -12,9 +12,9 @@ import torch
 
 from preempt.core.config import ConfigError, EarlySaveConfig
 from preempt.core.request import RequestState
-from preempt.early_save import OraclePolicy, RulePolicy, load_preemption_times
-from preempt.engine import Engine
-from preempt.features import FEATURE_NAMES
+from preempt.engine.early_save import OraclePolicy, RulePolicy, load_preemption_times
+from preempt.engine.engine import Engine
+from preempt.engine.features import FEATURE_NAMES
 from preempt.kv.record import PreemptionRecord
 from tests.conftest import make_request, small_config
 from tests.test_preemption import AGGRESSIVE, _digests, _run, _workload

@@ -1,4 +1,4 @@
-"""Feature logging and labels (preempt.features) and `preempt collect`."""
+"""Feature logging and labels (preempt.engine.features) and `preempt collect`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 
 from preempt.cli import main
 from preempt.core.config import PreemptionConfig, build_config
-from preempt.engine import Engine
-from preempt.features import (
+from preempt.engine.engine import Engine
+from preempt.engine.features import (
     FEATURE_DOCS,
     FEATURE_NAMES,
     FeatureConfig,
@@ -202,7 +202,7 @@ def test_collect_rejects_bad_feature_keys(tmp_path, capsys):
 def test_vectorised_priority_scores_equal_the_scalar_score():
 
     from preempt.core.config import PriorityWeights
-    from preempt.priority import priority_score, priority_scores
+    from preempt.engine.priority import priority_score, priority_scores
     from tests.conftest import make_request
 
     requests = [make_request(i, 10 + i, 20, arrival_s=0.1 * i, sla_level=i % 3) for i in range(40)]
@@ -221,8 +221,8 @@ def test_scheduler_waiting_scores_track_the_queue(mode):
     is reclaimed while they wait)."""
     import numpy as np
 
-    from preempt.engine import Engine
-    from preempt.priority import priority_scores
+    from preempt.engine.engine import Engine
+    from preempt.engine.priority import priority_scores
     from tests.conftest import small_config
     from tests.test_preemption import AGGRESSIVE, _workload
 
@@ -263,7 +263,7 @@ def test_step_horizon_counts_engine_steps():
 def test_scale_free_features_do_not_move_with_the_scale():
     """Doubling every length, the pool and the queue's seats leaves the shares alone."""
     from preempt.core.config import PreemptionConfig
-    from preempt.features import SCALE_FREE_NAMES, scale_free_features
+    from preempt.engine.features import SCALE_FREE_NAMES, scale_free_features
 
     def batch(scale):
         running = []

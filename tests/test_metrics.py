@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from preempt.core.request import Request
-from preempt.engine import Engine, StepOutput
+from preempt.engine.engine import Engine, StepOutput
 from preempt.kv.record import PreemptionRecord
 from preempt.metrics import PreemptionMetrics
 from tests.conftest import make_request, small_config

@@ -13,9 +13,7 @@ import torch
 
 from preempt.core.config import EngineConfig, build_config
 from preempt.core.request import Request, ScheduledChunk
-from preempt.kv.kv_cache import KVCache
-from preempt.model.tiny import generate_naive
-from preempt.model_runner import (
+from preempt.engine.model_runner import (
     ModelRunner,
     NullModelRunner,
     TinyModelRunner,
@@ -23,6 +21,8 @@ from preempt.model_runner import (
     sample_token,
     token_seed,
 )
+from preempt.kv.kv_cache import KVCache
+from preempt.model.tiny import generate_naive
 
 
 def config(backend: str = "tiny", dtype: str = "float64", seed: int = 0) -> EngineConfig:
@@ -177,7 +177,7 @@ def test_null_backend_does_not_import_torch() -> None:
     code = (
         "import sys\n"
         "from preempt.core.config import build_config\n"
-        "from preempt.model_runner import create_model_runner\n"
+        "from preempt.engine.model_runner import create_model_runner\n"
         "create_model_runner(build_config({'model': {'backend': 'null'}}), 8, 4)\n"
         "assert 'torch' not in sys.modules\n"
     )

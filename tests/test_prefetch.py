@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from preempt.core.config import ConfigError
 from preempt.core.request import RequestState
-from preempt.engine import Engine
+from preempt.engine.engine import Engine
 from tests.conftest import small_config
 from tests.test_preemption import AGGRESSIVE, _digests, _run, _workload
 

@@ -1,4 +1,4 @@
-"""preempt.sampling: vLLM's logits processing semantics, top-k/p restriction, seeded draws,
+"""preempt.engine.sampling: vLLM's logits processing semantics, top-k/p restriction, seeded draws,
 and stop strings found across any chunking of the text (property test)."""
 
 from __future__ import annotations
@@ -10,7 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from preempt.sampling import SamplingParams, StopStringMatcher, logprobs_of, process_logits, sample_token
+from preempt.engine.sampling import (
+    SamplingParams,
+    StopStringMatcher,
+    logprobs_of,
+    process_logits,
+    sample_token,
+)
 
 
 def test_penalties_bias_and_min_tokens_follow_vllm() -> None:

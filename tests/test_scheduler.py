@@ -5,8 +5,8 @@ from __future__ import annotations
 from preempt.core.block_pool import BlockPool
 from preempt.core.config import SchedulerConfig
 from preempt.core.request import RequestState
-from preempt.policies import get_policy
-from preempt.scheduler import Scheduler
+from preempt.engine.policies import get_policy
+from preempt.engine.scheduler import Scheduler
 from tests.conftest import make_request
 
 
@@ -128,7 +128,7 @@ def test_recompute_from_scratch_clears_masked_prefixes():
     fallback (or a recompute preemption)."""
     import numpy as np
 
-    from preempt.scheduler import _recompute_from_scratch
+    from preempt.engine.scheduler import _recompute_from_scratch
     from tests.conftest import make_request
 
     request = make_request(0, 10, 5)

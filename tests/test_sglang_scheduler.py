@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's loop (preempt/sglang_scheduler.py), rule by rule, driven directly."""
+"""SGLang 0.5.23's loop (preempt/engine/sglang_scheduler.py), rule by rule, driven directly."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 
 from preempt.core.block_pool import BlockPool
 from preempt.core.config import PreemptionConfig, SchedulerConfig
-from preempt.policies import get_policy
-from preempt.sglang_scheduler import CLIP_MAX_NEW_TOKENS, SglangScheduler
+from preempt.engine.policies import get_policy
+from preempt.engine.sglang_scheduler import CLIP_MAX_NEW_TOKENS, SglangScheduler
 from tests.conftest import make_request
 from tests.test_scheduler import complete
 

@@ -7,8 +7,8 @@ import pytest
 
 from preempt.core.config import build_config
 from preempt.core.request import RequestState
-from preempt.engine import Engine
-from preempt.policies import get_policy
+from preempt.engine.engine import Engine
+from preempt.engine.policies import get_policy
 from tests.conftest import make_request
 
 

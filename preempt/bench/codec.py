@@ -43,8 +43,8 @@ from kernels.restore_blocks import restore_blocks
 from preempt.bench.save import _median_s
 from preempt.core.config import build_config
 from preempt.core.request import Request, ScheduledChunk
+from preempt.engine.model_runner import TinyModelRunner
 from preempt.kv.codec import MixedCodec
-from preempt.model_runner import TinyModelRunner
 
 MB = 1e6
 BLOCK_SIZE = 16

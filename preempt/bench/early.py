@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from preempt.core.config import build_config, load_config
-from preempt.engine import Engine
+from preempt.engine.engine import Engine
 from preempt.replay import replay
 
 _COLLECT = Path(__file__).resolve().parents[2] / "experiments" / "configs" / "collect.yaml"
@@ -43,7 +43,7 @@ def bench_early(quick: bool, model: str | None = None) -> dict[str, Any]:
 
 def _horizon_of(model: str) -> list[str]:
     """The checkpoint's horizon and feature set, for every arm (the oracle looks as far)."""
-    from predictor.online import load_checkpoint
+    from preempt.engine.online_predictor import load_checkpoint
 
     _, hparams = load_checkpoint(model)
     return [

@@ -10,7 +10,7 @@ import numpy as np
 
 from preempt.core.config import build_config
 from preempt.core.request import Request
-from preempt.engine import Engine
+from preempt.engine.engine import Engine
 
 
 def _replay_speed(overrides: dict[str, Any]) -> dict[str, Any]:

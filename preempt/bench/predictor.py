@@ -2,7 +2,7 @@
 
 Protocol: a `null`-backend engine holds 256 decoding requests and 2,000 waiting ones (the
 state of `preempt bench engine`'s scheduler overhead). Each timed iteration runs one
-engine step, then computes the running requests' features (preempt.features) and runs
+engine step, then computes the running requests' features (preempt.engine.features) and runs
 `OnlinePredictor.step` on them, with torch on one thread; all three are timed in the same
 iteration, so load from other processes hits the baseline and the predictor alike.
 Reported: medians over the iterations, the predictor's step as a fraction of the engine
@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from predictor.online import HIDDEN_SIZE, NUM_FEATURES, OnlinePredictor
 from preempt.bench.engine import decoding_engine
-from preempt.features import engine_features
+from preempt.engine.features import engine_features
+from preempt.engine.online_predictor import HIDDEN_SIZE, NUM_FEATURES, OnlinePredictor
 
 TARGET_FRACTION = 0.05
 

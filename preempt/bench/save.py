@@ -23,7 +23,7 @@ import torch
 
 from preempt.core.config import build_config
 from preempt.core.request import Request
-from preempt.engine import Engine
+from preempt.engine.engine import Engine
 from preempt.kv.record import PreemptionRecord
 from preempt.kv.saver import Saver
 

@@ -31,7 +31,7 @@ import numpy as np
 from preempt.bench.load import INSTALL_HINT, RequestTiming, guidellm_installed, run_guidellm, summarize
 from preempt.core.config import build_config
 from preempt.core.request import Request
-from preempt.engine import Engine
+from preempt.engine.engine import Engine
 
 NUM_OUTPUT_TOKENS = 64
 LOAD_PROMPT_TOKENS = 64

@@ -89,7 +89,7 @@ class SchedulerConfig(_Section):
     max_num_batched_tokens: int = Field(2048, gt=0)
     """Token budget of one step (decode tokens + prefill chunks)."""
     policy: str = "vllm_fcfs"
-    """Victim/admission policy by name (preempt.policies.POLICIES)."""
+    """Victim/admission policy by name (preempt.engine.policies.POLICIES)."""
     reserve_full_sequence: bool = True
     """Admit a waiting (or preempted) request only when blocks for its whole current
     sequence (prompt + tokens generated so far) are free, although blocks are still
@@ -97,12 +97,12 @@ class SchedulerConfig(_Section):
     default there); off, only the first chunk must fit, as vLLM did before it, which admits
     long prompts that are preempted a few steps later."""
     sglang: SglangConfig = SglangConfig()
-    """The `sglang_*` policies' scheduler (preempt.sglang_scheduler)."""
+    """The `sglang_*` policies' scheduler (preempt.engine.sglang_scheduler)."""
 
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, name: str) -> str:
-        from preempt.policies import POLICIES  # late: policies imports request, not config
+        from preempt.engine.policies import POLICIES  # late: policies imports request, not config
 
         if name not in POLICIES:
             raise ValueError(f"unknown policy '{name}'; choose one of {sorted(POLICIES)}")
@@ -346,7 +346,7 @@ class EarlySaveConfig(_Section):
     lowest-priority running request whose time slice is used up; `lstm`: the trained
     predictor (`checkpoint`) at p >= threshold; `oracle`: the preemptions of a reference
     run without early saves (`oracle_log`), within `horizon_ms`; `lookahead`: the true
-    future, by simulating a fork of the engine ahead (preempt/lookahead.py; virtual clock)."""
+    future, by simulating a fork of the engine ahead (preempt/engine/lookahead.py; virtual clock)."""
     checkpoint: str | None = None
     """`lstm`: the predictor checkpoint (`preempt train` writes predictor.ckpt)."""
     threshold: float | None = Field(None, gt=0, lt=1)
@@ -361,11 +361,11 @@ class EarlySaveConfig(_Section):
     """The horizon in engine steps as well: predicted when within `horizon_ms` or within
     this many steps, whichever reaches further (0: time only)."""
     feature_set: Literal["v1", "scale_free"] = "v1"
-    """`lstm`: the features the checkpoint must have been trained on (preempt.features)."""
+    """`lstm`: the features the checkpoint must have been trained on (preempt.engine.features)."""
     lookahead_every_steps: int = Field(1, gt=0)
     """`lookahead`: fork and simulate every this many steps (between, reuse the forecast)."""
     prefetch: bool = False
-    """Restore prefetch (preempt/prefetch.py): start restoring the next requests to be
+    """Restore prefetch (preempt/engine/prefetch.py): start restoring the next requests to be
     admitted into free blocks before they are admitted (virtual clock)."""
     prefetch_depth: int = Field(8, gt=0)
     """Prefetch: how many of the next requests to be admitted are considered."""

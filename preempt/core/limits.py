@@ -2,7 +2,7 @@
 window and the admission backoff after a preemption failure.
 
 Owns: their arithmetic over times given by the caller (seconds on whatever clock the
-caller runs). Plain Python, no request objects: `preempt.scheduler.Scheduler` and the vLLM
+caller runs). Plain Python, no request objects: `preempt.engine.scheduler.Scheduler` and the vLLM
 plugin (`preempt.integrations.vllm`) both keep one of each, so the rules are written once.
 """
 

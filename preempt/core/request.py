@@ -46,7 +46,7 @@ class Request:
     target_output_tokens: int  # true output length from the trace; generation stops there
     sla_level: int = 0  # service class, higher = more important
     temperature: float = 0.0  # 0 = greedy
-    # A client's sampling parameters (preempt.sampling.SamplingParams: penalties, seed,
+    # A client's sampling parameters (preempt.engine.sampling.SamplingParams: penalties, seed,
     # logprobs, stop token ids, min_tokens); None: plain `temperature` sampling.
     sampling: Any = None
 

@@ -8,6 +8,6 @@
 - `kv_cache`: the device KV tensors.
 
 Acting code: it moves bytes when told to. Who is saved, restored or prefetched is decided
-in `preempt.engine` (scheduler, early-save policies, prefetcher), which imports this
-package; this package never imports `preempt.engine`.
+in `preempt.engine.engine` (scheduler, early-save policies, prefetcher), which imports this
+package; this package never imports `preempt.engine.engine`.
 """

@@ -106,7 +106,7 @@ class _Saved:
 
 @dataclass
 class _Prefetched:
-    """A restore started before admission (preempt.prefetch): the KV already sits in the
+    """A restore started before admission (preempt.engine.prefetch): the KV already sits in the
     request's blocks `block_ids`; the host copy stays until the restore claims it."""
 
     block_ids: list[int]
@@ -181,7 +181,7 @@ class Saver(KVMover):
         self.early_bytes_used = 0  # claimed by a preemption: that much less to copy then
         self.early_bytes_wasted = 0  # freed unused: the request finished, or evicted for space
         self.speculative_bytes = 0  # raw bytes of unclaimed early segments held now
-        # Restore prefetch (preempt.prefetch): every prefetched byte ends used or wasted.
+        # Restore prefetch (preempt.engine.prefetch): every prefetched byte ends used or wasted.
         self._prefetched: dict[Request, _Prefetched] = {}
         self._predecoded: dict[Request, _Predecoded] = {}
         # Virtual: the prefetch's host decode threads (free-at times), one blob each.

@@ -35,7 +35,7 @@ def engine_config(workload: ParityWorkload, policy: str, overrides: Sequence[str
 def run_ours(workload: ParityWorkload, config: EngineConfig) -> list[dict]:
     """Per step: {"scheduled": {id: [start, num_tokens]}, "preempted": [id, ...] in
     order, "finished": [id, ...]}, ids as strings (the JSON both sides share)."""
-    from preempt.engine import Engine
+    from preempt.engine.engine import Engine
 
     engine = Engine(config)
     pending = sorted(workload.requests, key=lambda r: (r.arrival_step, r.id))

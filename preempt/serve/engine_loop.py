@@ -27,8 +27,8 @@ import numpy as np
 
 from preempt.core.config import ConfigError, EngineConfig
 from preempt.core.request import Request, RequestState
+from preempt.engine.sampling import SamplingParams
 from preempt.metrics import PreemptionMetrics
-from preempt.sampling import SamplingParams
 
 logger = logging.getLogger("preempt.server")
 
@@ -38,7 +38,7 @@ DEFAULT_MAX_QUEUE = 256
 
 class TokensEvent(NamedTuple):
     token_ids: list[int]
-    logprobs: list[Any]  # preempt.sampling.Sample per token, when the request asked for them
+    logprobs: list[Any]  # preempt.engine.sampling.Sample per token, when the request asked for them
 
 
 class EndEvent(NamedTuple):
@@ -134,7 +134,7 @@ class EngineLoop:
         self.config = config
         self.metrics = metrics if metrics is not None else PreemptionMetrics()
         self.max_queue = max_queue
-        self.engine: Any = None  # preempt.engine.Engine once started (imports torch)
+        self.engine: Any = None  # preempt.engine.engine.Engine once started (imports torch)
         self.facts: EngineFacts | None = None
         self._ids = itertools.count()
         self._cond = threading.Condition()
@@ -152,7 +152,7 @@ class EngineLoop:
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        from preempt.engine import Engine  # torch: only when a server really starts
+        from preempt.engine.engine import Engine  # torch: only when a server really starts
 
         self.engine = Engine(self.config)
         self.metrics.bind_engine(self.engine)

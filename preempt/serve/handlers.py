@@ -27,7 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from preempt.core.block_pool import blocks_needed
 from preempt.core.request import RequestState
-from preempt.sampling import Sample, SamplingParams, StopStringMatcher
+from preempt.engine.sampling import Sample, SamplingParams, StopStringMatcher
 from preempt.serve.chat import ChatFormat, ChatTemplateError
 from preempt.serve.engine_loop import EndEvent, EngineLoop, Rejected, RequestStream, TokensEvent
 from preempt.serve.protocol import (

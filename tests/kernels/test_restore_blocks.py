@@ -110,7 +110,7 @@ def _real_kv(num_tokens: int) -> torch.Tensor:
     """KV of the tiny model (small-4l, bf16) after prefilling this repo's README."""
     from preempt.core.config import build_config
     from preempt.core.request import Request
-    from preempt.engine import Engine
+    from preempt.engine.engine import Engine
 
     config = build_config(
         {

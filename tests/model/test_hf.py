@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from preempt.core.config import build_config
-from preempt.engine import Engine
+from preempt.engine.engine import Engine
 from preempt.model.hf import CheckpointError, load_hf_model, load_hf_tokenizer, tiny_config_from_hf
 from preempt.model.tiny import RopeScaling, TinyConfig, TinyLM, generate_naive, rope_inv_freq
 from preempt.model.tokenizer import ByteTokenizer

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from preempt.features import FEATURE_NAMES, save_dataset
+from preempt.engine.features import FEATURE_NAMES, save_dataset
 
 COL = {name: i for i, name in enumerate(FEATURE_NAMES)}
 

@@ -1,4 +1,4 @@
-"""Online stateful inference (predictor.online): parity with the offline model, state
+"""Online stateful inference (preempt.engine.online_predictor): parity with the offline model, state
 semantics, checkpoint loading and its errors. One module fixture trains a tiny checkpoint."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 
 from predictor.data import PreemptionDataModule, SplitConfig, load_table
 from predictor.model import PreemptionLSTM
-from predictor.online import OnlinePredictor, PredictorCheckpointError
 from predictor.train import TrainConfig, train
+from preempt.engine.online_predictor import OnlinePredictor, PredictorCheckpointError
 from tests.predictor import synthetic_dataset
 
 torch.set_num_threads(1)
@@ -159,7 +159,7 @@ def test_threshold_comes_from_the_checkpoint_unless_overridden(trained):
 def test_loading_never_imports_lightning(trained):
     code = (
         "import sys, numpy as np\n"
-        "from predictor.online import OnlinePredictor\n"
+        "from preempt.engine.online_predictor import OnlinePredictor\n"
         f"p = OnlinePredictor.from_checkpoint({str(trained[0])!r})\n"
         "assert p.step([1], np.zeros((1, 8), np.float32)).shape == (1,)\n"
         "assert 'pytorch_lightning' not in sys.modules and 'lightning' not in sys.modules\n"
@@ -214,7 +214,7 @@ def test_bench_predictor_quick_reports_the_step_ratio():
 
 def test_a_checkpoint_for_another_horizon_or_feature_set_is_refused_online(trained, tmp_path):
     from preempt.core.config import ConfigError, EarlySaveConfig
-    from preempt.early_save import make_policy
+    from preempt.engine.early_save import make_policy
 
     path = str(trained[0])
     assert make_policy(EarlySaveConfig(policy="lstm", checkpoint=path)).feature_set == "v1"  # as trained

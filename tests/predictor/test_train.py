@@ -180,7 +180,7 @@ def test_threshold_by_expected_value_on_a_mix(tmp_path):
     """Two datasets trained as one mix: the operating threshold comes from the expected
     value on val, the curve it was picked from is in metrics.json and the checkpoint holds
     that threshold; evaluating the mix reports each source at the same threshold."""
-    from predictor.online import load_checkpoint
+    from preempt.engine.online_predictor import load_checkpoint
 
     first = synthetic_dataset(tmp_path / "a", num_requests=60, seed=1, with_tokens=True)
     second = synthetic_dataset(tmp_path / "b", num_requests=60, seed=1, with_tokens=True)

@@ -4,8 +4,8 @@ Owns: one `RequestView` per vLLM request (what preempt's policies read, taken fr
 live vLLM request plus the plugin's own facts: arrival on the plugin's clock, SLA level,
 slice used, PREEMPTION_FAILED), and the rules around the policy that preempt's
 `Scheduler` applies: time-slice eligibility, the rate cap, the failure fallback and the
-admission backoff. The arithmetic is preempt's own (`preempt.policies`,
-`preempt.priority.time_slice_s`, `preempt.core.limits`), never a copy. Never imports vLLM and
+admission backoff. The arithmetic is preempt's own (`preempt.engine.policies`,
+`preempt.engine.priority.time_slice_s`, `preempt.core.limits`), never a copy. Never imports vLLM and
 never mutates a vLLM request: the acting side (`scheduler.py`) does what is decided here.
 """
 
@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from preempt.core.limits import AdmissionBackoff, RateWindow
+from preempt.engine.policies import PriorityScorePolicy, get_policy
+from preempt.engine.priority import priority_score, time_slice_s
 from preempt.integrations.vllm.metrics import PluginMetrics
 from preempt.integrations.vllm.settings import PluginSettings
-from preempt.policies import PriorityScorePolicy, get_policy
-from preempt.priority import priority_score, time_slice_s
 
 
 class RequestView:

@@ -42,7 +42,7 @@ def _yaml(value: object) -> str:
 
 
 def run_ours_timed(workload: ParityWorkload, config: EngineConfig) -> TimedTrace:
-    from preempt.engine import Engine
+    from preempt.engine.engine import Engine
 
     engine = Engine(config)
     pending = sorted(workload.requests, key=lambda r: (r.arrival_step, r.id))

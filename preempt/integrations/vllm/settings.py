@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from preempt.core.config import PreemptionConfig
-from preempt.policies import POLICIES
+from preempt.engine.policies import POLICIES
 
 ENV_VAR = "PREEMPT_VLLM_CONFIG"
 ADDITIONAL_CONFIG_KEY = "preempt"
@@ -30,7 +30,7 @@ class PluginSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     policy: str = "priority_score"
-    """A `scheduler.policy` of preempt (`preempt.policies.POLICIES`)."""
+    """A `scheduler.policy` of preempt (`preempt.engine.policies.POLICIES`)."""
     preemption: PreemptionConfig = PreemptionConfig()
     """preempt's `preemption` section: weights, threshold, slices, rate cap, fallback.
     vLLM drops a victim's KV and recomputes it, so `mode` must be `recompute`."""

@@ -48,9 +48,9 @@ from preempt.core.block_pool import BlockPool, blocks_needed
 from preempt.core.config import PreemptionConfig, SchedulerConfig
 from preempt.core.limits import RATE_WINDOW_S, AdmissionBackoff, RateWindow
 from preempt.core.request import Request, RequestState, ScheduledChunk
+from preempt.engine.policies import SchedulingPolicy
+from preempt.engine.priority import remaining_ktokens, time_slice_s
 from preempt.kv.record import MODE_CODEC, KVMover, PreemptionRecord
-from preempt.policies import SchedulingPolicy
-from preempt.priority import remaining_ktokens, time_slice_s
 
 
 class SchedulerOutput(NamedTuple):

@@ -13,7 +13,7 @@ new full block, and refuses beyond its speculation budget and in-flight bound):
 - `rule`: the scheduler's own next victim: among requests whose time slice is used up,
   the one with the lowest SPEC priority score (the `rule` baseline of predictor/), when
   a waiting request outranks it or free KV runs low.
-- `lstm`: the trained predictor (`predictor.online.OnlinePredictor`): one LSTM step per
+- `lstm`: the trained predictor (`preempt.engine.online_predictor.OnlinePredictor`): one LSTM step per
   engine step over all running requests in one batch, carrying each request's state;
   saves where p >= threshold.
 - `oracle`: knows the future from a reference run of the same config without early
@@ -21,7 +21,7 @@ new full block, and refuses beyond its speculation budget and in-flight bound):
   preemption there. Not an upper bound: once early saves shift the live timeline, the
   reference run's preemptions drift away from the live ones (kept for comparison).
 - `lookahead`: the true future: every `lookahead_every_steps` steps it forks the engine
-  and simulates the current policy ahead over the horizon (preempt.lookahead), and saves
+  and simulates the current policy ahead over the horizon (preempt.engine.lookahead), and saves
   the running requests the fork preempts within it. Measured in the same run as the
   predictors; the upper bound of what a predictor can warn about.
 """
@@ -36,10 +36,10 @@ import numpy as np
 
 from preempt.core.config import ConfigError, EarlySaveConfig
 from preempt.core.request import Request
-from preempt.features import FEATURE_NAMES, engine_features
+from preempt.engine.features import FEATURE_NAMES, engine_features
 
 if TYPE_CHECKING:
-    from preempt.engine import Engine, StepOutput
+    from preempt.engine.engine import Engine, StepOutput
 
 # The rule fires when free KV falls under this share (a memory preemption is near).
 _RULE_FREE_KV = 0.05
@@ -85,7 +85,10 @@ class RulePolicy(EarlySavePolicy):
 
 class LSTMPolicy(EarlySavePolicy):
     def __init__(self, config: EarlySaveConfig) -> None:
-        from predictor.online import OnlinePredictor, check_trained_for  # torch, only when asked for
+        from preempt.engine.online_predictor import (  # torch, only when asked for
+            OnlinePredictor,
+            check_trained_for,
+        )
 
         checkpoint = config.checkpoint
         try:
@@ -108,7 +111,7 @@ class LSTMPolicy(EarlySavePolicy):
         self.last_probs: np.ndarray = np.zeros(0, dtype=np.float32)
 
     def prepare(self, engine: Engine) -> None:
-        # The steps preempt.features.FeatureLogger logs a row at, so online = offline.
+        # The steps preempt.engine.features.FeatureLogger logs a row at, so online = offline.
         self._stepping = engine.num_steps % self.every_k_steps == 0
 
     @property
@@ -151,7 +154,7 @@ class LookaheadPolicy(EarlySavePolicy):
     needs_features = False
 
     def __init__(self, horizon_ms: float, horizon_steps: int, every_steps: int = 1) -> None:
-        from preempt.lookahead import Lookahead
+        from preempt.engine.lookahead import Lookahead
 
         self.lookahead = Lookahead(horizon_ms, horizon_steps)
         self.every_steps = every_steps
@@ -170,7 +173,7 @@ class LookaheadPolicy(EarlySavePolicy):
 
 def load_preemption_times(path: str) -> dict[int, np.ndarray]:
     """request_id -> sorted times it was taken out of the batch, from a preemptions.parquet
-    (the same events the predictor's labels use: preempt.features.preemption_events)."""
+    (the same events the predictor's labels use: preempt.engine.features.preemption_events)."""
     import pyarrow.parquet as pq
 
     try:

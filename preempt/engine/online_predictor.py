@@ -11,7 +11,7 @@ GEMM, a few elementwise ops and one scatter for the whole batch).
 
 How the engine must call it, so online probabilities equal the offline ones the model
 was trained and evaluated on (predictor.data, predictor.model):
-- `step` exactly when `preempt.features.FeatureLogger` would log a row: after each engine
+- `step` exactly when `preempt.engine.features.FeatureLogger` would log a row: after each engine
   step that ran something (and every `every_k_steps`-th one if the training data was
   collected with k > 1), with the features of *every* running request of that step;
 - `forget` only when a request finishes or is aborted. A preempted request keeps its
@@ -268,7 +268,7 @@ class OnlinePredictor:
         step and return p (N,) float32 in [0, 1].
 
         request_ids: N distinct ids (ids seen for the first time start from the zero
-        state); features: (N, 8) raw features (preempt.features.compute_features)."""
+        state); features: (N, 8) raw features (preempt.engine.features.compute_features)."""
         x = np.ascontiguousarray(features, dtype=np.float32)
         num = len(request_ids)
         if x.shape != (num, NUM_FEATURES):

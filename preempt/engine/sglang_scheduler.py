@@ -44,7 +44,7 @@ import itertools
 
 from preempt.core.block_pool import blocks_needed
 from preempt.core.request import Request, RequestState, ScheduledChunk
-from preempt.scheduler import Scheduler, SchedulerOutput
+from preempt.engine.scheduler import Scheduler, SchedulerOutput
 
 CLIP_MAX_NEW_TOKENS = 4096  # ENV:650, SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
 INIT_NEW_TOKEN_RATIO = 0.7  # ENV:646

@@ -20,8 +20,8 @@ from preempt.core.clock import make_clock
 from preempt.core.config import EngineConfig
 from preempt.core.cost_model import CostModel, StepShape, get_target
 from preempt.core.request import Request, RequestState
-from preempt.policies import get_policy
-from preempt.scheduler import Scheduler, SchedulerOutput
+from preempt.engine.policies import get_policy
+from preempt.engine.scheduler import Scheduler, SchedulerOutput
 
 
 class StepOutput(NamedTuple):
@@ -33,9 +33,9 @@ class StepOutput(NamedTuple):
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        # The runner imports torch; keep that import out of `import preempt.engine` users
+        # The runner imports torch; keep that import out of `import preempt.engine.engine` users
         # that only want types (and out of the null backend's start-up where possible).
-        from preempt.model_runner import create_model_runner
+        from preempt.engine.model_runner import create_model_runner
 
         self.config = config
         self.cost_model = CostModel(get_target(config.clock.target))
@@ -55,7 +55,7 @@ class Engine:
         policy = get_policy(config.scheduler.policy, config.preemption)
         scheduler_cls = Scheduler
         if policy.loop == "sglang":
-            from preempt.sglang_scheduler import SglangScheduler as scheduler_cls
+            from preempt.engine.sglang_scheduler import SglangScheduler as scheduler_cls
         self.scheduler = scheduler_cls(
             config.scheduler,
             policy,
@@ -66,12 +66,12 @@ class Engine:
         )
         self.early_saver = None
         if config.early_save.policy != "none":
-            from preempt.early_save import EarlySaver, make_policy
+            from preempt.engine.early_save import EarlySaver, make_policy
 
             self.early_saver = EarlySaver(make_policy(config.early_save))
         self.prefetcher = None
         if config.early_save.prefetch:
-            from preempt.prefetch import Prefetcher
+            from preempt.engine.prefetch import Prefetcher
 
             self.prefetcher = Prefetcher(config.early_save)
         self.clock = make_clock(config.clock.kind)

@@ -34,7 +34,7 @@ from preempt.core.block_pool import blocks_needed
 from preempt.core.config import EarlySaveConfig
 
 if TYPE_CHECKING:
-    from preempt.engine import Engine, StepOutput
+    from preempt.engine.engine import Engine, StepOutput
 
 
 class Prefetcher:

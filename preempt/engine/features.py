@@ -48,12 +48,12 @@ import numpy as np
 
 from preempt.core.config import PreemptionConfig
 from preempt.core.request import Request
-from preempt.priority import priority_scores, remaining_ktokens, time_slice_s
+from preempt.engine.priority import priority_scores, remaining_ktokens, time_slice_s
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
-    from preempt.engine import Engine, StepOutput
+    from preempt.engine.engine import Engine, StepOutput
     from preempt.kv.record import PreemptionRecord
 
 FEATURE_NAMES: tuple[str, ...] = (
@@ -77,9 +77,9 @@ FEATURE_DOCS: dict[str, str] = {
     "the lowest, the priority_score policy's next victim), count",
     "sla_level": "service class (higher = more important)",
     "remaining_ktokens": "estimated remaining work from max_tokens, thousands of tokens "
-    "(preempt.priority.remaining_ktokens; never the true output length)",
+    "(preempt.engine.priority.remaining_ktokens; never the true output length)",
     "queue_pressure": "waiting requests whose priority score beats this one's by the "
-    "trigger margin (preempt.priority.beats), count",
+    "trigger margin (preempt.engine.priority.beats), count",
     "free_kv_fraction": "free KV blocks / all KV blocks (same for every request of a step)",
 }
 NUM_FEATURES = len(FEATURE_NAMES)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from preempt.core.config import PreemptionConfig
 from preempt.core.request import Request
-from preempt.priority import beats, priority_score
+from preempt.engine.priority import beats, priority_score
 
 
 class SchedulingPolicy(ABC):
@@ -89,7 +89,7 @@ class VllmPriorityPolicy(SchedulingPolicy):
 
 class SglangFcfsPolicy(SchedulingPolicy):
     """SGLang 0.5.23, `--schedule-policy fcfs` without priority scheduling: its own loop
-    (`preempt.sglang_scheduler.SglangScheduler`: prefill batches first, decode otherwise,
+    (`preempt.engine.sglang_scheduler.SglangScheduler`: prefill batches first, decode otherwise,
     new-token-ratio admission, retraction). The waiting queue keeps append order
     (SchedulePolicy.calc_priority does not sort fcfs), retracted requests go to its tail;
     the retraction victim is the request with the fewest output tokens, ties to the
@@ -119,7 +119,7 @@ class SglangPriorityPolicy(SglangFcfsPolicy):
 
 
 class PriorityScorePolicy(SchedulingPolicy):
-    """The SPEC's design: score = age, SLA and remaining work (preempt.priority); the
+    """The SPEC's design: score = age, SLA and remaining work (preempt.engine.priority); the
     victim is the lowest-scored running request that has used its time slice, and it is
     displaced only when the challenger beats it by the threshold margin."""
 

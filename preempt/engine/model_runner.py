@@ -9,7 +9,7 @@ Sampling is a pure function of (logits, engine seed, request id, position): gree
 `temperature == 0`, otherwise inverse-CDF sampling with a uniform drawn from a generator
 seeded by (seed, request_id, position). A request's tokens therefore do not depend on
 which other requests shared its steps, nor on how its prompt was chunked. A request with
-its own `SamplingParams` (penalties, top-k/p, a seed, logprobs: `preempt.sampling`) is
+its own `SamplingParams` (penalties, top-k/p, a seed, logprobs: `preempt.engine.sampling`) is
 sampled row by row; with logprobs the runner returns a `Sample` instead of a bare id.
 
 torch is imported only by the `tiny` runner, so the `null` backend starts without it.
@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING
 
 from preempt.core.config import EngineConfig
 from preempt.core.request import Request, ScheduledChunk
-from preempt.sampling import Sample, SamplingParams, logprobs_of, process_logits, sample_token, token_seed
+from preempt.engine.sampling import (
+    Sample,
+    SamplingParams,
+    logprobs_of,
+    process_logits,
+    sample_token,
+    token_seed,
+)
 
 __all__ = ["ModelRunner", "NullModelRunner", "TinyModelRunner", "sample_token", "token_seed"]
 
@@ -159,7 +166,7 @@ class TinyModelRunner(ModelRunner):
         return out
 
     def _sample_with(self, params: SamplingParams, request: Request, logits: torch.Tensor) -> int | Sample:
-        """A request's own sampling parameters (preempt.sampling): penalties, bias,
+        """A request's own sampling parameters (preempt.engine.sampling): penalties, bias,
         top-k/p, its seed, logprobs. Per row: such requests are rare next to plain ones."""
         processed = logits
         if params.changes_logits:
