@@ -36,7 +36,7 @@ from experiments.execution import default_jobs, execute
 from experiments.quality import score_quality
 from experiments.tables import note_no_effect, results_markdown, write_csv
 from experiments.wandb_sink import WandbSink
-from preempt.tracking import resolve_wandb_mode
+from preempt.obs.tracking import resolve_wandb_mode
 
 
 def change_text(run: ArmRun) -> str:

@@ -60,8 +60,8 @@ def run(argv: list[str]) -> dict[str, Any]:
     from experiments.arms import plan_ablation
     from experiments.execution import init_worker
     from experiments.measure import run_metrics
+    from preempt.obs.tracking import resolve_wandb_mode
     from preempt.replay import replay
-    from preempt.tracking import resolve_wandb_mode
 
     args, overrides = parse_args(argv)
     mode = resolve_wandb_mode(args.wandb)

@@ -5,7 +5,7 @@ its constructors (uniform, seeded random by shares, from importance scores, from
 plan file), its validation, its JSON round trip and the size it implies
 (`bytes_per_token`, `stored_bytes`, `size_vs_fp16`). It never touches KV data: the
 kernels (`quantize_heads`, `restore_blocks`) read the plan, and whoever scores heads
-(gradient importance, restored-prefix sensitivity: preempt/importance.py) writes one.
+(gradient importance, restored-prefix sensitivity: preempt/lm/importance.py) writes one.
 
 Classes:
 - FP16: kept at the cache's own dtype, bit-exact. In deployment that is a 16-bit dtype

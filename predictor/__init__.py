@@ -1,5 +1,5 @@
 """The learned preemption predictor (SPEC §8): an LSTM in PyTorch Lightning trained on the
-engine's feature logs (`preempt collect`, preempt.engine.features).
+engine's feature logs (`preempt collect`, preempt.obs.dataset).
 
 Modules: `data` (the features dataset as request histories, split by request), `model`
 (the SPEC's LSTM -> Linear -> sigmoid as a LightningModule), `train` (`preempt train`,

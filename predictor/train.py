@@ -26,7 +26,7 @@ import torch
 from predictor.data import PreemptionDataModule, SplitConfig
 from predictor.evaluate import evaluate_scores, jsonable
 from predictor.model import PreemptionLSTM
-from preempt.tracking import quiet_lightning, resolve_wandb_mode
+from preempt.obs.tracking import quiet_lightning, resolve_wandb_mode
 
 ONLINE_INIT_TIMEOUT_S = 15.0
 CHECKPOINT_NAME = "predictor.ckpt"

@@ -92,7 +92,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _feature_config(args: argparse.Namespace) -> Any:
     """Take the collect-only `--set features.KEY=VALUE` overrides out of args.set (the
     engine config has no `features` section) into a FeatureConfig."""
-    from preempt.engine.features import FeatureConfig
+    from preempt.obs.dataset import FeatureConfig
 
     engine_sets, values = [], {}
     for assignment in args.set:
@@ -118,7 +118,7 @@ def _feature_config(args: argparse.Namespace) -> Any:
 def cmd_collect(args: argparse.Namespace) -> int:
     import time
 
-    from preempt.engine.features import FeatureLogger, save_dataset
+    from preempt.obs.dataset import FeatureLogger, save_dataset
     from preempt.replay import replay
 
     feature_config = _feature_config(args)
@@ -288,7 +288,7 @@ def cmd_lm_train(args: argparse.Namespace) -> int:
 def cmd_importance(args: argparse.Namespace) -> int:
     import torch
 
-    from preempt.importance import ImportanceConfig, run_importance, scores_path
+    from preempt.lm.importance import ImportanceConfig, run_importance, scores_path
     from preempt.model.checkpoint import read_tiny_lm
 
     given = {

@@ -16,7 +16,7 @@ from typing import Any
 from preempt.core.config import EngineConfig
 from preempt.core.workload import build_workload
 from preempt.engine.engine import Engine, StepOutput
-from preempt.results import summarize, write_preemptions_parquet, write_requests_parquet, write_summary
+from preempt.obs.results import summarize, write_preemptions_parquet, write_requests_parquet, write_summary
 
 
 def replay(

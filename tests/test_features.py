@@ -1,4 +1,4 @@
-"""Feature logging and labels (preempt.engine.features) and `preempt collect`."""
+"""Feature logging and labels (preempt.engine.features, preempt.obs.dataset) and `preempt collect`."""
 
 from __future__ import annotations
 
@@ -12,15 +12,9 @@ import pytest
 from preempt.cli import main
 from preempt.core.config import PreemptionConfig, build_config
 from preempt.engine.engine import Engine
-from preempt.engine.features import (
-    FEATURE_DOCS,
-    FEATURE_NAMES,
-    FeatureConfig,
-    FeatureLogger,
-    compute_features,
-    label_rows,
-)
+from preempt.engine.features import FEATURE_DOCS, FEATURE_NAMES, compute_features
 from preempt.kv.record import PreemptionRecord
+from preempt.obs.dataset import FeatureConfig, FeatureLogger, label_rows
 from tests.conftest import make_request
 
 COLLECT_CONFIG = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "collect.yaml"

@@ -11,7 +11,9 @@ import torch
 
 from kernels.plan import HeadClass, HeadPlan
 from preempt.cli import main
-from preempt.importance import (
+from preempt.lm import forward_batch
+from preempt.lm.corpus import CorpusConfig
+from preempt.lm.importance import (
     gates_for_dropped,
     head_importance,
     kv_head_scores,
@@ -19,8 +21,6 @@ from preempt.importance import (
     normalise_per_layer,
     scores_path,
 )
-from preempt.lm import forward_batch
-from preempt.lm.corpus import CorpusConfig
 from preempt.model.checkpoint import save_tiny_lm
 from preempt.model.tiny import TinyConfig, TinyLM
 from tests.lm import TEST_CONFIG, write_corpus
@@ -176,7 +176,7 @@ def test_cli_bad_model_and_out(tmp_path, checkpoint, capsys):
 
 
 def test_random_masks_are_distinct_and_rank_correlation():
-    from preempt.importance import _random_masks, rank_correlation
+    from preempt.lm.importance import _random_masks, rank_correlation
 
     masks = _random_masks((2, 2), 2, count=10, seed=0)  # only C(4, 2) = 6 exist
     assert len(masks) == 6 and len({m.tobytes() for m in masks}) == 6
@@ -223,7 +223,7 @@ def _tiny_lm():
 
 
 def test_restored_prefix_forward_is_exact_with_the_exact_prefix_and_masks_dropped_heads():
-    from preempt.importance import _forward_with_prefix, clean_prefix_kv
+    from preempt.lm.importance import _forward_with_prefix, clean_prefix_kv
 
     model = _tiny_lm()
     windows = torch.as_tensor(_windows(num=2, length=20))
@@ -241,7 +241,7 @@ def test_restored_prefix_forward_is_exact_with_the_exact_prefix_and_masks_droppe
 
 
 def test_prefix_sensitivity_prices_coarser_classes_higher():
-    from preempt.importance import prefix_sensitivity
+    from preempt.lm.importance import prefix_sensitivity
 
     scores = prefix_sensitivity(_tiny_lm(), _windows(num=2, length=40), 32, ("fp8", "kivi2"), (8, 0, 0))
     assert scores["fp8"].shape == (2, 2) and (scores["fp8"] >= 0).all()
@@ -252,7 +252,7 @@ def test_plan_for_budget_is_the_exact_knapsack_optimum():
     import itertools
 
     from kernels.plan import size_vs_fp16
-    from preempt.importance import class_sizes, place_at_random, place_by_rank, plan_for_budget
+    from preempt.lm.importance import class_sizes, place_at_random, place_by_rank, plan_for_budget
 
     rng = np.random.default_rng(0)
     labels = ("fp8", "kivi4", "kivi2")
@@ -280,7 +280,7 @@ def test_plan_for_budget_is_the_exact_knapsack_optimum():
 
 
 def test_key_value_split_adds_up_and_refuses_drop():
-    from preempt.importance import key_value_split
+    from preempt.lm.importance import key_value_split
 
     model, windows = _tiny_lm(), _windows(num=2, length=40)
     split = key_value_split(model, windows, 32, ("kivi2",), (8, 0, 0))["kivi2"]

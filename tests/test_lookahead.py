@@ -9,8 +9,8 @@ import pytest
 from preempt.core.config import ConfigError
 from preempt.core.request import RequestState
 from preempt.engine.engine import Engine
-from preempt.engine.features import preemption_events
 from preempt.engine.lookahead import Lookahead, fork_engine
+from preempt.obs.dataset import preemption_events
 from tests.conftest import small_config
 from tests.test_preemption import AGGRESSIVE, _digests, _workload
 

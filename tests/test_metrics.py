@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from preempt.core.request import Request
 from preempt.engine.engine import Engine, StepOutput
 from preempt.kv.record import PreemptionRecord
-from preempt.metrics import PreemptionMetrics
+from preempt.obs.metrics import PreemptionMetrics
 from tests.conftest import make_request, small_config
 from tests.serve.conftest import running_server, serve_config, wait_for
 

@@ -12,7 +12,7 @@ from preempt.core.request import RequestState
 from preempt.engine.engine import Engine, StepOutput
 from preempt.engine.priority import time_slice_s
 from preempt.engine.scheduler import RATE_WINDOW_S
-from preempt.results import output_digest
+from preempt.obs.results import output_digest
 from tests.conftest import make_request, small_config
 
 # Priority preemption everywhere: tiny slices, no rate cap, many preemptions allowed.

@@ -119,7 +119,7 @@ def _budget_plans(
     the validation split (the quality rows from the test split)."""
     import time
 
-    from preempt import importance
+    from preempt.lm import importance
     from preempt.lm.corpus import Corpus, sample_windows
     from preempt.model.checkpoint import load_tiny_lm
 

@@ -111,7 +111,7 @@ class LSTMPolicy(EarlySavePolicy):
         self.last_probs: np.ndarray = np.zeros(0, dtype=np.float32)
 
     def prepare(self, engine: Engine) -> None:
-        # The steps preempt.engine.features.FeatureLogger logs a row at, so online = offline.
+        # The steps preempt.obs.dataset.FeatureLogger logs a row at, so online = offline.
         self._stepping = engine.num_steps % self.every_k_steps == 0
 
     @property
@@ -173,7 +173,7 @@ class LookaheadPolicy(EarlySavePolicy):
 
 def load_preemption_times(path: str) -> dict[int, np.ndarray]:
     """request_id -> sorted times it was taken out of the batch, from a preemptions.parquet
-    (the same events the predictor's labels use: preempt.engine.features.preemption_events)."""
+    (the same events the predictor's labels use: preempt.obs.dataset.preemption_events)."""
     import pyarrow.parquet as pq
 
     try:

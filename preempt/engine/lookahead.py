@@ -104,7 +104,7 @@ class Lookahead:
     def forecast(self, engine: Engine) -> Forecast:
         """Run a fork until both horizons have passed (or nothing is left to run): a
         preemption decided at the k-th step's schedule() is k steps and (its time - now)
-        seconds ahead, as `preempt.engine.features.label_rows` counts them."""
+        seconds ahead, as `preempt.obs.dataset.label_rows` counts them."""
         fork = fork_engine(engine)
         self.num_forks += 1
         start_s = fork.clock.now()

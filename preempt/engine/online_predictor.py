@@ -11,7 +11,7 @@ GEMM, a few elementwise ops and one scatter for the whole batch).
 
 How the engine must call it, so online probabilities equal the offline ones the model
 was trained and evaluated on (predictor.data, predictor.model):
-- `step` exactly when `preempt.engine.features.FeatureLogger` would log a row: after each engine
+- `step` exactly when `preempt.obs.dataset.FeatureLogger` would log a row: after each engine
   step that ran something (and every `every_k_steps`-th one if the training data was
   collected with k > 1), with the features of *every* running request of that step;
 - `forget` only when a request finishes or is aborted. A preempted request keeps its

@@ -6,7 +6,7 @@ cosine decay), the seeded window sampler, the cache check, and the outputs:
 `DIR/lm.pt` (`save_tiny_lm`, meta = config, corpus fingerprint, metrics),
 `DIR/metrics.json`, `DIR/checkpoints/last.ckpt` (Lightning) and `DIR/wandb/`.
 
-Must never: import Lightning at module level (the CLI's parser and `preempt.importance`
+Must never: import Lightning at module level (the CLI's parser and `preempt.lm.importance`
 import this module's neighbours), retrain when `DIR/lm.pt` already holds a model of the
 same config (the main job calls this every time), read the test split before training
 ends, block on the network (wandb is offline unless asked; the seam is
@@ -31,7 +31,7 @@ from preempt.lm import evaluate, next_byte_loss
 from preempt.lm.corpus import Corpus, CorpusConfig, tile_windows
 from preempt.model.checkpoint import checkpoint_meta, save_tiny_lm
 from preempt.model.tiny import PRESETS, TinyConfig, TinyLM
-from preempt.tracking import quiet_lightning, resolve_wandb_mode
+from preempt.obs.tracking import quiet_lightning, resolve_wandb_mode
 
 LM_FILE = "lm.pt"
 # Bump when a change to this module changes the model a config produces: the cache key

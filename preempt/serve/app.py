@@ -27,8 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from preempt.core.config import EngineConfig
-from preempt.metrics import CONTENT_TYPE, PreemptionMetrics
 from preempt.model.tokenizer import ByteTokenizer
+from preempt.obs.metrics import CONTENT_TYPE, PreemptionMetrics
 from preempt.serve.chat import chat_format_for, eos_token_ids
 from preempt.serve.engine_loop import DEFAULT_MAX_QUEUE, EngineLoop
 from preempt.serve.handlers import Handlers

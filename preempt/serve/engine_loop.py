@@ -28,7 +28,7 @@ import numpy as np
 from preempt.core.config import ConfigError, EngineConfig
 from preempt.core.request import Request, RequestState
 from preempt.engine.sampling import SamplingParams
-from preempt.metrics import PreemptionMetrics
+from preempt.obs.metrics import PreemptionMetrics
 
 logger = logging.getLogger("preempt.server")
 

@@ -13,7 +13,7 @@ from predictor.data import DataError, PreemptionDataModule, SplitConfig, load_ta
 from predictor.model import PreemptionLSTM
 from predictor.train import TrainConfig, train
 from preempt.cli import main
-from preempt.tracking import resolve_wandb_mode
+from preempt.obs.tracking import resolve_wandb_mode
 from tests.predictor import synthetic_dataset
 
 torch.set_num_threads(1)
