@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-ONLINE_INIT_TIMEOUT_S = 15.0
+from preempt.obs.tracking import ONLINE_INIT_TIMEOUT_S  # one timeout for every wandb run
 
 
 def jsonable(values: dict[str, Any]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from predictor.evaluate import average_precision, roc_auc
+from predictor.metrics import average_precision, roc_auc
 
 NUM_FEATURES = 8
 HIDDEN_SIZE = 64

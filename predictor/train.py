@@ -2,7 +2,7 @@
 
 Owns: the training run (seeding, the Trainer, the best-val-AUPRC checkpoint at
 `D3/predictor.ckpt`, the operating threshold chosen on val, `D3/metrics.json` with the
-test metrics) and the one seam to wandb (`make_logger`).
+test metrics) and the one seam to wandb (`preempt.obs.tracking.make_logger`).
 
 Must never: block on the network (wandb is offline unless asked for online or an API key
 is set; `disabled` creates no wandb run at all), read test rows before the checkpoint
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,9 +25,8 @@ import torch
 from predictor.data import PreemptionDataModule, SplitConfig
 from predictor.evaluate import evaluate_scores, jsonable
 from predictor.model import PreemptionLSTM
-from preempt.obs.tracking import quiet_lightning, resolve_wandb_mode
+from preempt.obs.tracking import make_logger, quiet_lightning, resolve_wandb_mode
 
-ONLINE_INIT_TIMEOUT_S = 15.0
 CHECKPOINT_NAME = "predictor.ckpt"
 
 
@@ -80,46 +78,6 @@ class TrainConfig:
     num_nodes: int = 1
     """Lightning's `num_nodes`: machines, each running `devices` processes (launched by
     torchrun/SLURM, which set MASTER_ADDR, NODE_RANK, ...; docs/experiments.md)."""
-
-
-def make_logger(mode: str | None, save_dir: Path, project: str, config: dict[str, Any]) -> Any:
-    """The wandb seam: a WandbLogger writing under `save_dir/wandb`, or False (disabled).
-
-    The run starts here, not at Lightning's first log call, so an online run that cannot
-    reach the server within `ONLINE_INIT_TIMEOUT_S` falls back to offline (with a
-    warning) instead of holding up training."""
-    mode = resolve_wandb_mode(mode)
-    if mode == "disabled":
-        return False
-    import wandb
-    from pytorch_lightning.loggers import WandbLogger
-
-    save_dir.mkdir(parents=True, exist_ok=True)
-    # console="off": wandb must not wrap stdout, where the CLI prints its JSON; no system
-    # stats sampler process for a run that lasts seconds.
-    settings = dict(silent=True, console="off", x_disable_stats=True)
-
-    def start(offline: bool) -> Any:
-        logger = WandbLogger(
-            project=project,
-            save_dir=str(save_dir),
-            offline=offline,
-            config=config,
-            log_model=False,
-            settings=wandb.Settings(
-                mode="offline" if offline else "online", init_timeout=ONLINE_INIT_TIMEOUT_S, **settings
-            ),
-        )
-        logger.experiment  # noqa: B018 -- starts the run now (see docstring)
-        return logger
-
-    if mode == "offline":
-        return start(offline=True)
-    try:
-        return start(offline=False)
-    except Exception as err:  # wandb raises several types (CommError, UsageError, timeouts)
-        warnings.warn(f"wandb online failed ({err}); logging offline under {save_dir}", stacklevel=2)
-        return start(offline=True)
 
 
 def train(data: str | Path, out_dir: str | Path, config: TrainConfig | None = None) -> dict[str, Any]:

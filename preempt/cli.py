@@ -13,13 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from preempt.core.cli_args import ArgParser
 from preempt.core.config import ConfigError, EngineConfig, load_config
 from preempt.core.workload import TraceError
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one clear line instead of usage + error
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
@@ -446,8 +442,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from preempt.bench import BENCHMARKS
 
-    parser = _Parser(prog="preempt", description="Preemption in LLM inference serving: engine, experiments.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = ArgParser(
+        prog="preempt", description="Preemption in LLM inference serving: engine, experiments."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgParser)
 
     run = sub.add_parser("run", help="replay a workload through one configuration")
     _add_workload_flags(run)
@@ -514,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(func=cmd_eval_predictor)
 
     lm = sub.add_parser("lm", help="the reference LM (tiny model trained on Python's stdlib)")
-    lm_sub = lm.add_subparsers(dest="lm_command", required=True, parser_class=_Parser)
+    lm_sub = lm.add_subparsers(dest="lm_command", required=True, parser_class=ArgParser)
     lm_train = lm_sub.add_parser("train", help="train it (Lightning); cached when DIR/lm.pt has this config")
     lm_train.add_argument(
         "--out", type=Path, default=Path("runs/lm"), help="writes lm.pt, metrics.json (runs/lm)"
@@ -572,7 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     importance.add_argument("--num-threads", type=_positive_int, default=1, help="torch threads (default 1)")
     importance.set_defaults(func=cmd_importance)
 
-    from preempt.server import add_serve_arguments, cmd_serve  # fastapi, uvicorn: ~0.4 s
+    from preempt.serve import add_serve_arguments, cmd_serve  # fastapi, uvicorn: ~0.4 s
 
     serve = sub.add_parser("serve", help="HTTP server (OpenAI-compatible), engine on the wall clock")
     add_serve_arguments(serve)
@@ -621,7 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
     ablate.set_defaults(func=cmd_ablate)
 
     parity = sub.add_parser("parity", help="step-by-step parity with a real scheduler (optional peer)")
-    parity_sub = parity.add_subparsers(dest="parity_command", required=True, parser_class=_Parser)
+    parity_sub = parity.add_subparsers(dest="parity_command", required=True, parser_class=ArgParser)
     parity_vllm = parity_sub.add_parser(
         "vllm",
         help="drive vLLM 0.32's own V1 scheduler and ours on the same workloads; JSON report, "

@@ -15,7 +15,8 @@ from typing import Any
 
 from preempt.core.config import EngineConfig
 from preempt.core.workload import build_workload
-from preempt.engine.engine import Engine, StepOutput
+from preempt.engine.engine import Engine
+from preempt.engine.step import StepOutput
 from preempt.obs.results import summarize, write_preemptions_parquet, write_requests_parquet, write_summary
 
 

@@ -7,7 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from preempt.core.request import RequestState
-from preempt.engine.engine import Engine, StepOutput
+from preempt.engine.engine import Engine
+from preempt.engine.step import StepOutput
 from preempt.model.tiny import generate_naive
 from tests.conftest import make_request, small_config
 

@@ -9,7 +9,7 @@ import pytest
 from preempt.core.config import ConfigError
 from preempt.core.request import RequestState
 from preempt.engine.engine import Engine
-from preempt.engine.lookahead import Lookahead, fork_engine
+from preempt.engine.lookahead import Lookahead
 from preempt.obs.dataset import preemption_events
 from tests.conftest import small_config
 from tests.test_preemption import AGGRESSIVE, _digests, _workload
@@ -67,7 +67,7 @@ def test_a_fork_is_a_copy():
         engine.add_request(request)
     for _ in range(5):
         engine.step()
-    fork = fork_engine(engine)
+    fork = engine.fork()
     assert fork.scheduler is not engine.scheduler and fork.block_pool is not engine.block_pool
     assert [r.request_id for r in fork.scheduler.running] == [r.request_id for r in engine.scheduler.running]
     assert all(a is not b for a, b in zip(fork.scheduler.running, engine.scheduler.running, strict=True))

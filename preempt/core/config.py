@@ -83,13 +83,26 @@ class SglangConfig(_Section):
     the user's choosing; SLA levels here are 0-2, so 0: any higher level)."""
 
 
+POLICY_NAMES: tuple[str, ...] = (
+    "vllm_fcfs",
+    "vllm_priority",
+    "sglang_fcfs",
+    "sglang_priority",
+    "priority_score",
+    "fastserve_mlfq",
+)
+"""The values of `scheduler.policy`. Named here, below the engine, so that a config is
+validated without importing it; `preempt.engine.policies.POLICIES` maps each name to its
+class, and refuses to import when the two differ."""
+
+
 class SchedulerConfig(_Section):
     max_num_seqs: int = Field(128, gt=0)
     """Most requests in one batch."""
     max_num_batched_tokens: int = Field(2048, gt=0)
     """Token budget of one step (decode tokens + prefill chunks)."""
     policy: str = "vllm_fcfs"
-    """Victim/admission policy by name (preempt.engine.policies.POLICIES)."""
+    """Victim/admission policy by name (one of `POLICY_NAMES`)."""
     reserve_full_sequence: bool = True
     """Admit a waiting (or preempted) request only when blocks for its whole current
     sequence (prompt + tokens generated so far) are free, although blocks are still
@@ -102,10 +115,8 @@ class SchedulerConfig(_Section):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, name: str) -> str:
-        from preempt.engine.policies import POLICIES  # late: policies imports request, not config
-
-        if name not in POLICIES:
-            raise ValueError(f"unknown policy '{name}'; choose one of {sorted(POLICIES)}")
+        if name not in POLICY_NAMES:
+            raise ValueError(f"unknown policy '{name}'; choose one of {sorted(POLICY_NAMES)}")
         return name
 
 

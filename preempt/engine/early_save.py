@@ -39,7 +39,7 @@ from preempt.core.request import Request
 from preempt.engine.features import FEATURE_NAMES, engine_features
 
 if TYPE_CHECKING:
-    from preempt.engine.engine import Engine, StepOutput
+    from preempt.engine.step import EngineView, StepOutput
 
 # The rule fires when free KV falls under this share (a memory preemption is near).
 _RULE_FREE_KV = 0.05
@@ -59,7 +59,7 @@ class EarlySavePolicy(ABC):
     def forget(self, requests: Sequence[Request]) -> None:  # noqa: B027 (optional hook)
         """These requests left the batch for good (finished or aborted)."""
 
-    def prepare(self, engine: Engine) -> None:  # noqa: B027 (optional hook)
+    def prepare(self, engine: EngineView) -> None:  # noqa: B027 (optional hook)
         """Called before `select` each step; only the lookahead oracle reads the engine
         (to fork it: it never changes it)."""
 
@@ -110,7 +110,7 @@ class LSTMPolicy(EarlySavePolicy):
         self._chosen: set[int] = set()
         self.last_probs: np.ndarray = np.zeros(0, dtype=np.float32)
 
-    def prepare(self, engine: Engine) -> None:
+    def prepare(self, engine: EngineView) -> None:
         # The steps preempt.obs.dataset.FeatureLogger logs a row at, so online = offline.
         self._stepping = engine.num_steps % self.every_k_steps == 0
 
@@ -161,7 +161,7 @@ class LookaheadPolicy(EarlySavePolicy):
         self._steps_left = 0
         self._chosen: set[int] = set()
 
-    def prepare(self, engine: Engine) -> None:
+    def prepare(self, engine: EngineView) -> None:
         if self._steps_left <= 0:
             self._chosen = self.lookahead.within(self.lookahead.forecast(engine))
             self._steps_left = self.every_steps
@@ -212,7 +212,7 @@ class EarlySaver:
         self.policy = policy
         self.num_selected = 0  # picks, including those the saver skipped (nothing new, budget)
 
-    def __call__(self, engine: Engine, output: StepOutput) -> None:
+    def __call__(self, engine: EngineView, output: StepOutput) -> None:
         saver = engine.saver
         if output.finished:
             self.policy.forget(output.finished)

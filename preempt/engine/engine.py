@@ -8,10 +8,11 @@ does).
 
 from __future__ import annotations
 
+import copy
 import itertools
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple
 
 import numpy as np
 
@@ -22,13 +23,7 @@ from preempt.core.cost_model import CostModel, StepShape, get_target
 from preempt.core.request import Request, RequestState
 from preempt.engine.policies import get_policy
 from preempt.engine.scheduler import Scheduler, SchedulerOutput
-
-
-class StepOutput(NamedTuple):
-    scheduled: SchedulerOutput
-    finished: list[Request]
-    step_s: float  # this step's compute duration on the engine's clock
-    stall_s: float = 0.0  # compute waited this long for KV moves before the step
+from preempt.engine.step import StepOutput
 
 
 class Engine:
@@ -160,6 +155,12 @@ class Engine:
             self.prefetcher(self, output)
         return output
 
+    def fork(self) -> Engine:
+        """A deep copy that can be stepped without touching this engine (the lookahead
+        oracle's): no model compute, no early saver, no record history, no pending trace
+        (add arrivals yourself). Virtual clock only: a fork cannot replay real time."""
+        return _fork(self)
+
     def upcoming_arrivals(self, until_s: float) -> list[Request]:
         """`run`'s requests arriving by `until_s` that are not added yet (read-only: the
         lookahead oracle's knowledge of the trace's future)."""
@@ -282,3 +283,51 @@ class Engine:
             )
         self.run(requests)
         return [r.output_token_ids for r in requests]
+
+
+def _shared(memo: dict[int, object], *objects: object) -> None:
+    """Objects the fork may share with the live engine (immutable, or never written by
+    a fork): deepcopy maps them to themselves."""
+    for obj in objects:
+        memo[id(obj)] = obj
+
+
+def _fork(engine: Engine) -> Engine:
+    """`Engine.fork`: the copy is made here, beside the state it copies."""
+    from preempt.engine.model_runner import NullModelRunner
+
+    if engine.config.clock.kind != "virtual":
+        raise ValueError("the lookahead needs clock.kind 'virtual' (a fork cannot replay real time)")
+    memo: dict[int, object] = {}
+    _shared(memo, engine.config, engine.cost_model, engine.scheduler.config, engine.scheduler.preemption)
+    memo[id(engine.runner)] = NullModelRunner(engine.config)
+    memo[id(engine.early_saver)] = None
+    memo[id(engine.scheduler.records)] = []
+    memo[id(engine._pending)] = []
+    saver = engine.saver
+    if saver is not None:
+        _shared(memo, saver.config, saver.early_config, saver.codecs, saver.plan)
+        memo[id(saver.kv_cache)] = None  # no data moves in a fork: modelled sizes
+        memo[id(saver._lock)] = threading.Lock()
+        pool = saver.host_pool
+        # The pool's bytes are never written through a fork (no KV data), only its arena.
+        _shared(memo, pool._buffer, pool._array)
+        memo[id(pool._lock)] = threading.Lock()
+    # Flat lists of ints are most of the state: copy them shallowly (a 10x faster fork).
+    pool = engine.block_pool
+    memo[id(pool._free)] = copy.copy(pool._free)
+    memo[id(pool._is_used)] = list(pool._is_used)
+    for request in _live_requests(engine):
+        _shared(memo, request.prompt_token_ids)
+        memo[id(request.block_ids)] = list(request.block_ids)
+        memo[id(request.output_token_ids)] = list(request.output_token_ids)
+    fork = copy.deepcopy(engine, memo)
+    fork.num_steps = engine.num_steps
+    return fork
+
+
+def _live_requests(engine: Engine):
+    scheduler = engine.scheduler
+    yield from scheduler.running
+    for entry in scheduler._waiting:
+        yield entry[2]

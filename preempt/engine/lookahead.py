@@ -1,8 +1,8 @@
 """The lookahead oracle: fork the engine's state and simulate ahead to learn who really is
 preempted within the horizon.
 
-Owns: `fork_engine` (a deep copy of the live engine's scheduler, block pool, saver
-timelines, clock and requests, with a no-compute runner and no early saver) and
+Uses `Engine.fork` (a deep copy of the live engine's scheduler, block pool, saver
+timelines, clock and requests, with a no-compute runner and no early saver); owns
 `Lookahead`, which steps such a fork through the next `horizon_ms` / `horizon_steps`
 (the trace's upcoming arrivals included, as `Engine.run` would add them) and returns the
 preemptions the current policy makes there. The clock is virtual and the engine
@@ -23,13 +23,10 @@ benchmarks use); a request that would stop on a sampled stop token stops by leng
 from __future__ import annotations
 
 import copy
-import threading
 from typing import TYPE_CHECKING, NamedTuple
 
-from preempt.engine.model_runner import NullModelRunner
-
 if TYPE_CHECKING:
-    from preempt.engine.engine import Engine
+    from preempt.engine.step import EngineView
 
 
 class Forecast(NamedTuple):
@@ -39,53 +36,6 @@ class Forecast(NamedTuple):
     preempted: dict[int, tuple[float, int]]
     num_steps: int
     span_s: float
-
-
-def _shared(memo: dict[int, object], *objects: object) -> None:
-    """Objects the fork may share with the live engine (immutable, or never written by
-    a fork): deepcopy maps them to themselves."""
-    for obj in objects:
-        memo[id(obj)] = obj
-
-
-def fork_engine(engine: Engine) -> Engine:
-    """A deep copy of `engine` that can be stepped without touching it: no model compute,
-    no early saver, no record history, no pending trace (add arrivals yourself)."""
-    if engine.config.clock.kind != "virtual":
-        raise ValueError("the lookahead needs clock.kind 'virtual' (a fork cannot replay real time)")
-    memo: dict[int, object] = {}
-    _shared(memo, engine.config, engine.cost_model, engine.scheduler.config, engine.scheduler.preemption)
-    memo[id(engine.runner)] = NullModelRunner(engine.config)
-    memo[id(engine.early_saver)] = None
-    memo[id(engine.scheduler.records)] = []
-    memo[id(engine._pending)] = []
-    saver = engine.saver
-    if saver is not None:
-        _shared(memo, saver.config, saver.early_config, saver.codecs, saver.plan)
-        memo[id(saver.kv_cache)] = None  # no data moves in a fork: modelled sizes
-        memo[id(saver._lock)] = threading.Lock()
-        pool = saver.host_pool
-        # The pool's bytes are never written through a fork (no KV data), only its arena.
-        _shared(memo, pool._buffer, pool._array)
-        memo[id(pool._lock)] = threading.Lock()
-    # Flat lists of ints are most of the state: copy them shallowly (a 10x faster fork).
-    pool = engine.block_pool
-    memo[id(pool._free)] = copy.copy(pool._free)
-    memo[id(pool._is_used)] = list(pool._is_used)
-    for request in _live_requests(engine):
-        _shared(memo, request.prompt_token_ids)
-        memo[id(request.block_ids)] = list(request.block_ids)
-        memo[id(request.output_token_ids)] = list(request.output_token_ids)
-    fork = copy.deepcopy(engine, memo)
-    fork.num_steps = engine.num_steps
-    return fork
-
-
-def _live_requests(engine: Engine):
-    scheduler = engine.scheduler
-    yield from scheduler.running
-    for entry in scheduler._waiting:
-        yield entry[2]
 
 
 class Lookahead:
@@ -101,11 +51,11 @@ class Lookahead:
         self.num_forks = 0
         self.num_fork_steps = 0
 
-    def forecast(self, engine: Engine) -> Forecast:
+    def forecast(self, engine: EngineView) -> Forecast:
         """Run a fork until both horizons have passed (or nothing is left to run): a
         preemption decided at the k-th step's schedule() is k steps and (its time - now)
         seconds ahead, as `preempt.obs.dataset.label_rows` counts them."""
-        fork = fork_engine(engine)
+        fork = engine.fork()
         self.num_forks += 1
         start_s = fork.clock.now()
         start_step = fork.num_steps
@@ -120,7 +70,7 @@ class Lookahead:
                 break
             while next_arrival < len(upcoming) and upcoming[next_arrival].arrival_s <= now:
                 request = upcoming[next_arrival]
-                _shared(memo_prompts, request.prompt_token_ids)
+                memo_prompts[id(request.prompt_token_ids)] = request.prompt_token_ids  # shared
                 fork.add_request(copy.deepcopy(request, memo_prompts))
                 next_arrival += 1
             if not fork.scheduler.has_unfinished:

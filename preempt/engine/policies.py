@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from preempt.core.config import PreemptionConfig
+from preempt.core.config import POLICY_NAMES, PreemptionConfig
 from preempt.core.request import Request
 from preempt.engine.priority import beats, priority_score
 
@@ -214,6 +214,8 @@ POLICIES: dict[str, type[SchedulingPolicy]] = {
         FastServeMlfqPolicy,
     )
 }
+if tuple(POLICIES) != POLICY_NAMES:  # the config validates names against POLICY_NAMES
+    raise ImportError(f"policies {tuple(POLICIES)} differ from config.POLICY_NAMES {POLICY_NAMES}")
 
 
 def get_policy(name: str, config: PreemptionConfig | None = None) -> SchedulingPolicy:

@@ -34,7 +34,7 @@ from preempt.core.block_pool import blocks_needed
 from preempt.core.config import EarlySaveConfig
 
 if TYPE_CHECKING:
-    from preempt.engine.engine import Engine, StepOutput
+    from preempt.engine.step import EngineView, StepOutput
 
 
 class Prefetcher:
@@ -47,7 +47,7 @@ class Prefetcher:
         self.num_cancelled = 0
 
     @staticmethod
-    def headroom(engine: Engine) -> int:
+    def headroom(engine: EngineView) -> int:
         """Blocks the running requests take in the next step, if it runs them all (their
         next decode token or prefill chunk within the token budget): kept free, so a
         prefetch never makes the next step preempt anyone for memory."""
@@ -64,7 +64,7 @@ class Prefetcher:
             )
         return need
 
-    def __call__(self, engine: Engine, output: StepOutput) -> None:
+    def __call__(self, engine: EngineView, output: StepOutput) -> None:
         saver, pool, scheduler = engine.saver, engine.block_pool, engine.scheduler
         now = engine.clock.now()
         candidates = [r for r in scheduler.next_to_admit(self.depth) if r.kv_location == "host"]
@@ -97,7 +97,7 @@ class Prefetcher:
             saver.prefetch(request, now)
             num_held += num_missing
 
-    def _cancel(self, engine: Engine, request) -> None:
+    def _cancel(self, engine: EngineView, request) -> None:
         engine.saver.cancel_prefetch(request)
         engine.block_pool.free(request.block_ids)
         request.block_ids = []

@@ -10,7 +10,7 @@ Must never: import Lightning at module level (the CLI's parser and `preempt.lm.i
 import this module's neighbours), retrain when `DIR/lm.pt` already holds a model of the
 same config (the main job calls this every time), read the test split before training
 ends, block on the network (wandb is offline unless asked; the seam is
-`predictor.train.make_logger`).
+`preempt.obs.tracking.make_logger`).
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def train_lm(
 
     import pytorch_lightning as pl  # ~5 s; only when training
 
-    from predictor.train import make_logger
+    from preempt.obs.tracking import make_logger
 
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

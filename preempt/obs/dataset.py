@@ -41,7 +41,8 @@ from preempt.engine.features import FEATURE_DOCS, FEATURE_SETS, NUM_FEATURES, SC
 if TYPE_CHECKING:
     from datasets import Dataset
 
-    from preempt.engine.engine import Engine, StepOutput
+    from preempt.engine.engine import Engine
+    from preempt.engine.step import StepOutput
     from preempt.kv.record import PreemptionRecord
 
 # Engine-clock times are float sums of step durations: t + 0.05 and the record's time can

@@ -19,6 +19,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from preempt.core.cli_args import ArgParser
 from preempt.core.config import ConfigError, EngineConfig, apply_override, build_config, read_config_file
 from preempt.core.sizes import parse_size
 from preempt.serve.app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, create_app
@@ -330,9 +331,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from preempt.cli import _Parser  # the CLI's one-line, exit-2 argparse errors
-
-    parser = _Parser(prog="preempt serve", description="Serve the engine over HTTP (OpenAI-compatible).")
+    parser = ArgParser(prog="preempt serve", description="Serve the engine over HTTP (OpenAI-compatible).")
     add_serve_arguments(parser)
     args = parser.parse_args(argv)
     try:

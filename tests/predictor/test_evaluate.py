@@ -8,14 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from predictor.evaluate import (
-    average_precision,
-    best_f1_threshold,
-    binary_metrics,
-    event_recall,
-    jsonable,
-    roc_auc,
-)
+from predictor.evaluate import jsonable
+from predictor.metrics import average_precision, best_f1_threshold, binary_metrics, event_recall, roc_auc
 
 
 def test_auroc_and_auprc_hand_computed():
