@@ -10,7 +10,7 @@ from preempt.core.config import PreemptionConfig, SchedulerConfig
 from preempt.engine.policies import get_policy
 from preempt.engine.sglang_scheduler import CLIP_MAX_NEW_TOKENS, SglangScheduler
 from tests.conftest import make_request
-from tests.test_scheduler import complete
+from tests.engine.test_scheduler import complete
 
 
 def make(policy="sglang_fcfs", num_blocks=64, block_size=4, max_num_seqs=8, **sglang):

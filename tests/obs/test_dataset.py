@@ -17,7 +17,7 @@ from preempt.kv.record import PreemptionRecord
 from preempt.obs.dataset import FeatureConfig, FeatureLogger, label_rows
 from tests.conftest import make_request
 
-COLLECT_CONFIG = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "collect.yaml"
+COLLECT_CONFIG = Path(__file__).resolve().parents[2] / "experiments" / "configs" / "collect.yaml"
 
 
 def _config():
@@ -218,7 +218,7 @@ def test_scheduler_waiting_scores_track_the_queue(mode):
     from preempt.engine.engine import Engine
     from preempt.engine.priority import priority_scores
     from tests.conftest import small_config
-    from tests.test_preemption import AGGRESSIVE, _workload
+    from tests.kv.test_preemption import AGGRESSIVE, _workload
 
     config = small_config(
         cache={"num_blocks": 30},

@@ -12,7 +12,7 @@ from preempt.engine.engine import Engine
 from preempt.engine.lookahead import Lookahead
 from preempt.obs.dataset import preemption_events
 from tests.conftest import small_config
-from tests.test_preemption import AGGRESSIVE, _digests, _workload
+from tests.kv.test_preemption import AGGRESSIVE, _digests, _workload
 
 
 def _config(backend: str = "tiny", **early):

@@ -9,7 +9,7 @@ import pytest
 
 from kernels.plan import HeadClass, HeadPlan
 from preempt.core.request import RequestState
-from tests.test_preemption import _digests, _run
+from tests.kv.test_preemption import _digests, _run
 
 # small_config's model: 2 layers x 2 KV heads. Groups of 8 tokens, 2 sink and 4 recent
 # tokens, so the workload's 8..70-token requests quantize most of their KV.

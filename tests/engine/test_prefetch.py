@@ -11,7 +11,7 @@ from preempt.core.config import ConfigError
 from preempt.core.request import RequestState
 from preempt.engine.engine import Engine
 from tests.conftest import small_config
-from tests.test_preemption import AGGRESSIVE, _digests, _run, _workload
+from tests.kv.test_preemption import AGGRESSIVE, _digests, _run, _workload
 
 
 def _config(mode="swap_zstd", num_blocks=48, backend="tiny", **early):

@@ -17,7 +17,7 @@ from preempt.engine.engine import Engine
 from preempt.engine.features import FEATURE_NAMES
 from preempt.kv.record import PreemptionRecord
 from tests.conftest import make_request, small_config
-from tests.test_preemption import AGGRESSIVE, _digests, _run, _workload
+from tests.kv.test_preemption import AGGRESSIVE, _digests, _run, _workload
 
 
 def _logical_kv(engine, request, num_tokens):
