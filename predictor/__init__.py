@@ -2,10 +2,11 @@
 engine's feature logs (`preempt collect`, preempt.obs.dataset).
 
 Modules: `data` (the features dataset as request histories, split by request), `model`
-(the SPEC's LSTM -> Linear -> sigmoid as a LightningModule), `train` (`preempt train`,
-wandb seam), `evaluate` (metrics, `preempt eval-predictor`), `baselines` (rule, logistic
-regression, oracle), `online` (the engine's side: one batched LSTM step per engine step,
-each request's state carried). Importing this package imports nothing heavy; `data`,
-`model`, `train` and `baselines` import pytorch_lightning (~5 s), so `preempt/` (engine,
-server) may import only `online` (torch, never Lightning).
+(the SPEC's LSTM -> Linear -> sigmoid as a LightningModule), `train` (`preempt train`),
+`evaluate` (`preempt eval-predictor`), `metrics` (AUROC, AUPRC, F1 in numpy),
+`baselines` (rule, logistic regression, oracle). The engine's side (one batched LSTM
+step per engine step, each request's state carried; torch, never Lightning) is
+`preempt.engine.online_predictor`: preempt/ never imports this package, only the CLI
+does. Importing this package imports nothing heavy; `data`, `model`, `train` and
+`baselines` import pytorch_lightning (~5 s).
 """

@@ -3,6 +3,9 @@
 Owns: the schema (one section per layer), loading from JSON/YAML, `--set key=value`
 overrides, and error messages that name the offending key. Runtime facts (the number of
 blocks actually allocated, the model's vocabulary) live in state objects, never here.
+
+Over 500 lines because it is the config reference: one section per layer, every field
+with its own docstring; it holds nothing but the schema and its loading.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Owns: loading a `preempt train` checkpoint without Lightning, each running reque
 state (h, c) in a preallocated slot, and the step: one LSTM step for all requests of an
 engine step in one batched call, returning P(preempted within the horizon) per request.
 
-Must never: import pytorch_lightning or anything of `predictor/` that does (the engine
+Must never: import pytorch_lightning or anything of `predictor/` (the engine
 imports this module; Lightning costs ~5 s), run a request's history again (one LSTM step
 per call, carried state), or do per-request tensor work in the hot path (one gather, one
 GEMM, a few elementwise ops and one scatter for the whole batch).

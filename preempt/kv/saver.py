@@ -26,6 +26,10 @@ packed bytes (the target's KV times the plan's size ratio at 16 bits), host zstd
 Sizes. Host-pool bytes are the bytes of the backend that stores them: the tiny model's
 real KV, or, with the `null` backend (no KV data), the target's modelled KV divided by
 the codec's assumed ratio (`preemption.modelled_ratio`; for `mixed`, the plan's ratio).
+
+Over 500 lines, and not one concept: the data path, virtual vs wall timing, early copies
+and restore prefetch live together here; splitting them (one owner per piece of state,
+results through futures) is the next step of issue #14.
 """
 
 from __future__ import annotations
