@@ -195,11 +195,13 @@ def logprobs_of(logits: torch.Tensor, token_id: int, k: int) -> Sample:
 class StopStringMatcher:
     """Finds stop strings in streamed text, across chunk boundaries.
 
-    `push(piece)` returns the text safe to emit now: it holds back the last
-    `max(len(stop)) - 1` characters, which could be the start of a stop string that the
-    next piece completes. After a match, `is_stopped` is set, the text before the stop
-    string is released and everything after it is dropped (OpenAI: the stop string is
-    not part of the output). `flush()` releases what was held at the end.
+    `push(piece)` returns the text safe to emit now: it holds back everything from the
+    earliest position where a stop string could begin that the next piece may complete
+    (also when a shorter stop string already matched after that position: the longer one
+    would come first). After a match, `is_stopped` is set, the text before the stop string
+    is released and everything after it is dropped (OpenAI: the stop string is not part of
+    the output). `close()` ends the text; `flush()` releases the held text without
+    stopping.
     """
 
     def __init__(self, stops: Sequence[str]) -> None:
@@ -213,18 +215,49 @@ class StopStringMatcher:
         if self.is_stopped:
             return ""
         text = self._pending + piece
+        first = self._first_match(text)
+        # A stop string that starts before that match (or anywhere in the held tail) may
+        # still be completed by the next piece: everything from its start waits.
+        partial = self._first_partial(text)
+        if first is not None and (partial is None or first[0] <= partial):
+            self.is_stopped, self.matched, self._pending = True, first[1], ""
+            return text[: first[0]]
+        cut = len(text) if partial is None else partial
+        self._pending = text[cut:]
+        return text[:cut]
+
+    def _first_match(self, text: str) -> tuple[int, str] | None:
+        """The earliest complete stop string in `text` (ties: the first listed)."""
         first = None
         for stop in self.stops:
             at = text.find(stop)
             if at >= 0 and (first is None or at < first[0]):
                 first = (at, stop)
-        if first is not None:
-            self.is_stopped, self.matched, self._pending = True, first[1], ""
-            return text[: first[0]]
-        cut = max(0, len(text) - self._hold)
-        self._pending = text[cut:]
-        return text[:cut]
+        return first
+
+    def _first_partial(self, text: str) -> int | None:
+        """The earliest position from which `text`'s tail is a proper prefix of a stop
+        string (so the string is still incomplete), or None."""
+        for at in range(max(0, len(text) - self._hold), len(text)):
+            tail = text[at:]
+            if any(len(stop) > len(tail) and stop.startswith(tail) for stop in self.stops):
+                return at
+        return None
 
     def flush(self) -> str:
+        """Release what is held back, stop strings in it included (for text that may not
+        stop yet, e.g. before `min_tokens`)."""
         text, self._pending = self._pending, ""
         return "" if self.is_stopped else text
+
+    def close(self) -> str:
+        """The end of the text: no held prefix can complete any more, so a stop string in
+        what was held back (behind a longer one that might have started earlier) cuts it."""
+        text, self._pending = self._pending, ""
+        if self.is_stopped:
+            return ""
+        first = self._first_match(text)
+        if first is not None:
+            self.is_stopped, self.matched = True, first[1]
+            return text[: first[0]]
+        return text

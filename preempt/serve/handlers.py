@@ -395,7 +395,7 @@ class Handlers:
             else:
                 tail = "" if stopped else decoder.flush()
                 if matcher is not None and not stopped:
-                    tail = matcher.push(tail) + matcher.flush()
+                    tail = matcher.push(tail) + matcher.close()
                     stopped = matcher.is_stopped
                 reason = "stop" if stopped else event.finish_reason
                 yield Delta(choice.index, tail, [], [], reason, event)

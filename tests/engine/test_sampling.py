@@ -81,7 +81,23 @@ def test_stop_strings_across_any_chunking(text: str, stops: list[str], cuts: lis
         pieces.append(text[at : at + size])
         at += size
     pieces.append(text[at:])
-    out = "".join(matcher.push(piece) for piece in pieces) + matcher.flush()
+    out = "".join(matcher.push(piece) for piece in pieces) + matcher.close()
     firsts = [i for i in (text.find(s) for s in stops) if i >= 0]
     expected = text[: min(firsts)] if firsts else text
     assert out == expected and matcher.is_stopped == bool(firsts)
+
+
+def test_a_longer_stop_that_started_first_wins_over_a_shorter_later_one():
+    # Found by the property test above: "babb" starts at 2 and completes only after "a" (at
+    # 3) is complete; the output must stop at 2.
+    matcher = StopStringMatcher(["a", "babb", "cb\n"])
+    out = "".join(matcher.push(p) for p in ["c\nb", "ab", "b", "\nb"]) + matcher.close()
+    assert out == "c\n" and matcher.matched == "babb"
+    # ... and when the longer one never completes, the shorter one still stops the text.
+    matcher = StopStringMatcher(["c", "aca"])
+    assert matcher.push("ac") == ""  # "c" matched, but "aca" may start at 0: hold
+    assert matcher.push("a") == "" and matcher.matched == "aca"
+    matcher = StopStringMatcher(["c", "acab"])
+    out = matcher.push("ac") + matcher.push("a") + matcher.close()
+    assert out == "a" and matcher.matched == "c"
+
