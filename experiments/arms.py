@@ -1,7 +1,7 @@
 """The ablation matrix: which arms exist, the ablation config, and its resolution into runs.
 
 Owns: the registry of standard arms (`STANDARD_ARMS`: the field's baselines, then the
-SPEC's design added one piece at a time), the schema of an ablation config file
+the design of docs/design.md added one piece at a time), the schema of an ablation config file
 (`experiments/configs/*.yaml`, pydantic, frozen, unknown keys rejected), and
 `plan_ablation`, which turns a config into the list of runs with their full, validated
 engine configs. Every error (unknown arm, unknown or mistyped key, an override that makes
@@ -52,7 +52,7 @@ def _arms(*arms: Arm) -> dict[str, Arm]:
 
 
 STANDARD_ARMS: dict[str, Arm] = _arms(
-    # -- the field's baselines (SPEC "Facts from the field")
+    # -- the field's baselines (docs/design.md "Facts from the field")
     Arm(
         "vllm_fcfs",
         None,
@@ -93,12 +93,12 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
         {"scheduler.policy": "sglang_fcfs"},
         "SGLang 0.5.23's default fcfs: no priority scheduling, no priority preemption",
     ),
-    # -- the SPEC's design, one piece at a time
+    # -- the design (docs/design.md), one piece at a time
     Arm(
         "score",
         "vllm_priority",
         {"scheduler.policy": "priority_score", "preemption.threshold": 0.2},
-        "SPEC §1: priority score + 20% trigger margin (one static slice, recompute, no cap)",
+        "docs/design.md §1: priority score + 20% trigger margin (one static slice, recompute, no cap)",
     ),
     Arm("threshold_0", "score", {"preemption.threshold": 0.0}, "score with no margin (sensitivity)"),
     Arm("threshold_50", "score", {"preemption.threshold": 0.5}, "score with a 50% margin (sensitivity)"),
@@ -106,25 +106,25 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
         "slices_dynamic",
         "score",
         {"preemption.time_slice_strategy": "dynamic"},
-        "SPEC §3: time slice by request length (50/20/10 ms) instead of one static slice",
+        "docs/design.md §3: time slice by request length (50/20/10 ms) instead of one static slice",
     ),
     Arm(
         "rate_limit",
         "slices_dynamic",
         {"preemption.max_preemption_per_min": 30},
-        "SPEC §6: at most 30 priority preemptions per minute",
+        "docs/design.md §6: at most 30 priority preemptions per minute",
     ),
     Arm(
         "pause",
         "rate_limit",
         {"preemption.mode": "pause"},
-        "SPEC §4: zero-copy pause; KV moves only when its blocks are reclaimed",
+        "docs/design.md §4: zero-copy pause; KV moves only when its blocks are reclaimed",
     ),
     Arm(
         "swap_zstd",
         "rate_limit",
         {"preemption.mode": "swap_zstd"},
-        "SPEC §2: save KV with zstd (level 3) to the host pool (serve_config.json's design)",
+        "docs/design.md §2: save KV with zstd (level 3) to the host pool (serve_config.json's design)",
     ),
     Arm(
         "swap_zstd_static",
@@ -142,7 +142,7 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
         "swap_mixed",
         "swap_zstd",
         {"preemption.mode": "swap_mixed"},
-        "SPEC §9: mixed-precision save (FP16/FP8/drop per KV head), lossy",
+        "docs/design.md §9: mixed-precision save (FP16/FP8/drop per KV head), lossy",
     ),
     Arm(
         "swap_fp8",
@@ -155,7 +155,7 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
         "time_share_dynamic",
         "pause",
         {"preemption.slice_mode": "quantum"},
-        "SPEC §3 as time sharing: a request that used its slice yields its seat to the best "
+        "docs/design.md §3 as time sharing: a request that used its slice yields its seat to the best "
         "waiting one of its level or above (KV paused, saved if its blocks are needed)",
     ),
     Arm(
@@ -186,7 +186,7 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
         "early_lstm",
         "swap_mixed",
         {"early_save.policy": "lstm"},
-        "SPEC §8: early saves triggered by the trained LSTM predictor (needs `predictor`)",
+        "docs/design.md §8: early saves triggered by the trained LSTM predictor (needs `predictor`)",
     ),
     Arm(
         "early_oracle",

@@ -4,7 +4,7 @@
 2. `preempt importance`: gradient head importance -> a mixed-precision head plan.
 3. `preempt collect`: scheduling features + preemption labels from a replay.
 4. `preempt train`: the LSTM preemption predictor (Lightning, wandb offline).
-5. `preempt ablate`: the `quick` matrix (baselines, the SPEC's pieces one at a time,
+5. `preempt ablate`: the `quick` matrix (baselines, the design's pieces one at a time,
    early saves with the trained predictor; the tiny arms run the trained LM with the
    importance plan), wandb runs, results table, plots.
 6. `preempt bench codec`: the mixed-precision codec per plan on the trained LM.

@@ -1,6 +1,6 @@
 """`docs/results.md` from ablation outputs: `preempt report --quick DIR [--paper DIR2] --out F`.
 
-Owns: the list of claims we test (the article's numbers in SPEC.md and the field's facts
+Owns: the list of claims we test (the article's numbers, docs/design.md §1-§9, and the field's facts
 we measure ourselves against), how each is measured from an ablation's results (which
 arms are compared, on which metric, with which tolerance), and the generated report:
 one claims table per source and grid point (measured value, verdict), the results tables
@@ -54,7 +54,7 @@ class Finding:
 @dataclass(frozen=True)
 class Claim:
     key: str
-    source: str  # where the claim comes from (SPEC section or field fact)
+    source: str  # where the claim comes from (a docs/design.md section or field fact)
     text: str
     method: str  # how this report measures it
     evaluate: Callable[[Arms], Finding]
@@ -427,7 +427,7 @@ def _zstd_ratio(arms: Arms) -> Finding:
 CLAIMS: list[Claim] = [
     Claim(
         "threshold",
-        "SPEC §1",
+        "docs/design.md §1",
         "A challenger must beat the running request's score by 20% (the default margin)",
         "goodput of `score` (margin 0.2) over margins 0 and 0.5, paired by seed: both intervals above -1% "
         "(held), one below (did not hold)",
@@ -436,7 +436,7 @@ CLAIMS: list[Claim] = [
     ),
     Claim(
         "priority",
-        "SPEC §1",
+        "docs/design.md §1",
         "Priority-score preemption protects the most important class",
         "top SLA level's TTFT p99, `score` - `vllm_priority` paired by seed: interval below 0",
         _vip,
@@ -444,7 +444,7 @@ CLAIMS: list[Claim] = [
     ),
     Claim(
         "dynamic_slices",
-        "SPEC §3",
+        "docs/design.md §3",
         "Dynamic time slices cut preemption overhead by 23% against a fixed slice",
         "overhead (stall; recomputed tokens in recompute mode) of a dynamic-slice arm vs its fixed-slice "
         "twin, paired reduction interval above 18% (23% - 5 points); the first pair that binds decides: "
@@ -455,7 +455,7 @@ CLAIMS: list[Claim] = [
     ),
     Claim(
         "save_restore_ms",
-        "SPEC §2",
+        "docs/design.md §2",
         "Saving and restoring a request's KV costs 5-15 ms",
         "median save and restore time of `swap_zstd`, intervals inside [5, 15] ms (virtual clock: the "
         "target's KV over PCIe plus the calibrated codec throughput; wall-clock codec numbers: "
@@ -466,7 +466,7 @@ CLAIMS: list[Claim] = [
     ),
     Claim(
         "mixed_bytes",
-        "SPEC §9",
+        "docs/design.md §9",
         "Mixed-precision saves (FP16/FP8/drop per head) are 35% smaller",
         "stored / raw bytes of a `swap_mixed` arm on real 16-bit KV, interval below 0.70x (the null "
         "backend's sizes follow the head plan by construction and are shown, not judged)",
@@ -475,7 +475,7 @@ CLAIMS: list[Claim] = [
     ),
     Claim(
         "warmup",
-        "SPEC §9",
+        "docs/design.md §9",
         "After a mixed-precision restore, 1-2 tokens of warm-up keep the output",
         "share of requests whose greedy outputs under a `swap_mixed` arm with real tokens equal the "
         "lossless reference's: interval above 0.95",
@@ -484,7 +484,7 @@ CLAIMS: list[Claim] = [
     ),
     Claim(
         "early_warning",
-        "SPEC §8",
+        "docs/design.md §8",
         "Predicting preemptions 50 ms ahead lets the KV save overlap compute",
         "stall of `early_lstm` - its parent `swap_mixed`, paired by seed: interval below 0 (rule, always "
         "and oracle shown)",
@@ -494,7 +494,7 @@ CLAIMS: list[Claim] = [
     ),
     Claim(
         "rate_limit",
-        "SPEC §6",
+        "docs/design.md §6",
         "max_preemption_per_min bounds preemption thrashing",
         "peak priority preemptions in any 60 s window of `rate_limit` at most its cap in every seed (a "
         "hard bound), where `slices_dynamic` (uncapped) exceeds it in some seed",
@@ -503,7 +503,7 @@ CLAIMS: list[Claim] = [
     ),
     Claim(
         "zero_copy",
-        "SPEC §4",
+        "docs/design.md §4",
         "A zero-copy pause resumes without moving KV",
         "`pause` - `swap_raw` (same uncompressed path) KV bytes moved, paired by seed: interval below 0, "
         "and the stall difference's interval not above 0",

@@ -1,7 +1,7 @@
-"""The SPEC's `update_block_table` kernel (§4, zero-copy context switch), on the device.
+"""The article's `update_block_table` kernel (docs/design.md §4, zero-copy context switch), on the device.
 
 Owns: `_update_block_table_kernel` and its wrappers: `update_block_table` (one request's
-row, the SPEC's kernel; same contract as preempt/core/block_table.py) and
+row, the article's kernel; same contract as preempt/core/block_table.py) and
 `update_block_table_rows` (several rows in one launch, for a step that switches many
 requests). `update_block_table_ref` is preempt/core/block_table.py's reference itself. It
 moves no KV data and decides nothing about which blocks a request owns.

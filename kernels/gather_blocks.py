@@ -1,4 +1,4 @@
-"""Gather a request's paged KV blocks into logical token order (save path, SPEC §2 step 2).
+"""Gather a request's paged KV blocks into logical token order (save path, docs/design.md §2 step 2).
 
 Owns: the `_gather_blocks_kernel` Triton kernel, its wrappers `gather_blocks` (one
 request: block ids + token count) and `gather_blocks_batch` (many requests: a padded

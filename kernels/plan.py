@@ -10,7 +10,7 @@ kernels (`quantize_heads`, `restore_blocks`) read the plan, and whoever scores h
 Classes:
 - FP16: kept at the cache's own dtype, bit-exact. In deployment that is a 16-bit dtype
   (fp16/bf16); the tiny model may run float32/float64 and then the kept head keeps those
-  bytes (the name follows the SPEC, the size follows the cache: see `bytes_per_token`).
+  bytes (the name follows the design, the size follows the cache: see `bytes_per_token`).
 - FP8: float8 E4M3 with one float32 scale per (layer, K or V, head) = amax / 448.
 - DROP: not stored; restored as zeros and reported, so attention masks the head for the
   rest of the request's life.
@@ -260,7 +260,7 @@ class HeadPlan:
     ) -> HeadPlan:
         """(L, H) importance scores (e.g. Michel et al.'s E|dL/dxi|, normalised per layer,
         summed over each KV head's query heads) -> the least important `drop_share` of all
-        heads DROP, the next `fp8_share` FP8, the rest FP16 (SPEC §9). Ties break by
+        heads DROP, the next `fp8_share` FP8, the rest FP16 (docs/design.md §9). Ties break by
         (layer, head) order, so equal scores give a deterministic plan."""
         scores = np.asarray(importance.cpu() if isinstance(importance, torch.Tensor) else importance, float)
         if scores.ndim != 2:

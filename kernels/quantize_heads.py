@@ -1,4 +1,4 @@
-"""Mixed-precision compression of one request's KV by a head plan (SPEC §9, save side).
+"""Mixed-precision compression of one request's KV by a head plan (docs/design.md §9, save side).
 
 Owns: `_quantize_heads_kernel`, its wrappers `quantize_heads` (from a gathered
 (L, 2, T, H, D) tensor) and `gather_quantize_heads` (fused: straight from the paged

@@ -1,4 +1,4 @@
-"""Rebuild a request's paged KV from a `QuantizedKV` (SPEC §2 restore, §9 mixed precision).
+"""Rebuild a request's paged KV from a `QuantizedKV` (docs/design.md §2 restore, §9 mixed precision).
 
 Owns: `_restore_blocks_kernel` and its wrapper `restore_blocks` (dequantize and scatter
 into newly allocated blocks, in place), the torch references `restore_blocks_ref` and

@@ -1,8 +1,8 @@
-"""The learned preemption predictor (SPEC §8): an LSTM in PyTorch Lightning trained on the
+"""The learned preemption predictor (docs/design.md §8): an LSTM in PyTorch Lightning trained on the
 engine's feature logs (`preempt collect`, preempt.obs.dataset).
 
 Modules: `data` (the features dataset as request histories, split by request), `model`
-(the SPEC's LSTM -> Linear -> sigmoid as a LightningModule), `train` (`preempt train`),
+(the design's LSTM -> Linear -> sigmoid as a LightningModule), `train` (`preempt train`),
 `evaluate` (`preempt eval-predictor`), `metrics` (AUROC, AUPRC, F1 in numpy),
 `baselines` (rule, logistic regression, oracle). The engine's side (one batched LSTM
 step per engine step, each request's state carried; torch, never Lightning) is

@@ -4,7 +4,8 @@ Owns: three predictors of "preempted within the horizon", each a function from a
 `FeatureTable` (plus the train rows, where it fits something) to one score per row:
 - `rule`: what the scheduler itself would do next. Among the requests running at a step
   whose time slice is used up (slice_usage >= 1: the priority trigger's candidates), the
-  one with the lowest SPEC priority score (feature `score_rank`) is the next victim. Score = 1 / (1 + rank)
+  one with the lowest priority score (feature `score_rank`; docs/design.md §1) is the
+  next victim. Score = 1 / (1 + rank)
   among those candidates (1.0 for the lowest), 0 for requests still inside their slice.
   Uses the whole running set of the step (other requests' features are present state,
   not the future).

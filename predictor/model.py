@@ -1,4 +1,4 @@
-"""The SPEC §8 predictor: LSTM(input_size=8, hidden_size=64) -> Linear(64, 1) -> sigmoid,
+"""The docs/design.md §8 predictor: LSTM(input_size=8, hidden_size=64) -> Linear(64, 1) -> sigmoid,
 read on the last step, as a LightningModule.
 
 Sequences are whole request histories from the request's first logged step (see
@@ -10,7 +10,7 @@ and saved in the checkpoint, so online use needs nothing but the checkpoint), th
 (BCE with `pos_weight` for the rare positive class), the optimiser, and the validation
 metrics that pick the best checkpoint (val AUPRC).
 
-Must never: see a label inside `forward`, change the architecture the SPEC fixes (extra
+Must never: see a label inside `forward`, change the architecture the design fixes (extra
 capacity belongs in a new class with its own name), or be imported by `preempt/` (the
 engine and server must not pay `import pytorch_lightning`).
 """
@@ -88,7 +88,7 @@ class PreemptionLSTM(pl.LightningModule):
         return torch.sigmoid(self.step_logits(x)[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The SPEC's read-out, on the last step: P(preempted within the horizon) (B,)
+        """The design's read-out, on the last step: P(preempted within the horizon) (B,)
         after histories x (B, T, 8) that start at the requests' first logged steps."""
         return torch.sigmoid(self.step_logits(x)[0][:, -1])
 

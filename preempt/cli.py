@@ -1,4 +1,4 @@
-"""The `preempt` command line (a *contract*, see DESIGN.md "CLI").
+"""The `preempt` command line (a *contract*, see docs/design.md "CLI").
 
 Owns: argument parsing, turning flags into config overrides, and exit codes. It does no
 work itself: each command calls into the library. Bad flags and bad config end with one

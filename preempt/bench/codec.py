@@ -2,7 +2,7 @@
 
 For each head plan (uniform FP16 and FP8 (the baseline), each newer class uniformly
 (FP8 per-token scales, KIVI 4/2-bit, KIVI with 5/6/8-bit keys and 4-bit values), a seeded
-random plan with the SPEC's shares and an importance plan when one is given, and, for a
+random plan with the design's shares and an importance plan when one is given, and, for a
 trained model, the budget plans: restored-prefix sensitivity at <= `BUDGET` x FP16 and the
 same classes placed by gradient-gate importance and at random over `NUM_RANDOM` seeds),
 on real KV from the model:
@@ -202,7 +202,7 @@ def _plans(num_layers: int, num_kv_heads: int, plan_file: str | None) -> dict[st
             )
             for label in UNIFORM_CLASSES
         },
-        # The SPEC's shares (10% dropped, 50% FP8): the control for an importance plan.
+        # The design's shares (10% dropped, 50% FP8): the control for an importance plan.
         "random": HeadPlan.random(num_layers, num_kv_heads, fp8_share=0.5, drop_share=0.1, seed=0),
     }
     if plan_file:

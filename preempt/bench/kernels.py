@@ -3,7 +3,7 @@
 On a Llama-3-8B-shaped paged cache (32 layers, 8 KV heads, head_dim 128, bf16, blocks of
 16 tokens, scattered block ids), one request of `num_tokens`:
 
-- Bandwidth of `gather_blocks` (raw), `gather_quantize_heads` (the SPEC's mixed plan:
+- Bandwidth of `gather_blocks` (raw), `gather_quantize_heads` (the design's mixed plan:
   40% FP16, 50% FP8, 10% dropped) and `restore_blocks`, as bytes read + written over
   kernel time, and as a fraction of the device's HBM peak (`--hbm-tb-s`, default the
   H200's 4.8 TB/s). Target: >= 60% for gather + quantize.

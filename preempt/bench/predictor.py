@@ -34,7 +34,7 @@ TARGET_FRACTION = 0.05
 
 
 def random_predictor(seed: int = 0) -> OnlinePredictor:
-    """An OnlinePredictor with freshly initialised weights (the SPEC's shapes)."""
+    """An OnlinePredictor with freshly initialised weights (the design's shapes)."""
     generator = torch.Generator().manual_seed(seed)
     lstm = torch.nn.LSTM(NUM_FEATURES, HIDDEN_SIZE)
     head = torch.nn.Linear(HIDDEN_SIZE, 1)

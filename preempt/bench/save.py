@@ -194,7 +194,7 @@ def _soak(rate_scale: float, duration_s: float | None) -> dict[str, Any]:
             # 24k tokens of KV, 24 seats and a 1 GB host pool (4 slots of 256 MB of
             # Llama-3-8B KV): forced and priority preemptions, a full pool, blobs over a
             # slot and the consecutive limit all happen. The weights favour the SLA term so
-            # that VIP arrivals do preempt (with the SPEC's weights the age term lets
+            # that VIP arrivals do preempt (with the design's weights the age term lets
             # almost no new arrival win).
             "cache": {"num_blocks": 1500},
             "scheduler": {"policy": "priority_score", "max_num_seqs": 24},

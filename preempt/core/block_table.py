@@ -1,8 +1,8 @@
-"""The block-table update of the zero-copy context switch (SPEC §4).
+"""The block-table update of the zero-copy context switch (docs/design.md §4).
 
 Owns: re-pointing one request's row of the block table (logical block j -> physical
 block id). Switching requests in or out of the batch only rewrites such rows; no KV data
-moves. This is the torch/numpy reference of the SPEC's `update_block_table` kernel (the
+moves. This is the torch/numpy reference of the article's `update_block_table` kernel (the
 Triton version lives in `kernels/`); it decides nothing about which blocks a request
 owns (the block pool and scheduler do).
 """

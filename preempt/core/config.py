@@ -192,7 +192,7 @@ class PriorityWeights(_Section):
     Units are explicit: age in seconds since arrival, SLA level as an integer class,
     remaining work in *thousands* of tokens (prompt still to prefill + max_tokens still to
     generate). With raw tokens the token term would swamp the others (a 2k-token prompt
-    would outweigh 15 minutes of age at the SPEC's weights)."""
+    would outweigh 15 minutes of age at the design's weights)."""
 
     age: float = Field(1.2, ge=0)
     sla: float = Field(0.8, ge=0)
@@ -238,12 +238,12 @@ class MlfqConfig(_Section):
 
 
 class PreemptionConfig(_Section):
-    """The SPEC's `preemption` section (serve_config.json), extended."""
+    """The design's `preemption` section (serve_config.json), extended."""
 
     mode: Literal["recompute", "swap", "swap_zstd", "swap_mixed", "pause"] = "recompute"
     """What happens to a victim's KV: dropped and recomputed (vLLM V1), saved raw to host
     memory (vLLM V0 swap), saved with zstd, saved mixed-precision by a head plan (FP16 /
-    FP8 / drop per KV head, SPEC §9; lossy), or kept resident until its blocks are needed
+    FP8 / drop per KV head, docs/design.md §9; lossy), or kept resident until its blocks are needed
     (`pause`, zero-copy; saved with `reclaim_codec` when reclaimed)."""
     time_slice_strategy: Literal["static", "dynamic"] = "dynamic"
     slice_mode: Literal["gate", "quantum"] = "gate"
@@ -291,13 +291,13 @@ class PreemptionConfig(_Section):
     JSON plan file (`preempt importance` writes one from gradient head importance)."""
     head_plan_fp8_share: float = Field(0.5, ge=0, le=1)
     head_plan_drop_share: float = Field(0.1, ge=0, le=1)
-    """`random` plan shares (SPEC §9: 10% dropped; 50% FP8 + 40% FP16 gives the SPEC's
+    """`random` plan shares (docs/design.md §9: 10% dropped; 50% FP8 + 40% FP16 gives the design's
     0.65x of FP16 bytes)."""
     mixed_zstd: bool = False
     """`swap_mixed`: also zstd the packed payload on the host (costs host CPU time)."""
     warmup_tokens: int = Field(2, ge=0)
     """After a lossy restore, recompute the last this-many tokens at full precision
-    (the SPEC's "1-2 tokens of warm-up")."""
+    (the design's "1-2 tokens of warm-up")."""
     reclaim_codec: Literal["raw", "zstd"] = "raw"
     """How `pause` saves a paused request when its blocks are reclaimed."""
     codec_encode_mb_s: dict[str, float] = Field(

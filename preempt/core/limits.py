@@ -1,4 +1,4 @@
-"""The two clocks-and-counters of the SPEC's preemption limits: the rate cap's sliding
+"""The two clocks-and-counters of the design's preemption limits: the rate cap's sliding
 window and the admission backoff after a preemption failure.
 
 Owns: their arithmetic over times given by the caller (seconds on whatever clock the

@@ -3,7 +3,7 @@
 Owns: the per-request facts the scheduler decides on and the runner acts on. Holds no
 tensors and imports no torch. The *true* output length (from the trace) lives in
 `target_output_tokens`; policies must only look at `max_tokens`, which is what a real
-server would know (see DESIGN.md "Workloads").
+server would know (docs/design.md "Request states").
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ KVLocation = Literal["device", "host"] | None
 
 
 class RequestState(str, enum.Enum):
-    """Lifecycle states (names are a contract, see DESIGN.md)."""
+    """Lifecycle states (the names are a contract: docs/design.md "Request states")."""
 
     WAITING = "WAITING"  # arrived, never admitted (or requeued after a recompute preemption)
     RUNNING = "RUNNING"  # holds device blocks and is in the batch
@@ -68,7 +68,7 @@ class Request:
     kv_location: KVLocation = None  # where a PREEMPTED request's KV is
     saved_kv: Any = None  # the saver's handle while kv_location == "host" (opaque here)
     # (num_layers, num_kv_heads) int: a lossy restore dropped these heads' saved KV, so their
-    # keys below this position stay masked for the rest of the request's life (SPEC §9);
+    # keys below this position stay masked for the rest of the request's life (docs/design.md §9);
     # 0 where nothing is masked. None: no head dropped.
     kv_masked_until: Any = None
 

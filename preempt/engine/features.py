@@ -1,4 +1,4 @@
-"""Scheduling features: what a policy may know of a running request (SPEC §8).
+"""Scheduling features: what a policy may know of a running request (docs/design.md §8).
 
 Owns: the 8 features of each running request at a step (`FEATURE_NAMES`, documented in
 `FEATURE_DOCS`; the `scale_free` set beside them) and how they are computed from the
@@ -6,7 +6,7 @@ engine's state after a step (`engine_features`). Read online by the early-save p
 and logged offline into the predictor's training set (`preempt.obs.dataset`, which also
 computes the labels: the only place the future enters).
 
-Feature choice: the SPEC's "past preemptions, sequence length, slice usage, ..." plus what
+Feature choice: docs/design.md §8's "past preemptions, sequence length, slice usage, ..." plus what
 decides who is preempted. The victim of both triggers is the lowest-scored running
 request (priority_score policy), which no per-request feature can tell on its own, so
 `score_rank` places the request among the running ones; it replaced the request's age
@@ -51,7 +51,7 @@ FEATURE_DOCS: dict[str, str] = {
     "seq_ktokens": "current length, prompt + generated tokens, in thousands of tokens",
     "slice_usage": "executed time since it last started running / its time slice "
     "(>= 1: eligible as a priority victim)",
-    "score_rank": "running requests with a strictly lower SPEC priority score (0: this is "
+    "score_rank": "running requests with a strictly lower priority score (0: this is "
     "the lowest, the priority_score policy's next victim), count",
     "sla_level": "service class (higher = more important)",
     "remaining_ktokens": "estimated remaining work from max_tokens, thousands of tokens "

@@ -1,4 +1,4 @@
-"""Online, stateful, batched inference of the trained preemption LSTM (SPEC §8, issue #6).
+"""Online, stateful, batched inference of the trained preemption LSTM (docs/design.md §8, issue #6).
 
 Owns: loading a `preempt train` checkpoint without Lightning, each running request's LSTM
 state (h, c) in a preallocated slot, and the step: one LSTM step for all requests of an
@@ -61,7 +61,7 @@ class PredictorCheckpointError(ValueError):
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(state dict, hyper-parameters) of a `preempt train` checkpoint, checked for the
-    SPEC's shapes; never imports Lightning."""
+    the design's shapes; never imports Lightning."""
     path = Path(path)
     if not path.is_file():
         raise PredictorCheckpointError(
@@ -84,7 +84,7 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
             )
         if tuple(tensor.shape) != shape:
             raise PredictorCheckpointError(
-                f"{path}: '{key}' has shape {tuple(tensor.shape)}, the SPEC's LSTM(8, 64) needs {shape}"
+                f"{path}: '{key}' has shape {tuple(tensor.shape)}, the design's LSTM(8, 64) needs {shape}"
             )
     hparams = checkpoint.get("hyper_parameters") or {}
     return state, dict(hparams)

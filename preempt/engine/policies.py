@@ -28,7 +28,7 @@ class SchedulingPolicy(ABC):
       The scheduler has already filtered `candidates` (slice used if `uses_time_slices`,
       not PREEMPTION_FAILED); the policy only compares importance.
     - `uses_failure_fallback` is the default of `preemption.failure_fallback`: whether the
-      scheduler applies the SPEC design's PREEMPTION_FAILED fallback and backoff. A
+      scheduler applies the design's PREEMPTION_FAILED fallback and backoff. A
       baseline named after a system keeps it off unless that system has one.
     """
 
@@ -119,7 +119,7 @@ class SglangPriorityPolicy(SglangFcfsPolicy):
 
 
 class PriorityScorePolicy(SchedulingPolicy):
-    """The SPEC's design: score = age, SLA and remaining work (preempt.engine.priority); the
+    """The design (docs/design.md §1): score = age, SLA and remaining work (preempt.engine.priority); the
     victim is the lowest-scored running request that has used its time slice, and it is
     displaced only when the challenger beats it by the threshold margin."""
 

@@ -1,4 +1,4 @@
-"""The SPEC's priority score, its trigger margin, and time slices.
+"""The design's priority score, its trigger margin, and time slices.
 
 Owns: the arithmetic of "who is more important, by enough, and has the incumbent had its
 turn". Plain Python over request fields a real server knows; never reads the future

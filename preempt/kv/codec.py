@@ -322,7 +322,7 @@ class ZstdCodec(Codec):
 
 
 class MixedCodec(Codec):
-    """Mixed precision per KV head (SPEC §9), lossy: a head plan keeps each (layer, KV head)
+    """Mixed precision per KV head (docs/design.md §9), lossy: a head plan keeps each (layer, KV head)
     at the cache's dtype (bit-exact), as float8 E4M3 with one scale per (head, K or V), or
     drops it (restored as zeros; attention masks it for the rest of the request).
 

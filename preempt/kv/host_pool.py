@@ -8,7 +8,7 @@ invariant). A 0.2 MB save takes 0.2 MB, not a whole `slot_bytes`: `slot_bytes`
 in, `load` hands back a view of exactly the stored bytes, `free` gives its extent back.
 
 It must never: allocate host memory after construction (a save that does not fit is refused
-with `PreemptionHandlerOOM`, the signal for the scheduler's fallback, SPEC §7), look inside a
+with `PreemptionHandlerOOM`, the signal for the scheduler's fallback, docs/design.md §7), look inside a
 blob (that is the codec's job), or know about requests (callers keep the handle).
 
 Thread-safety: one lock guards the extents and counters. The byte copy in `store` runs
@@ -33,7 +33,7 @@ Blob = bytes | bytearray | memoryview | np.ndarray | torch.Tensor
 
 
 class PreemptionHandlerOOM(RuntimeError):
-    """The host pool cannot take a KV blob: a load condition, answered by the fallback (SPEC §7).
+    """The host pool cannot take a KV blob: a load condition, answered by the fallback (docs/design.md §7).
 
     `reason` is "pool_full" (no free extent large enough: raise --preemption-host-mem) or
     "slot_too_small" (the blob is larger than --preemption-slot-size allows).

@@ -1,5 +1,5 @@
 """Gradient head importance (Michel, Levy, Neubig, NeurIPS 2019) and the head plan it
-yields for the mixed-precision save (SPEC §9): `preempt importance --model CKPT --out P`.
+yields for the mixed-precision save (docs/design.md §9): `preempt importance --model CKPT --out P`.
 
 Owns: the importance scores, the query-head -> KV-head reduction, the gates that mask
 whole KV heads, the masking comparison that checks the scores mean something, and the
@@ -11,7 +11,7 @@ I_h = mean over calibration windows w of |dL_w/dxi_h|, L the window's mean next-
 loss. Taking |.| per window is the paper's E_x|dL/dxi|; their code takes it per
 mini-batch, which lets windows whose gradients disagree in sign cancel. Scores keep
 their raw scale by default: the plan ranks heads across all layers at once, and on the
-reference LM (4 KV heads per layer) the paper's per-layer L2 normalisation (the SPEC's
+reference LM (4 KV heads per layer) the paper's per-layer L2 normalisation (the design's
 wording; `normalize="layer"`) forces every layer to give up weak heads: masking its 10%
 "least important" cost +0.137 bits/byte against +0.066 raw (random +0.230), and its rank
 correlation with masking each head alone was 0.67 against 0.83 (docs/lm.md). A KV head
@@ -66,7 +66,7 @@ class ImportanceConfig:
     """Distinct random masks averaged in the comparison."""
     normalize: str = "none"
     """"none": the raw mean |dL/dxi| (comparable across layers: the plan ranks globally);
-    "layer": L2-normalise each layer's query-head scores (Michel et al., the SPEC's
+    "layer": L2-normalise each layer's query-head scores (Michel et al., the design's
     wording), measured worse for a global plan (module doc)."""
     single_head: bool = False
     """Also mask each KV head alone and report its held-out cost and the rank correlation

@@ -116,7 +116,7 @@ PRESETS: dict[str, TinyConfig] = {
         intermediate_size=384,
     ),
     # ~1.05M parameters: the reference LM `preempt lm train` trains. 4 layers x 4 KV heads
-    # = 16 KV heads, so the SPEC's "10% dropped" is 2 whole heads (with 2 KV heads per
+    # = 16 KV heads, so the design's "10% dropped" is 2 whole heads (with 2 KV heads per
     # layer it would round to 1 of 8); GQA with 2 query heads per KV head as in Llama-3.
     # ~6.8k tokens/s of training on one core.
     "lm-4l": TinyConfig(

@@ -212,7 +212,7 @@ _OPTIONAL_COLUMNS = ("steps_to_preemption", "num_tokens")  # absent in datasets 
 
 
 def build_dataset(columns: dict[str, np.ndarray], info: dict[str, Any]) -> Dataset:
-    """A `datasets.Dataset` with the DESIGN.md schema; `info` (trace, config, seed,
+    """A `datasets.Dataset` with the schema of docs/design.md "Files"; `info` (trace, config, seed,
     horizon, feature names and docs) goes into `info.description` as JSON, and the seed
     also into a column so datasets from several runs can be concatenated and still split
     by (seed, request_id)."""

@@ -1,6 +1,6 @@
 """Run outputs: `requests.parquet` (one row per request) and `summary.json`.
 
-Owns: the *contract* columns and keys of DESIGN.md "Files", the latency definitions and
+Owns: the *contract* columns and keys of docs/design.md "Files", the latency definitions and
 the output digest. It reads finished requests; it never changes them.
 
 Definitions (seconds on the engine's clock):
@@ -47,7 +47,7 @@ def _latencies(request: Request) -> tuple[float, float, float]:
     return ttft, tpot, request.finish_s - request.arrival_s
 
 
-# The contract columns (DESIGN.md "Files"), then our extensions.
+# The contract columns (docs/design.md "Files"), then our extensions.
 REQUESTS_SCHEMA = pa.schema(
     [
         ("request_id", pa.int64()),

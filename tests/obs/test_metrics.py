@@ -144,7 +144,7 @@ def test_metrics_agree_with_the_engine(preemption: dict[str, Any]) -> None:
 
 
 def test_every_preemption_metric_is_named_for_grep() -> None:
-    # SPEC §5: `curl .../metrics | grep preemption` shows count, rate, latency, saved size.
+    # docs/design.md §5: `curl .../metrics | grep preemption` shows count, rate, latency, saved size.
     text = PreemptionMetrics().render().decode()
     lines = [line for line in text.splitlines() if "preemption" in line and not line.startswith("#")]
     names = {line.split("{")[0].split(" ")[0] for line in lines}

@@ -2,7 +2,7 @@
 
 The engine (null backend, virtual clock) runs the workload as `preempt.parity.ours` does,
 but stamps each request's arrival with the engine's clock at the step it arrives (ages
-in the SPEC score are seconds, not step numbers) and records every step's start time and
+in the priority score are seconds, not step numbers) and records every step's start time and
 charged duration. The vLLM plugin then replays exactly that clock (`ReplayClock`), so
 both sides decide with the same `now` at every step: any difference is a rule, not time.
 """

@@ -7,7 +7,7 @@ vLLM; never import it from preempt's own code paths.
 vLLM's `schedule()` runs unchanged; the plugin decides around it, at three seams:
 
 1. Admission order: both waiting queues are a heap by preempt's `admission_key` (the
-   SPEC score at arrival for `priority_score`); vLLM still admits the head first and
+   priority score at arrival for `priority_score`); vLLM still admits the head first and
    never skips it. While a preemption failure's backoff holds and the head never ran,
    the queue reads as empty to vLLM's admission loop, which therefore stops, as preempt's
    does.
