@@ -221,7 +221,10 @@ class Scheduler:
             if self._held_by_backoff(request, now):
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._whole_sequence_fits(request) or not self._allocate_for(request, num_new):
+            fits = self._whole_sequence_fits(request) and self._allocate_for(request, num_new)
+            if not fits and self._reclaim_prefetched(request, num_new):
+                fits = self._whole_sequence_fits(request) and self._allocate_for(request, num_new)
+            if not fits:
                 break  # never skip the head
             heapq.heappop(self._waiting)
             del self._score_parts[request]
@@ -315,6 +318,29 @@ class Scheduler:
             self._score_parts[victim] = self._score_part(victim)  # still waiting; its KV may be gone
             if failure is not None:
                 self._fail(victim, record, failure)
+
+    def _reclaim_prefetched(self, head: Request, num_new: int) -> bool:
+        """Cancel restore prefetches of requests queued behind `head` (last in admission
+        order first) until `head` could be admitted; True if any was cancelled.
+
+        Why: a prefetch holds blocks for a request that is not admitted yet; a request
+        that arrived since, or one ranked ahead of it, must not wait for them (with
+        nothing running, nobody would ever free them). A prefetched request is a waiting
+        one whose KV is on the host and whose blocks are already its own."""
+        held = [
+            r for r in self.waiting_requests() if r is not head and r.kv_location == "host" and r.block_ids
+        ]
+        need = max(
+            self._admission_missing_blocks(head),
+            blocks_needed(head.num_computed_tokens + num_new, self.block_size) - len(head.block_ids),
+        )
+        cancelled = False
+        while held and not self.block_pool.can_allocate(need):
+            request = held.pop()
+            self.mover.cancel_prefetch(request)
+            self._release_blocks(request)
+            cancelled = True
+        return cancelled
 
     def _save(self, victim: Request, codec: str, record: PreemptionRecord) -> str | None:
         record.codec = codec

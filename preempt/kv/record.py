@@ -66,6 +66,10 @@ class KVMover(ABC):
     def restore(self, request: Request, now: float, record: PreemptionRecord) -> bool:
         """Restore the KV; False if the saved copy was unusable (it is freed either way)."""
 
+    def cancel_prefetch(self, request: Request) -> None:  # noqa: B027 (optional)
+        """Forget a restore started before admission (its blocks are freed by the caller;
+        the host copy stays). Only a mover that prefetches has any."""
+
     @abstractmethod
     def discard(self, request: Request) -> None:
         """Drop a saved copy that will never be restored (the request was aborted)."""

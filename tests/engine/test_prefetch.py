@@ -109,6 +109,29 @@ def test_prefetch_accounting_is_exact_after_every_step(
     assert engine.block_pool.num_free == engine.block_pool.num_blocks
 
 
+def test_prefetched_blocks_never_keep_the_head_waiting():
+    """Regression (found by the property test above): prefetches held the blocks of 4
+    waiting requests while 2 new requests of higher rank, which needed them, came first;
+    with nothing running nobody freed them and the run stopped ("no progress"). The
+    scheduler now cancels prefetches behind the head it cannot otherwise admit."""
+    config = _config(
+        "swap_zstd",
+        num_blocks=34,
+        backend="null",
+        prefetch_depth=6,
+        prefetch_block_share=1.0,
+        prefetch_host_budget=10**9,
+    )
+    engine = Engine(config)
+    requests = _workload(3)
+    engine.run(requests, on_step=lambda _: check_accounting(engine))
+    assert all(r.state is RequestState.FINISHED for r in requests)
+    saver = engine.saver
+    assert saver.prefetch_bytes_wasted > 0, "the case must cancel a prefetch at admission"
+    assert saver.prefetch_bytes == saver.prefetch_bytes_used + saver.prefetch_bytes_wasted
+    assert engine.block_pool.num_free == engine.block_pool.num_blocks
+
+
 def test_prefetch_hides_restore_stall_on_the_virtual_clock():
     stalls = {}
     for prefetch in (False, True):
