@@ -1,9 +1,10 @@
 """The engine loop: arrivals in, scheduled steps through the model, finished requests out.
 
-Owns: wiring (config -> pool, scheduler, runner, clock, cost model), the step, request
-bookkeeping after each step (tokens, timestamps, final states) and the replay loop.
-It decides nothing itself (the scheduler does) and touches no tensor itself (the runner
-does).
+Owns: wiring (config -> pool, scheduler, runner, clock, cost model), the step and the
+replay loop. A step flows one way: `scheduler.schedule(now)` -> `runner.execute` -> the
+clock advances -> one `scheduler.update_from_output` (tokens, timestamps, finished
+requests) -> the hooks read the step. It decides nothing itself (the scheduler does) and
+touches no tensor itself (the runner does).
 """
 
 from __future__ import annotations
@@ -126,28 +127,8 @@ class Engine:
         compute_s = time.perf_counter() - started
         step_s = self.cost_model.step_time_s(shape) if self.config.clock.kind == "virtual" else compute_s
         self.clock.advance(step_s)
-        now = self.clock.now()
         self.num_steps += 1
-        self.scheduler.on_step_done(scheduled.chunks, step_s)
-
-        finished: list[Request] = []
-        for chunk, token in zip(scheduled.chunks, next_tokens, strict=True):
-            request = chunk.request
-            request.num_computed_tokens += chunk.num_new_tokens
-            if token is None:
-                continue
-            if not isinstance(token, int):  # a Sample: the token with its logprobs
-                request.output_logprobs.append(token)
-                token = token.token_id
-            request.output_token_ids.append(token)
-            if request.sampling is not None and request.sampling.stops_at(token, request.num_output_tokens):
-                request.stop_token_id = token
-            if request.first_token_s is None:
-                request.first_token_s = now
-            if request.is_finished_generating:
-                request.finish_s = now
-                finished.append(request)
-        self.scheduler.remove_finished(finished)
+        finished = self.scheduler.update_from_output(scheduled, step_s, next_tokens, self.clock.now())
         output = StepOutput(scheduled, finished, step_s, stall_s)
         if self.early_saver is not None:
             self.early_saver(self, output)

@@ -7,7 +7,8 @@ their rate limit, the failure fallback and the admission backoff. Plain Python, 
 torch: moving KV bytes is delegated to a `KVMover` (the saver), and the scheduler never
 runs the model or reads a clock of its own (`schedule(now)` is given the time).
 
-One step (`schedule(now)`):
+One step is `schedule(now)`, the model run, then `update_from_output(...)` (tokens in,
+finished requests out). `schedule(now)`:
 0. Priority: if the head of the waiting queue cannot be admitted (no seat or no blocks),
    the policy may name a running request it displaces (at most one per step; only
    requests that used their time slice; never beyond `max_preemption_per_min`).
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -208,11 +210,39 @@ class Scheduler:
             chunk_list, preempted, self.records[first_record:], num_tokens, self._uses_saved_blocks
         )
 
-    def on_step_done(self, chunks: list[ScheduledChunk], step_s: float) -> None:
-        """Charge the step's duration to every request that ran in it (time slices)."""
-        for chunk in chunks:
+    def update_from_output(
+        self, output: SchedulerOutput, step_s: float, tokens: Sequence[object], now: float
+    ) -> list[Request]:
+        """The step ran: the one place its results enter the requests (vLLM V1's
+        `update_from_output`, nano-vllm's `postprocess`). `tokens` holds the runner's
+        token for each chunk in `output.chunks` (None for a prefill chunk short of the
+        prompt's end; an int, or a sample with `token_id` and logprobs); `now` is the
+        clock after the step. Charges `step_s` to every request that ran (time slices),
+        advances their computed tokens, appends their tokens, applies the sampling stop
+        checks, stamps first-token and finish times, and takes the finished requests out
+        (FINISHED, blocks freed). Returns them, in running order."""
+        for chunk in output.chunks:
             chunk.request.slice_used_s += step_s
             chunk.request.executed_s += step_s
+        finished: list[Request] = []
+        for chunk, token in zip(output.chunks, tokens, strict=True):
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_new_tokens
+            if token is None:
+                continue
+            if not isinstance(token, int):  # a Sample: the token with its logprobs
+                request.output_logprobs.append(token)
+                token = token.token_id
+            request.output_token_ids.append(token)
+            if request.sampling is not None and request.sampling.stops_at(token, request.num_output_tokens):
+                request.stop_token_id = token
+            if request.first_token_s is None:
+                request.first_token_s = now
+            if request.is_finished_generating:
+                request.finish_s = now
+                finished.append(request)
+        self._remove_finished(finished)
+        return finished
 
     # ----------------------------------------------------------------- admission
     def _admit_waiting(self, chunks: dict[int, ScheduledChunk], budget: int, now: float) -> None:
@@ -494,7 +524,7 @@ class Scheduler:
         self._release_blocks(request)
         request.state = state
 
-    def remove_finished(self, finished: list[Request]) -> None:
+    def _remove_finished(self, finished: list[Request]) -> None:
         """Batch version of `finish_request(r, FINISHED)` for running requests (one pass
         over the running list per step instead of one per request)."""
         if not finished:

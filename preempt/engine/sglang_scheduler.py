@@ -123,8 +123,8 @@ class SglangScheduler(Scheduler):
         # goes to the tail of its level.
         self._entry[request] = next(self._entries)
 
-    def remove_finished(self, finished: list[Request]) -> None:
-        super().remove_finished(finished)
+    def _remove_finished(self, finished: list[Request]) -> None:
+        super()._remove_finished(finished)
         self._left(finished)
 
     def finish_request(self, request: Request, state: RequestState) -> None:

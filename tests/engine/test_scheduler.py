@@ -15,14 +15,11 @@ def make_scheduler(num_blocks=64, block_size=4, policy="vllm_fcfs", **cfg) -> Sc
     return Scheduler(config, get_policy(policy), BlockPool(num_blocks), block_size)
 
 
-def complete(scheduler: Scheduler, output) -> None:
-    """What the engine does after a step: advance computed tokens, emit one token at the
-    end of the known tokens."""
-    for request, num_new in output.chunks:
-        request.num_computed_tokens += num_new
-        if request.num_computed_tokens == request.num_tokens:
-            request.output_token_ids.append(7)
-    scheduler.remove_finished([r for r, _ in output.chunks if r.is_finished_generating])
+def complete(scheduler: Scheduler, output) -> list:
+    """The engine's update after a step, through the real `update_from_output`: the
+    runner's token 7 for each chunk that reaches the end of its known tokens."""
+    tokens = [7 if r.num_computed_tokens + n == r.num_tokens else None for r, n in output.chunks]
+    return scheduler.update_from_output(output, 0.0, tokens, now=0.0)
 
 
 def test_chunked_prefill_respects_token_budget():
