@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
+from preempt.kv.record import is_preemption
+
 
 def _pyplot():
     import matplotlib
@@ -86,7 +88,7 @@ def preemptions_over_time(runs: list[tuple[str, Path]], path: Path) -> Path:
         times = sorted(
             t
             for t, reason, action in zip(rec["time_s"], rec["reason"], rec["action"], strict=True)
-            if reason in ("priority", "memory") and action != "none"
+            if is_preemption(reason, action)
         )
         ax.step(
             [0.0, *times], np.arange(len(times) + 1), where="post", label=f"{key} ({len(times)})", **style

@@ -37,6 +37,7 @@ import numpy as np
 from preempt.core.config import ConfigError, EarlySaveConfig
 from preempt.core.request import Request
 from preempt.engine.features import FEATURE_NAMES, engine_features
+from preempt.kv.record import is_preemption
 
 if TYPE_CHECKING:
     from preempt.engine.step import EngineView, StepOutput
@@ -184,7 +185,7 @@ def load_preemption_times(path: str) -> dict[int, np.ndarray]:
     for time_s, request_id, reason, action in zip(
         table["time_s"], table["request_id"], table["reason"], table["action"], strict=True
     ):
-        if action != "none" and reason != "reclaim":
+        if is_preemption(reason, action):
             events.setdefault(request_id, []).append(time_s)
     return {rid: np.sort(np.asarray(times)) for rid, times in events.items()}
 

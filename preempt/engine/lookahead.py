@@ -84,7 +84,7 @@ class Lookahead:
             output = fork.step()
             self.num_fork_steps += 1
             for record in output.scheduled.records:
-                if record.action != "none" and record.reason != "reclaim":  # as label_rows' events
+                if record.is_preemption:  # as label_rows' events
                     preempted.setdefault(record.request_id, (record.time_s - start_s, steps_ahead))
             if not output.scheduled.chunks and not output.scheduled.preempted:
                 if fork.scheduler.backoff_until_s > fork.clock.now():

@@ -19,6 +19,15 @@ from preempt.core.request import Request
 MODE_CODEC = {"swap": "raw", "swap_zstd": "zstd", "swap_mixed": "mixed"}
 
 
+def is_preemption(reason: str, action: str) -> bool:
+    """Whether a record (or a preemptions.parquet row) took a running request out of the
+    batch: a `priority` or `memory` decision that did not keep its victim running (action
+    "none": the fallback kept it). A `reclaim` is the deferred save of a request already
+    paused, counted at its pause. Exactly what `Scheduler.num_preemptions` counts; the one
+    definition metrics, labels, the lookahead and the reports use."""
+    return reason != "reclaim" and action != "none"
+
+
 @dataclass
 class PreemptionRecord:
     """One preemption decision (or failed attempt, or deferred reclaim of a paused one)."""
@@ -43,6 +52,11 @@ class PreemptionRecord:
     restore_s: float = 0.0
     restored: bool | None = None  # None: not (yet) restored; False: fell back to recompute
     warmup_tokens: int = 0  # lossy restore: last tokens recomputed at full precision
+
+    @property
+    def is_preemption(self) -> bool:
+        """It took a running request out of the batch (`is_preemption` above)."""
+        return is_preemption(self.reason, self.action)
 
 
 class KVMover(ABC):

@@ -166,7 +166,7 @@ def preemption_events(records: Sequence[PreemptionRecord]) -> dict[int, np.ndarr
     """request_id -> sorted times at which it was taken out of the batch (see module doc)."""
     times: dict[int, list[float]] = {}
     for record in records:
-        if record.action != "none" and record.reason != "reclaim":
+        if record.is_preemption:
             times.setdefault(record.request_id, []).append(record.time_s)
     return {rid: np.sort(np.asarray(ts, dtype=np.float64)) for rid, ts in times.items()}
 

@@ -321,11 +321,7 @@ class PreemptionMetrics:
 
     # ----------------------------------------------------------------- internals
     def _observe_record(self, record: PreemptionRecord) -> None:
-        # A priority attempt whose fallback kept the victim running ends with action
-        # "none"; memory preemptions always take the victim out (even when their save
-        # failed), which is exactly what scheduler.num_preemptions counts.
-        is_preemption = record.reason == "memory" or (record.reason == "priority" and record.action != "none")
-        if is_preemption:
+        if record.is_preemption:  # exactly what scheduler.num_preemptions counts
             self.preemptions.labels(reason=record.reason).inc()
             with self._lock:
                 self._window.append(self._time_fn())
