@@ -29,7 +29,16 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from experiments.derive import DERIVED_PREFIX, apply_derived
-from preempt.core.config import ConfigError, EarlySaveConfig, EngineConfig, build_config, read_config_file
+from preempt.core.config import (
+    ConfigError,
+    EarlySaveConfig,
+    EngineConfig,
+    build_config,
+    format_validation_error,
+    parse_assignment,
+    read_config_file,
+    set_dotted,
+)
 
 # ---------------------------------------------------------------- the registry
 
@@ -296,44 +305,11 @@ class AblationPlan:
         return next(r for r in self.runs if r.key == key)
 
 
-def _format_pydantic(err: ValidationError) -> str:
-    first = err.errors()[0]
-    key = ".".join(str(p) for p in first["loc"]) or "<root>"
-    if first["type"] == "extra_forbidden":
-        return f"unknown key '{key}'"
-    return f"key '{key}': {first['msg']}"
-
-
-def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
-    """`preempt.core.config.apply_override` for a value that is already typed."""
-    parts = key.strip().split(".")
-    if not all(parts):
-        raise ConfigError(f"empty key in '{key}'")
-    node = data
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"config key '{key}': '{part}' is not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def parse_assignment(assignment: str) -> tuple[str, Any]:
-    """`a.b=value` with the value parsed as YAML, like `preempt run --set`."""
-    if "=" not in assignment:
-        raise ConfigError(f"--set expects key=value, got '{assignment}'")
-    key, raw = assignment.split("=", 1)
-    try:
-        return key.strip(), yaml.safe_load(raw)
-    except yaml.YAMLError:
-        return key.strip(), raw
-
-
 def load_ablation_config(path: str | Path) -> AblationConfig:
     try:
         return AblationConfig.model_validate(read_config_file(path))
     except ValidationError as err:
-        raise ConfigError(f"{path}: {_format_pydantic(err)}") from None
+        raise ConfigError(f"{path}: {format_validation_error(err, 'key')}") from None
 
 
 def _lookup(name: str, custom: dict[str, Arm], where: str) -> Arm:

@@ -16,13 +16,14 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from experiments.catalogue import ENGINE_REPORTED, NAN, SLA_METRICS
+from preempt.core.limits import RATE_WINDOW_S
 
 
 def _percentile_ms(values: list[float], q: float) -> float:
     return float(np.percentile(values, q) * 1e3) if values else NAN
 
 
-def _peak_in_window(times: list[float], window_s: float = 60.0) -> int:
+def _peak_in_window(times: list[float], window_s: float = RATE_WINDOW_S) -> int:
     """Most events in any half-open window (t - window_s, t]."""
     times = sorted(times)
     peak, lo = 0, 0

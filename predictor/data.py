@@ -22,7 +22,6 @@ truncated (predictor.model: `seq_len` steps), the forward pass never is.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,8 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
+
+from preempt.obs.dataset import dataset_meta
 
 SPLITS = ("train", "val", "test")
 
@@ -140,7 +141,7 @@ def _load_one(path: str | Path, index: int) -> FeatureTable:
     request_id = table.column("request_id").to_numpy()
     seed = table.column("seed").to_numpy() if "seed" in table.column_names else np.zeros_like(request_id)
     _, group = np.unique(np.stack([seed, request_id], axis=1), axis=0, return_inverse=True)
-    meta = json.loads(dataset.info.description or "{}")
+    meta = dataset_meta(dataset)
     num_rows = len(request_id)
     kv_bytes, rate, block_size = _deployment(meta)
     num_tokens = (

@@ -461,12 +461,16 @@ class EngineConfig(_Section):
         return self
 
 
-def _format_validation_error(err: ValidationError) -> str:
+def format_validation_error(err: ValidationError, noun: str = "config key") -> str:
+    """pydantic's first error as one line naming the dotted key: "unknown <noun> 'a.b'" or
+    "<noun> 'a.b': <message>". Every pydantic-validated input of the project (engine
+    config, ablation files, parity workloads, the vLLM plugin's settings) words its errors
+    this way; `noun` is what the input calls its keys."""
     first = err.errors()[0]
     key = ".".join(str(p) for p in first["loc"]) or "<root>"
     if first["type"] == "extra_forbidden":
-        return f"unknown config key '{key}'"
-    return f"config key '{key}': {first['msg']}"
+        return f"unknown {noun} '{key}'"
+    return f"{noun} '{key}': {first['msg']}"
 
 
 def build_config(data: dict[str, Any]) -> EngineConfig:
@@ -474,7 +478,7 @@ def build_config(data: dict[str, Any]) -> EngineConfig:
     try:
         return EngineConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err)) from None
+        raise ConfigError(format_validation_error(err)) from None
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -496,26 +500,39 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def apply_override(data: dict[str, Any], assignment: str) -> None:
-    """Apply one `a.b.c=value` override in place; value is parsed as YAML (so 10, 0.5,
-    true, null and {0: 1.0} keep their types)."""
+def parse_assignment(assignment: str) -> tuple[str, Any]:
+    """`a.b=value` -> ("a.b", value), the value parsed as YAML (so 10, 0.5, true, null and
+    {0: 1.0} keep their types; what YAML cannot parse stays a string)."""
     if "=" not in assignment:
         raise ConfigError(f"--set expects key=value, got '{assignment}'")
     key, raw = assignment.split("=", 1)
+    try:
+        return key.strip(), yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return key.strip(), raw
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set `data["a"]["b"]["c"] = value` for key "a.b.c" in place, creating sections."""
     parts = key.strip().split(".")
     if not all(parts):
-        raise ConfigError(f"--set has an empty key in '{assignment}'")
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError:
-        value = raw
+        raise ConfigError(f"empty key in '{key}'")
     node = data
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"--set {key}: '{part}' is not a section")
+            raise ConfigError(f"config key '{key}': '{part}' is not a section")
         node = child
     node[parts[-1]] = value
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Apply one `--set a.b.c=value` override in place (`parse_assignment`, `set_dotted`)."""
+    key, value = parse_assignment(assignment)
+    try:
+        set_dotted(data, key, value)
+    except ConfigError as err:
+        raise ConfigError(f"--set {assignment}: {err}") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> EngineConfig:

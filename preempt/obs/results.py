@@ -1,12 +1,11 @@
 """Run outputs: `requests.parquet` (one row per request) and `summary.json`.
 
-Owns: the *contract* columns and keys of docs/design.md "Files", the latency definitions and
-the output digest. It reads finished requests; it never changes them.
+Owns: the *contract* columns and keys of docs/design.md "Files", the summary's statistics
+and the output digest. It reads finished requests; it never changes them.
 
 Definitions (seconds on the engine's clock):
-- ttft_s = first_token_s - arrival_s (queueing + prefill, incl. recompute after preemption)
-- tpot_s = (finish_s - first_token_s) / (output_tokens - 1); NaN for one-token outputs
-- e2e_s  = finish_s - arrival_s
+- ttft_s, tpot_s, e2e_s: `preempt.obs.latency` (their one definition); NaN here for
+  requests that did not finish, and tpot_s NaN for one-token outputs
 - goodput_req_s = requests that finished within their SLA level's TTFT and TPOT SLOs,
   per second of simulated time.
 - output_digest = blake2b-128 of the generated token ids (little-endian int32): equal
@@ -30,6 +29,7 @@ import pyarrow.parquet as pq
 from preempt.core.config import SLOConfig
 from preempt.core.request import Request, RequestState
 from preempt.kv.record import PreemptionRecord
+from preempt.obs.latency import e2e_s, tpot_s, ttft_s
 
 
 def output_digest(token_ids: Sequence[int]) -> str:
@@ -41,10 +41,8 @@ def _latencies(request: Request) -> tuple[float, float, float]:
     nan = float("nan")
     if request.state is not RequestState.FINISHED:
         return nan, nan, nan
-    ttft = request.first_token_s - request.arrival_s
-    num_out = request.num_output_tokens
-    tpot = (request.finish_s - request.first_token_s) / (num_out - 1) if num_out > 1 else nan
-    return ttft, tpot, request.finish_s - request.arrival_s
+    tpot = tpot_s(request)
+    return ttft_s(request), nan if tpot is None else tpot, e2e_s(request)
 
 
 # The contract columns (docs/design.md "Files"), then our extensions.

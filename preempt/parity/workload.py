@@ -31,6 +31,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from preempt.core.config import format_validation_error
+
 BUNDLED_DIR = Path(__file__).parent / "workloads"
 MAX_REQUEST_ID = 10**8  # vLLM orders equal-priority ties by the id *string*: ids are zero-padded
 
@@ -97,14 +99,6 @@ class ParityWorkload(BaseModel):
         return self.num_gpu_blocks - 1
 
 
-def _format(err: ValidationError) -> str:
-    first = err.errors()[0]
-    key = ".".join(str(p) for p in first["loc"]) or "<root>"
-    if first["type"] == "extra_forbidden":
-        return f"unknown field '{key}'"
-    return f"field '{key}': {first['msg']}"
-
-
 def parse_workload(data: object, name: str = "workload") -> ParityWorkload:
     if not isinstance(data, dict):
         raise WorkloadError("a parity workload must be a mapping")
@@ -112,7 +106,8 @@ def parse_workload(data: object, name: str = "workload") -> ParityWorkload:
     try:
         return ParityWorkload.model_validate(data)
     except ValidationError as err:
-        raise WorkloadError(f"parity workload '{data['name']}': {_format(err)}") from None
+        message = format_validation_error(err, "field")
+        raise WorkloadError(f"parity workload '{data['name']}': {message}") from None
 
 
 def load_workload(path: str | Path) -> ParityWorkload:

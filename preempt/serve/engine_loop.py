@@ -28,6 +28,7 @@ import numpy as np
 from preempt.core.config import ConfigError, EngineConfig
 from preempt.core.request import Request, RequestState
 from preempt.engine.sampling import SamplingParams
+from preempt.obs.latency import e2e_s, ttft_s
 from preempt.obs.metrics import PreemptionMetrics
 
 logger = logging.getLogger("preempt.server")
@@ -404,8 +405,6 @@ def _deliver(events: list[tuple[RequestStream, Event]]) -> None:
 
 
 def _end_event(request: Request, finish_reason: str | None = None) -> EndEvent:
-    ttft = None if request.first_token_s is None else request.first_token_s - request.arrival_s
-    e2e = None if request.finish_s is None else request.finish_s - request.arrival_s
     return EndEvent(
         request.state.value,
         request.abort_reason,
@@ -413,8 +412,8 @@ def _end_event(request: Request, finish_reason: str | None = None) -> EndEvent:
         request.num_prompt_tokens,
         request.num_preemptions,
         request.preemption_failed,
-        ttft,
-        e2e,
+        ttft_s(request),
+        e2e_s(request),
         finish_reason or ("stop" if request.stop_token_id is not None else "length"),
         list(request.output_logprobs),
     )

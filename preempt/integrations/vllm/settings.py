@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from preempt.core.config import PreemptionConfig
+from preempt.core.config import PreemptionConfig, format_validation_error
 from preempt.engine.policies import POLICIES
 
 ENV_VAR = "PREEMPT_VLLM_CONFIG"
@@ -66,11 +66,7 @@ def parse_settings(data: object) -> PluginSettings:
     try:
         return PluginSettings.model_validate(dict(data))
     except ValidationError as err:
-        first = err.errors()[0]
-        key = ".".join(str(p) for p in first["loc"]) or "<root>"
-        if first["type"] == "extra_forbidden":
-            raise SettingsError(f"preempt plugin settings: unknown field '{key}'") from None
-        raise SettingsError(f"preempt plugin settings: field '{key}': {first['msg']}") from None
+        raise SettingsError(f"preempt plugin settings: {format_validation_error(err, 'field')}") from None
 
 
 def load_settings(
