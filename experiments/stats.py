@@ -50,10 +50,6 @@ class Interval(NamedTuple):
     def is_defined(self) -> bool:
         return not (math.isnan(self.lo) or math.isnan(self.hi))
 
-    @property
-    def half_width(self) -> float:
-        return (self.hi - self.lo) / 2
-
     def format(self, digits: int = 3, scale: float = 1.0, unit: str = "") -> str:
         """`4.15 [3.9, 4.4]` (n=5), or `4.15 (n=1, no interval)`."""
 

@@ -29,8 +29,6 @@ import torch
 from predictor.data import FeatureTable
 from preempt.engine.features import FEATURE_NAMES
 
-BASELINES = ("rule", "logreg", "oracle")
-
 
 def _column(table: FeatureTable, name: str) -> np.ndarray:
     names = table.meta.get("feature_names", list(FEATURE_NAMES))
@@ -105,11 +103,6 @@ def fit_logreg(table: FeatureTable, train_rows: np.ndarray, max_iter: int = 200)
     return LogReg(mean, std, weight.detach(), bias.detach())
 
 
-def logreg_scores(table: FeatureTable, train_rows: np.ndarray, max_iter: int = 200) -> np.ndarray:
-    """P(positive) of every row, from a logistic regression fitted on `train_rows`."""
-    return fit_logreg(table, train_rows, max_iter).scores(table)
-
-
 def oracle_scores(table: FeatureTable) -> np.ndarray:
     return table.label.astype(np.float64)
 
@@ -121,8 +114,3 @@ def baseline_scorers(
     fitted on `train_rows` of `fit_table` (and may then score another trace's table)."""
     logreg = fit_logreg(fit_table, train_rows)
     return {"rule": rule_scores, "logreg": logreg.scores, "oracle": oracle_scores}
-
-
-def baseline_scores(table: FeatureTable, train_rows: np.ndarray) -> dict[str, np.ndarray]:
-    """Scores of every row for each baseline (fitted ones fitted on `train_rows`)."""
-    return {name: scorer(table) for name, scorer in baseline_scorers(table, train_rows).items()}

@@ -242,9 +242,6 @@ class _Blocks:
         taken, self.free = self.free[:count], self.free[count:]
         return taken
 
-    def give_back(self, ids: list[int]) -> None:
-        self.free.extend(ids)
-
 
 def _request(prompt: np.ndarray, num_gen: int) -> Request:
     return Request(0, 0.0, prompt, max_tokens=num_gen + 1, target_output_tokens=num_gen + 1)

@@ -22,10 +22,14 @@ KVLocation = Literal["device", "host"] | None
 class RequestState(str, enum.Enum):
     """Lifecycle states (the names are a contract: docs/design.md "Request states")."""
 
-    WAITING = "WAITING"  # arrived, never admitted (or requeued after a recompute preemption)
+    WAITING = "WAITING"  # arrived, never admitted
     RUNNING = "RUNNING"  # holds device blocks and is in the batch
-    PREEMPTED = "PREEMPTED"  # taken out of the batch; KV kept, saved or dropped by mode
-    READY = "READY"  # KV restored, waiting for a batch slot
+    # Taken out of the batch; KV kept, saved or dropped by mode. A preempted request stays
+    # PREEMPTED in the waiting queue until it runs again, recompute victims included.
+    PREEMPTED = "PREEMPTED"
+    # Reserved (a contract name): KV restored, waiting for a batch slot. Unused today: the
+    # scheduler restores a request's KV in the step that readmits it.
+    READY = "READY"
     PREEMPTION_FAILED = "PREEMPTION_FAILED"  # fallback: runs to completion, never preempted again
     FINISHED = "FINISHED"
     ABORTED = "ABORTED"
@@ -102,13 +106,6 @@ class Request:
     @property
     def is_finished_generating(self) -> bool:
         return self.stop_token_id is not None or len(self.output_token_ids) >= self.output_limit
-
-    def token_id(self, position: int) -> int:
-        """The token at absolute position `position` (prompt first, then output)."""
-        num_prompt = self.num_prompt_tokens
-        if position < num_prompt:
-            return int(self.prompt_token_ids[position])
-        return self.output_token_ids[position - num_prompt]
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens at positions [start, end)."""
