@@ -12,11 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import numpy as np
-
 from preempt.core.config import EngineConfig
-from preempt.core.request import Request
-from preempt.parity.ours import engine_config
+from preempt.parity.ours import engine_config, step_trace, workload_request
 from preempt.parity.workload import ParityWorkload
 
 
@@ -57,16 +54,7 @@ def run_ours_timed(workload: ParityWorkload, config: EngineConfig) -> TimedTrace
             while next_index < len(pending) and pending[next_index].arrival_step <= step:
                 spec = pending[next_index]
                 next_index += 1
-                engine.add_request(
-                    Request(
-                        request_id=spec.id,
-                        arrival_s=now,
-                        prompt_token_ids=np.full(spec.prompt_tokens, 3, dtype=np.int32),
-                        max_tokens=spec.output_tokens,
-                        target_output_tokens=spec.output_tokens,
-                        sla_level=-spec.priority,
-                    )
-                )
+                engine.add_request(workload_request(spec, now))
             output = engine.step()
             starts.append(now)
             durations.append(output.step_s)
@@ -74,19 +62,7 @@ def run_ours_timed(workload: ParityWorkload, config: EngineConfig) -> TimedTrace
                 # Nothing ran because the admission backoff holds: idle until it ends, as
                 # Engine.run does (an empty step takes no time on the virtual clock).
                 engine.clock.wait_until(engine.scheduler.backoff_until_s)
-            trace.append(
-                {
-                    "scheduled": {
-                        str(chunk.request.request_id): [
-                            chunk.request.num_computed_tokens - chunk.num_new_tokens,
-                            chunk.num_new_tokens,
-                        ]
-                        for chunk in output.scheduled.chunks
-                    },
-                    "preempted": [str(r.request_id) for r in output.scheduled.preempted],
-                    "finished": [str(r.request_id) for r in output.finished],
-                }
-            )
+            trace.append(step_trace(output))
     finally:
         engine.close()
     return TimedTrace(trace, starts, durations)
