@@ -130,7 +130,7 @@ def _wall(num_steps: int) -> dict[str, Any]:
         engine.close()
         times[policy] = {
             "step_ms_median": round(1000 * statistics.median(step_times), 3),
-            "num_early_saves": engine.saver.num_early_saves,
+            "num_early_saves": engine.saver.early.num_early_saves,
         }
     return {
         "setup": "tiny-2l fp32, 16 requests decoding at 512+ tokens, one torch thread, swap_zstd",

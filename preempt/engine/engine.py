@@ -177,6 +177,7 @@ class Engine:
         """Stop background workers (the saver's thread on the wall clock)."""
         if self.saver is not None:
             self.saver.close()
+            self.scheduler.settle_saves()  # the workers are done: every stored size is known
 
     def stats(self) -> dict[str, float | int]:
         """Engine-level counters for summary.json and the server's metrics."""

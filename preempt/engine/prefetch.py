@@ -69,7 +69,7 @@ class Prefetcher:
         now = engine.clock.now()
         candidates = [r for r in scheduler.next_to_admit(self.depth) if r.kv_location == "host"]
         # Phase 1: host decode ahead (no device blocks needed), within the host budget.
-        decoded = saver.predecode_bytes_held
+        decoded = saver.ahead.predecode_bytes_held
         for request in candidates:
             if saver.is_predecoded(request) or not saver.needs_decode(request):
                 continue

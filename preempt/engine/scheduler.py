@@ -42,6 +42,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import NamedTuple
 
 import numpy as np
@@ -93,6 +94,10 @@ class Scheduler:
         self._counter = itertools.count()
         self.paused: list[Request] = []  # preempted, KV still on the device, oldest first
         self.records: list[PreemptionRecord] = []
+        # The save record each request with its KV on the host resumes from (the host copy
+        # itself is the mover's); and saves whose stored size a worker has yet to report.
+        self._saved_records: dict[Request, PreemptionRecord] = {}
+        self._unsettled: list[tuple[PreemptionRecord, Future]] = []
         self.num_preemptions = 0
         self.num_preemption_failed = 0
         self.num_restore_fallbacks = 0
@@ -161,6 +166,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------- step
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
+        self.settle_saves()
         self._now = now
         self._saved_free_blocks = 0
         self._uses_saved_blocks = False
@@ -278,15 +284,30 @@ class Scheduler:
         return now < self.backoff_until_s and request.state is RequestState.WAITING
 
     def _restore(self, request: Request, now: float) -> bool:
-        record = request.saved_kv
-        ok = self.mover.restore(request, now, record)
-        request.saved_kv = None
-        if not ok:
+        record = self._saved_records.pop(request)
+        result = self.mover.restore(request, now)
+        record.restored = result.ok
+        record.warmup_tokens = result.warmup_tokens
+        record.restore_s = result.restore_s
+        self.settle_saves()  # the worker is done with this copy: its size is known now
+        if not result.ok:
             self.num_restore_fallbacks += 1
             _recompute_from_scratch(request)
-        else:  # a lossy restore's last tokens are recomputed at full precision (SPEC §9)
-            request.num_computed_tokens -= record.warmup_tokens
-        return ok
+        else:  # a lossy restore's last tokens are recomputed at full precision
+            request.num_computed_tokens -= result.warmup_tokens
+        return result.ok
+
+    def settle_saves(self) -> None:
+        """Copy the stored sizes the mover's workers have reported since into their
+        records (the engine calls it once more after stopping the workers)."""
+        if self._unsettled:
+            still = []
+            for record, stored in self._unsettled:
+                if stored.done():
+                    record.bytes_stored = stored.result()
+                else:
+                    still.append((record, stored))
+            self._unsettled = still
 
     # ----------------------------------------------------------------- blocks
     def _admission_missing_blocks(self, request: Request) -> int:
@@ -373,10 +394,20 @@ class Scheduler:
         return cancelled
 
     def _save(self, victim: Request, codec: str, record: PreemptionRecord) -> str | None:
+        """Save the victim's KV through the mover; the failure reason, or None."""
         record.codec = codec
         if not victim.num_computed_tokens:
             return None  # nothing computed yet, nothing to save
-        return self.mover.save(victim, codec, self._now, record)
+        result = self.mover.save(victim, codec, self._now)
+        if result.failure is None:
+            record.bytes_raw = result.bytes_raw
+            record.bytes_early = result.bytes_early
+            record.save_s = result.save_s
+            if result.bytes_stored.done():  # always on the virtual clock
+                record.bytes_stored = result.bytes_stored.result()
+            else:
+                self._unsettled.append((record, result.bytes_stored))
+        return result.failure
 
     def _free_after_save(self, victim: Request, record: PreemptionRecord, failure: str | None) -> None:
         """Free the victim's blocks; its KV now lives on the host, or (failed save) is
@@ -385,7 +416,7 @@ class Scheduler:
         self._release_blocks(victim)
         if failure is None and victim.num_computed_tokens:
             victim.kv_location = "host"
-            victim.saved_kv = record
+            self._saved_records[victim] = record
             self._saved_free_blocks += num_blocks  # in flight until the copy-out ends
         else:
             record.action = "recompute"
@@ -517,7 +548,7 @@ class Scheduler:
             if request in self.paused:
                 self.paused.remove(request)
             if request.kv_location == "host":
-                request.saved_kv = None
+                self._saved_records.pop(request, None)
         if self.mover is not None:  # its host copy, and any early (speculative) copies
             self.mover.discard(request)
         request.kv_location = None

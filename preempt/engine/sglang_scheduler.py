@@ -141,6 +141,7 @@ class SglangScheduler(Scheduler):
 
     # ----------------------------------------------------------------- step
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
+        self.settle_saves()
         self._now = now
         self._saved_free_blocks = 0
         self._uses_saved_blocks = False

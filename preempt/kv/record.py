@@ -1,18 +1,24 @@
 """What a preemption did to a request's KV, and the interface that moves it.
 
 Owns: `PreemptionRecord` (one preemption decision: its reason, what happened to the KV,
-its bytes and timing; the row of preemptions.parquet), `KVMover` (the acting side of
-save/restore that the scheduler calls: the saver implements it) and `MODE_CODEC` (which
-codec each `preemption.mode` saves with).
+its bytes and timing; the row of preemptions.parquet), `is_preemption` (the one
+definition of a record that took a request out of the batch), `KVMover` (the acting side
+of save/restore that the scheduler calls: the saver implements it), its results
+`SaveResult` and `RestoreResult`, and `MODE_CODEC` (which codec each `preemption.mode`
+saves with).
 
-Sits below the scheduler and the saver both: the scheduler creates records and calls a
-`KVMover`; the saver fills the records' byte counts and timing. Plain Python, no torch.
+One owner per record: the scheduler creates it and alone writes it, from the results a
+`KVMover` returns. What a save's worker thread learns later (the stored size) comes as a
+`concurrent.futures.Future` in the `SaveResult`; the scheduler copies it into the record
+once it is done (`Scheduler.settle_saves`), on its own thread. Plain Python, no torch.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from preempt.core.request import Request
 
@@ -45,9 +51,9 @@ class PreemptionRecord:
     # preempted and is now PREEMPTION_FAILED: protected from later preemptions.
     failure: str | None = None
     codec: str | None = None
-    bytes_raw: int = 0  # filled by the KVMover on a save: bytes copied at the preemption
+    bytes_raw: int = 0  # a save's bytes copied at the preemption
     bytes_early: int = 0  # bytes an early save had already copied (not copied again)
-    bytes_stored: int = 0
+    bytes_stored: int = 0  # host-pool bytes of the save; 0 until its worker has stored it
     save_s: float = 0.0
     restore_s: float = 0.0
     restored: bool | None = None  # None: not (yet) restored; False: fell back to recompute
@@ -59,26 +65,47 @@ class PreemptionRecord:
         return is_preemption(self.reason, self.action)
 
 
+class SaveResult(NamedTuple):
+    """What a save did: `failure` None on success, else why the host copy was not kept
+    (then nothing else is set)."""
+
+    failure: str | None
+    bytes_raw: int = 0  # copied at the preemption
+    bytes_early: int = 0  # already on the host from early saves (claimed, not copied again)
+    save_s: float = 0.0  # virtual: until the host copy is complete; wall: the engine thread's share
+    # The blob sizes in the host pool, once stored: at once on the virtual clock, from the
+    # worker thread on the wall clock. None: nothing was saved (a failure).
+    bytes_stored: Future | None = None
+
+
+class RestoreResult(NamedTuple):
+    """What a restore did: `ok` False if the saved copy was unusable (recompute)."""
+
+    ok: bool
+    warmup_tokens: int = 0  # lossy restore: last tokens to recompute at full precision
+    restore_s: float = 0.0  # virtual: until compute may use the KV; wall: engine thread time
+
+
 class KVMover(ABC):
     """The acting side of save/restore, called synchronously at decision time.
 
     Rules: `save` copies the KV of the request's first `num_computed_tokens` tokens out of
-    `request.block_ids` into host memory and fills the record's byte counts and timing;
-    it must not touch the blocks' ownership (the scheduler frees them right after).
-    `restore` is called once the request's blocks cover `num_computed_tokens` again; it
-    writes the saved KV into them and frees the host copy; a lossy restore also marks the
-    request's dropped heads and sets `record.warmup_tokens` (the scheduler recomputes
-    that many last tokens). Neither raises on load
-    conditions: they return what went wrong.
+    `request.block_ids` into host memory and returns what it did; it must not touch the
+    blocks' ownership (the scheduler frees them right after). The host copy is the
+    mover's alone until `restore` (called once the request's blocks cover
+    `num_computed_tokens` again) writes it into them and frees it; a lossy restore also
+    marks the request's dropped heads and returns the `warmup_tokens` the scheduler
+    recomputes. Neither raises on load conditions: the result says what went wrong.
+    Neither writes a `PreemptionRecord`: the scheduler does, from the results.
     """
 
     @abstractmethod
-    def save(self, request: Request, codec: str, now: float, record: PreemptionRecord) -> str | None:
-        """Save the KV; None on success, else the failure reason (the host copy is not kept)."""
+    def save(self, request: Request, codec: str, now: float) -> SaveResult:
+        """Save the KV (on failure the host copy is not kept)."""
 
     @abstractmethod
-    def restore(self, request: Request, now: float, record: PreemptionRecord) -> bool:
-        """Restore the KV; False if the saved copy was unusable (it is freed either way)."""
+    def restore(self, request: Request, now: float) -> RestoreResult:
+        """Restore the KV (the host copy is freed either way)."""
 
     def cancel_prefetch(self, request: Request) -> None:  # noqa: B027 (optional)
         """Forget a restore started before admission (its blocks are freed by the caller;

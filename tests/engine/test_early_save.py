@@ -15,7 +15,6 @@ from preempt.core.request import RequestState
 from preempt.engine.early_save import OraclePolicy, RulePolicy, load_preemption_times
 from preempt.engine.engine import Engine
 from preempt.engine.features import FEATURE_NAMES
-from preempt.kv.record import PreemptionRecord
 from tests.conftest import make_request, small_config
 from tests.kv.test_preemption import AGGRESSIVE, _digests, _run, _workload
 
@@ -36,31 +35,33 @@ def test_incremental_early_saves_plus_tail_restore_bit_identical_kv(mode):
         engine.step()
     assert saver.early_save(request, 0.0)  # 1st snapshot: the full blocks so far
     assert not saver.early_save(request, 0.0)  # nothing new since
-    first = saver._early[request][0].num_tokens
+    first = saver.early._segments[request][0].num_tokens
     for _ in range(9):
         engine.step()
     assert saver.early_save(request, 0.0)  # 2nd: only the blocks written since
-    segments = saver._early[request]
+    segments = saver.early._segments[request]
     assert [s.start for s in segments] == [0, first] and segments[1].num_tokens > 0
     for _ in range(3):
         engine.step()
     num_tokens = request.num_computed_tokens
     assert num_tokens % engine.block_size != 0  # a tail with a partial block
     before = _logical_kv(engine, request, num_tokens)
-    record = PreemptionRecord(0.0, 0, "memory", "save", num_tokens)
     codec = {"swap": "raw", "swap_zstd": "zstd", "swap_mixed": "mixed"}[mode]
-    assert saver.save(request, codec, 0.0, record) is None
+    saved = saver.save(request, codec, 0.0)
+    assert saved.failure is None
     covered = sum(s.num_tokens for s in segments)
-    assert record.bytes_early == saver.early_bytes_used > 0
-    assert record.bytes_raw == saver._raw_bytes(num_tokens - covered)  # only the tail was copied now
+    assert saved.bytes_early == saver.early.early_bytes_used > 0
+    assert saved.bytes_raw == saver._raw_bytes(num_tokens - covered)  # only the tail was copied now
+    # the stored size covers the early segments and the tail
+    assert saved.bytes_stored.result() == sum(s.stored.result() for s in saver._saved[request].segments) > 0
     old = request.block_ids
     engine.runner.kv_cache.kv[:, :, old] = float("nan")
     pool.free(old)
     request.block_ids = pool.allocate(len(old))
-    assert saver.restore(request, 0.0, record)
+    assert saver.restore(request, 0.0).ok
     assert torch.equal(_logical_kv(engine, request, num_tokens), before)
-    assert saver.host_pool.num_used_slots == 0 and saver.speculative_bytes == 0
-    assert saver.early_bytes_wasted == 0
+    assert saver.host_pool.num_used_slots == 0 and saver.early.speculative_bytes == 0
+    assert saver.early.early_bytes_wasted == 0
 
 
 @pytest.mark.parametrize("mode", ["swap_zstd", "pause"])
@@ -71,12 +72,12 @@ def test_write_through_early_saves_change_no_output(mode):
     assert all(r.state is RequestState.FINISHED for r in requests)
     assert _digests(requests) == unpreempted
     saver = engine.saver
-    assert saver.num_early_saves > 0 and saver.early_bytes_used > 0
+    assert saver.early.num_early_saves > 0 and saver.early.early_bytes_used > 0
     claimed = [r for r in engine.scheduler.records if r.bytes_early]
     assert claimed and all(r.restored for r in claimed)
     # Every early byte is accounted for: claimed by a preemption or wasted (finish/evict).
-    assert saver.early_bytes_used + saver.early_bytes_wasted == saver.early_bytes_raw
-    assert saver.speculative_bytes == 0 and saver.host_pool.num_used_slots == 0
+    assert saver.early.early_bytes_used + saver.early.early_bytes_wasted == saver.early.early_bytes_raw
+    assert saver.early.speculative_bytes == 0 and saver.host_pool.num_used_slots == 0
     saver.host_pool.check()
 
 
@@ -93,10 +94,10 @@ def test_speculation_never_holds_more_than_its_budget():
     peak = 0
     while any(not r.state.is_final for r in requests):
         engine.step()
-        peak = max(peak, saver.speculative_bytes)
-        assert saver.speculative_bytes <= 20000  # 2 blocks of 8 KB fit, 3 do not
+        peak = max(peak, saver.early.speculative_bytes)
+        assert saver.early.speculative_bytes <= 20000  # 2 blocks of 8 KB fit, 3 do not
     assert peak > 0
-    assert saver.early_bytes_wasted == saver.early_bytes_raw  # nobody was preempted: all wasted
+    assert saver.early.early_bytes_wasted == saver.early.early_bytes_raw  # nobody was preempted: all wasted
     assert saver.host_pool.num_used_slots == 0
 
 
@@ -107,7 +108,7 @@ def test_demand_saves_evict_speculative_copies_when_the_pool_is_full():
         "swap", host_mem="64KB", slot_size="16KB", early={"policy": "always", "max_inflight": 64}
     )
     saver = engine.saver
-    assert saver.early_bytes_wasted > 0
+    assert saver.early.early_bytes_wasted > 0
     assert all(r.state is RequestState.FINISHED for r in requests)
     assert saver.host_pool.num_used_slots == 0
 
@@ -183,8 +184,8 @@ def test_wall_clock_early_saves_on_their_own_worker_change_no_output():
     assert all(r.state is RequestState.FINISHED for r in requests)
     assert _digests(requests) == _digests(unpreempted_requests)
     saver = engine.saver
-    assert saver.num_early_saves > 0 and saver.early_thread_s > 0
-    assert saver.host_pool.num_used_slots == 0 and saver.speculative_bytes == 0
+    assert saver.early.num_early_saves > 0 and saver.early_thread_s > 0
+    assert saver.host_pool.num_used_slots == 0 and saver.early.speculative_bytes == 0
 
 
 @pytest.mark.parametrize("mode", ["swap", "pause"])
@@ -195,10 +196,10 @@ def test_aborting_a_request_frees_its_early_copies(mode):
     engine.add_request(request)
     for _ in range(5):
         engine.step()
-    assert saver.host_pool.num_used_slots > 0 and saver.speculative_bytes > 0
+    assert saver.host_pool.num_used_slots > 0 and saver.early.speculative_bytes > 0
     engine.abort_request(request, "client gone")
-    assert saver.host_pool.num_used_slots == 0 and saver.speculative_bytes == 0
-    assert not saver._early and saver.early_bytes_wasted == saver.early_bytes_raw
+    assert saver.host_pool.num_used_slots == 0 and saver.early.speculative_bytes == 0
+    assert not saver.early._segments and saver.early.early_bytes_wasted == saver.early.early_bytes_raw
 
 
 def test_a_victims_blocks_wait_only_for_its_own_copies():

@@ -117,8 +117,8 @@ def test_the_lookahead_policy_saves_early_and_keeps_outputs():
     assert all(r.state is RequestState.FINISHED for r in early_requests)
     assert _digests(early_requests) == _digests(requests)
     saver = engine.saver
-    assert saver.num_early_saves > 0 and saver.early_bytes_used > 0
-    assert saver.early_bytes_used + saver.early_bytes_wasted == saver.early_bytes_raw
+    assert saver.early.num_early_saves > 0 and saver.early.early_bytes_used > 0
+    assert saver.early.early_bytes_used + saver.early.early_bytes_wasted == saver.early.early_bytes_raw
 
 
 def _run_policy(policy):

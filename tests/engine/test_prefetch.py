@@ -29,18 +29,18 @@ def check_accounting(engine):
     copy-in and the decode ahead; blocks held by prefetch are exactly the prefetched
     (waiting, host-located) requests' blocks; every block is free or someone's."""
     saver, scheduler, pool = engine.saver, engine.scheduler, engine.block_pool
-    assert (
-        saver.prefetch_bytes
-        == saver.prefetch_bytes_used + saver.prefetch_bytes_wasted + saver.prefetch_bytes_held
+    ahead = saver.ahead
+    assert ahead.prefetch_bytes == (
+        ahead.prefetch_bytes_used + ahead.prefetch_bytes_wasted + ahead.prefetch_bytes_held
     )
-    assert saver.predecode_bytes == (
-        saver.predecode_bytes_used + saver.predecode_bytes_wasted + saver.predecode_bytes_held
+    assert ahead.predecode_bytes == (
+        ahead.predecode_bytes_used + ahead.predecode_bytes_wasted + ahead.predecode_bytes_held
     )
     waiting = scheduler.waiting_requests()
     owners = scheduler.running + waiting
     for request in saver.prefetched_requests:
         assert request in waiting and request.kv_location == "host"
-        assert request.block_ids == saver._prefetched[request].block_ids
+        assert request.block_ids == saver.ahead.prefetched[request].block_ids
     for request in waiting:
         if request.block_ids:  # only a paused or a prefetched waiting request holds blocks
             assert request in scheduler.paused or saver.is_prefetched(request)
@@ -61,8 +61,8 @@ def test_prefetch_changes_no_lossless_output(mode):
     assert all(r.state is RequestState.FINISHED for r in requests)
     assert _digests(requests) == _digests(unpreempted_requests)
     saver = engine.saver
-    assert saver.num_prefetch_hits > 0, "the workload must prefetch"
-    assert saver.prefetch_bytes == saver.prefetch_bytes_used + saver.prefetch_bytes_wasted
+    assert saver.ahead.num_prefetch_hits > 0, "the workload must prefetch"
+    assert saver.ahead.prefetch_bytes == saver.ahead.prefetch_bytes_used + saver.ahead.prefetch_bytes_wasted
     assert saver.host_pool.num_used_slots == 0
     saver.host_pool.check()
 
@@ -103,8 +103,8 @@ def test_prefetch_accounting_is_exact_after_every_step(
     engine.run(requests, on_step=on_step)
     assert all(r.state.is_final for r in requests)
     saver = engine.saver
-    assert saver.prefetch_bytes_held == 0 and saver.predecode_bytes_held == 0
-    assert saver.prefetch_bytes == saver.prefetch_bytes_used + saver.prefetch_bytes_wasted
+    assert saver.ahead.prefetch_bytes_held == 0 and saver.ahead.predecode_bytes_held == 0
+    assert saver.ahead.prefetch_bytes == saver.ahead.prefetch_bytes_used + saver.ahead.prefetch_bytes_wasted
     assert saver.host_pool.num_used_slots == 0
     assert engine.block_pool.num_free == engine.block_pool.num_blocks
 
@@ -127,8 +127,8 @@ def test_prefetched_blocks_never_keep_the_head_waiting():
     engine.run(requests, on_step=lambda _: check_accounting(engine))
     assert all(r.state is RequestState.FINISHED for r in requests)
     saver = engine.saver
-    assert saver.prefetch_bytes_wasted > 0, "the case must cancel a prefetch at admission"
-    assert saver.prefetch_bytes == saver.prefetch_bytes_used + saver.prefetch_bytes_wasted
+    assert saver.ahead.prefetch_bytes_wasted > 0, "the case must cancel a prefetch at admission"
+    assert saver.ahead.prefetch_bytes == saver.ahead.prefetch_bytes_used + saver.ahead.prefetch_bytes_wasted
     assert engine.block_pool.num_free == engine.block_pool.num_blocks
 
 
@@ -147,7 +147,7 @@ def test_prefetch_hides_restore_stall_on_the_virtual_clock():
         engine.run(_workload())
         stalls[prefetch] = engine.stall_restore_s
         if prefetch:
-            assert engine.saver.num_prefetch_hits > 0
+            assert engine.saver.ahead.num_prefetch_hits > 0
     assert stalls[False] > 0 and stalls[True] < 0.5 * stalls[False]
 
 

@@ -120,17 +120,16 @@ def test_save_then_restore_gives_bit_identical_kv():
 
     before = logical_kv().clone()
     assert num_tokens % bs != 0  # a partial last block is part of the test
-    from preempt.kv.record import PreemptionRecord
-
-    record = PreemptionRecord(0.0, 0, "memory", "save", num_tokens)
-    assert saver.save(request, "zstd", 0.0, record) is None
-    assert record.bytes_raw == -(-num_tokens // bs) * bs * before[:, :, :1].numel() * before.element_size()
-    assert record.bytes_stored > 0
+    saved = saver.save(request, "zstd", 0.0)
+    assert saved.failure is None
+    assert saved.bytes_raw == -(-num_tokens // bs) * bs * before[:, :, :1].numel() * before.element_size()
+    assert saved.bytes_stored.result() > 0
     old_blocks = request.block_ids
     kv_cache.kv[:, :, old_blocks] = float("nan")  # the old blocks get overwritten by others
     pool.free(old_blocks)
     request.block_ids = pool.allocate(len(old_blocks))
-    assert saver.restore(request, 0.0, record)
+    restored = saver.restore(request, 0.0)
+    assert restored.ok and restored.warmup_tokens == 0 and restored.restore_s > 0  # modelled copy-in
     assert torch.equal(before, logical_kv())
     assert saver.host_pool.num_used_slots == 0
 
@@ -198,12 +197,12 @@ def test_corrupted_blob_falls_back_to_recompute(preemption, unpreempted):
     saver = engine.saver
     original_save = saver.save
 
-    def corrupting_save(request, codec, now, record):
-        failure = original_save(request, codec, now, record)
-        if failure is None:
+    def corrupting_save(request, codec, now):
+        result = original_save(request, codec, now)
+        if result.failure is None:
             handle = saver._saved[request].segments[-1].handle
             saver.host_pool.load_tensor(handle)[-1] ^= 0xFF  # flip the payload's last byte
-        return failure
+        return result
 
     saver.save = corrupting_save
     requests = _workload()
@@ -246,7 +245,6 @@ def test_lossy_mixed_mode_ends_every_request_and_masks_dropped_prefixes():
 def test_mixed_restore_dequantizes_into_new_blocks_and_asks_for_warmup():
     from kernels.plan import HeadClass, HeadPlan
     from kernels.restore_blocks import dequantize_fp8_ref
-    from preempt.kv.record import PreemptionRecord
 
     engine = Engine(small_config(preemption={"mode": "swap_mixed", "head_plan": "fp8"}))
     saver = engine.saver
@@ -265,16 +263,18 @@ def test_mixed_restore_dequantizes_into_new_blocks_and_asks_for_warmup():
         ]
 
     before = logical_kv().clone()
-    record = PreemptionRecord(0.0, 0, "memory", "save", num_tokens)
-    assert saver.save(request, "mixed", 0.0, record) is None
+    saved = saver.save(request, "mixed", 0.0)
+    assert saved.failure is None
     itemsize = before.element_size()
     per_token_kv = 2 * 32  # K and V, head_dim 32: FP16 heads keep the cache's float64 bytes
-    assert record.bytes_stored < 2 * num_tokens * per_token_kv * itemsize + 2 * num_tokens * per_token_kv
+    stored = saved.bytes_stored.result()
+    assert stored < 2 * num_tokens * per_token_kv * itemsize + 2 * num_tokens * per_token_kv
     old_blocks = request.block_ids
     kv_cache.kv[:, :, old_blocks] = float("nan")
     pool.free(old_blocks)
     request.block_ids = pool.allocate(len(old_blocks))
-    assert saver.restore(request, 0.0, record)
+    restored = saver.restore(request, 0.0)
+    assert restored.ok
     after = logical_kv()
     assert torch.equal(after[0, :, :, 0], before[0, :, :, 0]) and torch.equal(
         after[1, :, :, 1], before[1, :, :, 1]
@@ -288,7 +288,7 @@ def test_mixed_restore_dequantizes_into_new_blocks_and_asks_for_warmup():
     assert ((after[0, :, :, 1] - fp8_head).abs() <= bound).all()
     assert dequantize_fp8_ref is not None
     assert request.kv_masked_until.tolist() == [[0, 0], [num_tokens - 2, 0]]
-    assert record.warmup_tokens == 2
+    assert restored.warmup_tokens == 2
     assert saver.host_pool.num_used_slots == 0
 
 
@@ -302,13 +302,11 @@ def test_mixed_mode_on_the_null_backend_stores_the_plans_share():
     target = engine.cost_model.target
     assert (plan.num_layers, plan.num_kv_heads) == (target.num_layers, target.num_kv_heads)
     assert engine.saver.mixed_ratio == pytest.approx(0.65, abs=0.01)  # SPEC §9: 35% smaller than FP16
-    from preempt.kv.record import PreemptionRecord
-
     request = make_request(0, 100, 5)
     request.num_computed_tokens = 100
-    record = PreemptionRecord(0.0, 0, "memory", "save", 100)
-    assert engine.saver.save(request, "mixed", 0.0, record) is None
-    assert record.bytes_stored == int(100 * target.kv_bytes_per_token * engine.saver.mixed_ratio)
+    saved = engine.saver.save(request, "mixed", 0.0)
+    assert saved.failure is None
+    assert saved.bytes_stored.result() == int(100 * target.kv_bytes_per_token * engine.saver.mixed_ratio)
 
 
 def test_aborting_a_saved_request_frees_its_slot():
