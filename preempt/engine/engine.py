@@ -288,9 +288,10 @@ def _fork(engine: Engine) -> Engine:
     memo[id(engine._pending)] = []
     saver = engine.saver
     if saver is not None:
-        _shared(memo, saver.config, saver.early_config, saver.codecs, saver.plan)
-        memo[id(saver.kv_cache)] = None  # no data moves in a fork: modelled sizes
-        memo[id(saver._lock)] = threading.Lock()
+        blobs = saver.blobs
+        _shared(memo, saver.config, saver.early_config, blobs.config, blobs.codecs, blobs.plan)
+        memo[id(blobs.kv_cache)] = None  # no data moves in a fork: modelled sizes
+        memo[id(blobs._lock)] = threading.Lock()
         pool = saver.host_pool
         # The pool's bytes are never written through a fork (no KV data), only its arena.
         _shared(memo, pool._buffer, pool._array)

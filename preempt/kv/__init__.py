@@ -1,9 +1,13 @@
 """Where a preempted request's KV goes and how it comes back.
 
-- `record`: `PreemptionRecord` (what a preemption did to the KV), the `KVMover`
-  interface the scheduler calls, `MODE_CODEC`;
-- `saver`: the data path and its timing (device blocks -> codec -> host slot, and back;
-  early copies, restore prefetch);
+- `record`: `PreemptionRecord` (what a preemption did to the KV; the scheduler owns and
+  writes it), `is_preemption`, the `KVMover` interface the scheduler calls and its
+  results `SaveResult` / `RestoreResult`, `MODE_CODEC`;
+- `saver`: the `KVMover`: owns the host copies and returns each move's result, composed of
+  `blobs` (a segment into one host-pool blob and back: codecs, head plan, workers),
+  `timing` (virtual time of each move, and when copied-out blocks are free again) and
+  `speculative` (early copies, restores started before admission, their accounting);
+  `segment`: a host copy's blobs and the futures of what a worker learns later;
 - `codec`: raw / zstd / mixed-precision blobs; `host_pool`: the pinned host arena of slots;
 - `kv_cache`: the device KV tensors.
 

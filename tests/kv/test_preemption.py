@@ -248,8 +248,9 @@ def test_mixed_restore_dequantizes_into_new_blocks_and_asks_for_warmup():
 
     engine = Engine(small_config(preemption={"mode": "swap_mixed", "head_plan": "fp8"}))
     saver = engine.saver
-    saver.plan = HeadPlan.from_codes([[HeadClass.FP16, HeadClass.FP8], [HeadClass.DROP, HeadClass.FP16]])
-    saver.codecs["mixed"].plan = saver.plan
+    plan = HeadPlan.from_codes([[HeadClass.FP16, HeadClass.FP8], [HeadClass.DROP, HeadClass.FP16]])
+    saver.blobs.plan = plan
+    saver.blobs.codecs["mixed"].plan = saver.plan
     request = make_request(0, 37, 50)
     engine.add_request(request)
     for _ in range(5):
