@@ -161,9 +161,7 @@ class Engine:
         if self.config.clock.kind == "virtual":
             now = self.clock.now()
             restore_stall_s = max(0.0, self.saver.restore_end_s - now)
-            until = self.saver.restore_end_s
-            if scheduled.uses_saved_blocks:
-                until = max(until, self.saver.save_copy_end_s)
+            until = max(self.saver.restore_end_s, scheduled.copy_out_wait_until_s)
             stall_s = max(0.0, until - now)
             self.stall_restore_s += restore_stall_s
             self.clock.advance(stall_s)

@@ -53,6 +53,7 @@ from preempt.core.limits import RATE_WINDOW_S, AdmissionBackoff, RateWindow
 from preempt.core.request import Request, RequestState, ScheduledChunk
 from preempt.engine.policies import SchedulingPolicy
 from preempt.engine.priority import remaining_ktokens, time_slice_s
+from preempt.kv.copy_out import CopyOut
 from preempt.kv.record import MODE_CODEC, KVMover, PreemptionRecord
 
 
@@ -61,7 +62,9 @@ class SchedulerOutput(NamedTuple):
     preempted: list[Request]  # requests preempted this step
     records: list[PreemptionRecord]  # every preemption decision of this step
     num_batched_tokens: int
-    uses_saved_blocks: bool  # the step needs blocks whose KV is still being copied out
+    # The step reuses blocks whose KV is still being copied out: compute waits till then
+    # (0: no wait; see preempt.kv.copy_out).
+    copy_out_wait_until_s: float
 
 
 class Scheduler:
@@ -104,8 +107,7 @@ class Scheduler:
         self._rate_window = RateWindow(RATE_WINDOW_S)  # preemptions in the last minute
         self._backoff = AdmissionBackoff(self.preemption.backoff)
         self._now = 0.0
-        self._saved_free_blocks = 0  # blocks freed this step by saves still in flight
-        self._uses_saved_blocks = False
+        self.copy_out = CopyOut()  # blocks freed by saves whose copy-out may still run
 
     # ----------------------------------------------------------------- queue
     @property
@@ -168,8 +170,7 @@ class Scheduler:
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
         self.settle_saves()
         self._now = now
-        self._saved_free_blocks = 0
-        self._uses_saved_blocks = False
+        self.copy_out.new_step()
         first_record = len(self.records)
         budget = self.config.max_num_batched_tokens
         chunks: dict[int, ScheduledChunk] = {}  # id(request) -> chunk, insertion ordered
@@ -213,7 +214,7 @@ class Scheduler:
         chunk_list = list(chunks.values())
         num_tokens = sum(chunk.num_new_tokens for chunk in chunk_list)
         return SchedulerOutput(
-            chunk_list, preempted, self.records[first_record:], num_tokens, self._uses_saved_blocks
+            chunk_list, preempted, self.records[first_record:], num_tokens, self.copy_out.wait_until_s
         )
 
     def update_from_output(
@@ -346,8 +347,7 @@ class Scheduler:
             self._reclaim_paused(num_missing, exclude=request)
             if not self.block_pool.can_allocate(num_missing):
                 return False
-        if self.block_pool.num_free - num_missing < self._saved_free_blocks:
-            self._uses_saved_blocks = True  # eats into blocks still being copied out
+        self.copy_out.allocating(self.block_pool.num_free - num_missing)
         request.block_ids.extend(self.block_pool.allocate(num_missing))
         return True
 
@@ -403,6 +403,7 @@ class Scheduler:
             record.bytes_raw = result.bytes_raw
             record.bytes_early = result.bytes_early
             record.save_s = result.save_s
+            self.copy_out.saved(result.copy_end_s)
             if result.bytes_stored.done():  # always on the virtual clock
                 record.bytes_stored = result.bytes_stored.result()
             else:
@@ -417,7 +418,7 @@ class Scheduler:
         if failure is None and victim.num_computed_tokens:
             victim.kv_location = "host"
             self._saved_records[victim] = record
-            self._saved_free_blocks += num_blocks  # in flight until the copy-out ends
+            self.copy_out.freed(num_blocks)  # in flight until the copy-out ends
         else:
             record.action = "recompute"
             victim.kv_location = None

@@ -143,8 +143,7 @@ class SglangScheduler(Scheduler):
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
         self.settle_saves()
         self._now = now
-        self._saved_free_blocks = 0
-        self._uses_saved_blocks = False
+        self.copy_out.new_step()
         first_record = len(self.records)
         if not self.running and not self._waiting:
             self.new_token_ratio = self.init_ratio  # SCH:5318, idle
@@ -157,7 +156,7 @@ class SglangScheduler(Scheduler):
             preempted,
             self.records[first_record:],
             sum(chunk.num_new_tokens for chunk in chunks),
-            self._uses_saved_blocks,
+            self.copy_out.wait_until_s,
         )
 
     def _decoding(self) -> list[Request]:

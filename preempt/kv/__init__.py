@@ -8,6 +8,8 @@
   `timing` (virtual time of each move, and when copied-out blocks are free again) and
   `speculative` (early copies, restores started before admission, their accounting);
   `segment`: a host copy's blobs and the futures of what a worker learns later;
+- `copy_out`: blocks still being copied out (the one model of it: the scheduler feeds
+  it, the engine stalls by it);
 - `codec`: raw / zstd / mixed-precision blobs; `host_pool`: the pinned host arena of slots;
 - `kv_cache`: the device KV tensors.
 

@@ -73,6 +73,7 @@ class SaveResult(NamedTuple):
     bytes_raw: int = 0  # copied at the preemption
     bytes_early: int = 0  # already on the host from early saves (claimed, not copied again)
     save_s: float = 0.0  # virtual: until the host copy is complete; wall: the engine thread's share
+    copy_end_s: float = 0.0  # virtual: when its device-to-host copies end (preempt.kv.copy_out)
     # The blob sizes in the host pool, once stored: at once on the virtual clock, from the
     # worker thread on the wall clock. None: nothing was saved (a failure).
     bytes_stored: Future | None = None

@@ -86,11 +86,6 @@ class Saver(KVMover):
         return self.blobs.mixed_ratio
 
     @property
-    def save_copy_end_s(self) -> float:
-        """Virtual: when the latest save's copy-out ends (its freed blocks are busy till then)."""
-        return self.timing.save_copy_end_s
-
-    @property
     def restore_end_s(self) -> float:
         """Virtual: when the latest restore's copy-in ends."""
         return self.timing.restore_end_s
@@ -112,8 +107,6 @@ class Saver(KVMover):
             return SaveResult(tail)
         self.early.claimed(early)
         segments = [*early, tail] if tail.num_tokens else early
-        # The victim's blocks are reusable once its own copies are out (not anyone else's).
-        self.timing.blocks_freed(max([0.0, *(segment.copy_end_s for segment in segments)]))
         if self.is_virtual:
             save_s = max([now, *(segment.ready_at_s for segment in segments)]) - now
         else:
@@ -126,6 +119,8 @@ class Saver(KVMover):
             bytes_raw=tail.nbytes_raw,
             bytes_early=sum(segment.nbytes_raw for segment in early),
             save_s=save_s,
+            # The victim's blocks are reusable once its own copies are out (not anyone else's).
+            copy_end_s=max([0.0, *(segment.copy_end_s for segment in segments)]),
             bytes_stored=gather_stored(segments),
         )
 

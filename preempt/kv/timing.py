@@ -2,9 +2,8 @@
 
 Owns: the link timelines on the virtual clock (demand saves' device-to-host copies,
 speculative copies below them, restores' host-to-device copies, the prefetch's host
-decode lanes) and the one model of "blocks still being copied out": `save_copy_end_s`,
-when the latest save's copy-out ends, before which a step that reuses a save's freed
-blocks waits (`Engine._stall` reads it; the scheduler says whether a step reuses them).
+decode lanes). Each save's copy-out end goes back in its result; what a step that
+reuses the freed blocks waits for is preempt.kv.copy_out.
 
 A save is the target's KV bytes crossing PCIe on a device-to-host copy timeline (the
 blocks are busy until that copy ends), then the host-side encode at the codec's
@@ -39,7 +38,6 @@ class VirtualTiming:
         self._early_d2h_free_at = 0.0  # speculative copies, below demand saves
         self._h2d_free_at = 0.0
         self._decode_free_at = [0.0] * num_decode_lanes  # the prefetch's host decode threads
-        self.save_copy_end_s = 0.0  # when the latest save's copy-out ends
         self.restore_end_s = 0.0  # when the latest restore's copy-in ends
 
     # ----------------------------------------------------------------- saves
@@ -58,11 +56,6 @@ class VirtualTiming:
             start = max(now, self._d2h_free_at)
             self._d2h_free_at = copy_end = start + duration
         return copy_end, copy_end + self.host_s(copy_bytes, codec, self.config.codec_encode_mb_s)
-
-    def blocks_freed(self, copy_end_s: float) -> None:
-        """A preemption freed blocks whose copy-out ends at `copy_end_s` (the victim's own
-        copies: early ones claimed, and the tail)."""
-        self.save_copy_end_s = max(self.save_copy_end_s, copy_end_s)
 
     # ----------------------------------------------------------------- restores
     def restore_end(self, saved: SavedCopy, now: float, decoded_s: float | None = None) -> float:
