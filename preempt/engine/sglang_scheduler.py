@@ -288,11 +288,16 @@ class SglangScheduler(Scheduler):
                 break
         if not victims or need > 0:
             return False
+        all_out = True
         for victim in victims:
-            budget.total_offset -= self._running_offset(victim)
-            self._preempt(victim, "priority", forced=False, challenger=challenger)
-            preempted.append(victim)
-        return True
+            # A save can fail here (SGLang's retract cannot): the victim keeps running
+            # and its seat, so the challenger must not take it.
+            if self._preempt(victim, "priority", forced=False, challenger=challenger):
+                budget.total_offset -= self._running_offset(victim)
+                preempted.append(victim)
+            else:
+                all_out = False
+        return all_out
 
     # ----------------------------------------------------------------- decode
     def _decode_batch(self, preempted: list[Request]) -> list[ScheduledChunk]:

@@ -9,6 +9,7 @@ from preempt.core.block_pool import BlockPool
 from preempt.core.config import PreemptionConfig, SchedulerConfig
 from preempt.engine.policies import get_policy
 from preempt.engine.sglang_scheduler import CLIP_MAX_NEW_TOKENS, SglangScheduler
+from preempt.kv.record import KVMover, SaveResult
 from tests.conftest import make_request
 from tests.engine.test_scheduler import complete
 
@@ -155,3 +156,38 @@ def test_no_priority_preemption_without_priority_scheduling():
     s.add_request(make_request(9, 6, 5, arrival_s=5.0, sla_level=2))
     out = s.schedule()
     assert not out.preempted
+
+
+class _FailingMover(KVMover):
+    """Every save fails as a blob over one host slot would."""
+
+    def save(self, request, codec, now):
+        return SaveResult("slot_too_small")
+
+    def restore(self, request, now):
+        raise AssertionError("nothing was saved")
+
+    def discard(self, request):
+        pass
+
+
+def test_a_priority_victim_whose_save_fails_keeps_its_seat():
+    # Regression (found by tests/engine/test_engine.py's random load): the victim's save
+    # failed, so it kept running, yet the challenger was admitted too: 3 running > 2.
+    config = SchedulerConfig(
+        max_num_seqs=2,
+        policy="sglang_priority",
+        sglang={"chunked_prefill_size": 32, "max_prefill_tokens": 64, "priority_preemption_threshold": 0},
+    )
+    preemption = PreemptionConfig(mode="swap")
+    s = SglangScheduler(
+        config, get_policy("sglang_priority", preemption), BlockPool(64), 4, preemption, _FailingMover()
+    )
+    low = [make_request(i, 6, 50, arrival_s=float(i)) for i in range(2)]
+    for r in low:
+        s.add_request(r)
+    complete(s, s.schedule())
+    s.add_request(make_request(9, 6, 5, arrival_s=5.0, sla_level=1))
+    out = s.schedule()
+    assert [r.failure for r in out.records] == ["slot_too_small"]  # the attempt, kept running
+    assert not out.preempted and len(s.running) == 2 and kinds(out) == {"decode"}
