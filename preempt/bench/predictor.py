@@ -78,12 +78,12 @@ def bench_predictor(quick: bool = False) -> dict[str, Any]:
             started = time.perf_counter()
             engine.step()
             stepped = time.perf_counter()
-            features = engine_features(engine)
+            features = engine_features(engine.view)
             ids = [r.request_id for r in engine.scheduler.running]
             featured = time.perf_counter()
             probs = predictor.step(ids, features)
             done = time.perf_counter()
-            engine_features(engine, "scale_free")
+            engine_features(engine.view, "scale_free")
             scaled = time.perf_counter()
             if index >= 20:  # warm-up: allocation, caches, the allocator's first sizes
                 step_s.append(stepped - started)

@@ -60,9 +60,9 @@ class EarlySavePolicy(ABC):
     def forget(self, requests: Sequence[Request]) -> None:  # noqa: B027 (optional hook)
         """These requests left the batch for good (finished or aborted)."""
 
-    def prepare(self, engine: EngineView) -> None:  # noqa: B027 (optional hook)
-        """Called before `select` each step; only the lookahead oracle reads the engine
-        (to fork it: it never changes it)."""
+    def prepare(self, view: EngineView) -> None:  # noqa: B027 (optional hook)
+        """Called before `select` each step with the engine's view (the lookahead oracle
+        forks it; nobody changes it)."""
 
 
 class AlwaysPolicy(EarlySavePolicy):
@@ -111,9 +111,9 @@ class LSTMPolicy(EarlySavePolicy):
         self._chosen: set[int] = set()
         self.last_probs: np.ndarray = np.zeros(0, dtype=np.float32)
 
-    def prepare(self, engine: EngineView) -> None:
+    def prepare(self, view: EngineView) -> None:
         # The steps preempt.obs.dataset.FeatureLogger logs a row at, so online = offline.
-        self._stepping = engine.num_steps % self.every_k_steps == 0
+        self._stepping = view.num_steps % self.every_k_steps == 0
 
     @property
     def needs_features_now(self) -> bool:
@@ -162,9 +162,9 @@ class LookaheadPolicy(EarlySavePolicy):
         self._steps_left = 0
         self._chosen: set[int] = set()
 
-    def prepare(self, engine: EngineView) -> None:
+    def prepare(self, view: EngineView) -> None:
         if self._steps_left <= 0:
-            self._chosen = self.lookahead.within(self.lookahead.forecast(engine))
+            self._chosen = self.lookahead.within(self.lookahead.forecast(view))
             self._steps_left = self.every_steps
         self._steps_left -= 1
 
@@ -206,31 +206,30 @@ def make_policy(config: EarlySaveConfig) -> EarlySavePolicy | None:
 
 
 class EarlySaver:
-    """`hook(engine, output)` after each engine step: forget finished requests (their
+    """`hook(view, output)` after each engine step: forget finished requests (their
     early copies were wasted), then save early whom the policy picks."""
 
     def __init__(self, policy: EarlySavePolicy) -> None:
         self.policy = policy
         self.num_selected = 0  # picks, including those the saver skipped (nothing new, budget)
 
-    def __call__(self, engine: EngineView, output: StepOutput) -> None:
-        saver = engine.saver
+    def __call__(self, view: EngineView, output: StepOutput) -> None:
         if output.finished:
             self.policy.forget(output.finished)
             for request in output.finished:
-                saver.discard_early(request)
-        running = engine.scheduler.running
+                view.discard_early(request)
+        running = view.running
         if not output.scheduled.chunks or not running:
             return
-        now = engine.clock.now()
-        self.policy.prepare(engine)
+        now = view.now
+        self.policy.prepare(view)
         policy = self.policy
         needs = policy.needs_features and getattr(policy, "needs_features_now", True)
-        features = engine_features(engine, getattr(policy, "feature_set", "v1")) if needs else None
+        features = engine_features(view, getattr(policy, "feature_set", "v1")) if needs else None
         chosen = self.policy.select(running, features, now)
         self.num_selected += len(chosen)
         for request in chosen:
-            saver.early_save(request, now)
+            view.early_save(request)
 
     def stats(self) -> dict[str, Any]:
         return {"early_save_selected": self.num_selected}

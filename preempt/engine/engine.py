@@ -24,7 +24,7 @@ from preempt.core.cost_model import CostModel, StepShape, get_target
 from preempt.core.request import Request, RequestState
 from preempt.engine.policies import get_policy
 from preempt.engine.scheduler import Scheduler, SchedulerOutput
-from preempt.engine.step import StepOutput
+from preempt.engine.step import EngineView, StepOutput
 
 
 class Engine:
@@ -71,6 +71,7 @@ class Engine:
 
             self.prefetcher = Prefetcher(config.early_save)
         self.clock = make_clock(config.clock.kind)
+        self.view = EngineView(self)  # what the step hooks read
         self.num_steps = 0
         self.stall_s = 0.0  # compute waiting for KV moves (saves' copy-out, restores)
         self.stall_restore_s = 0.0  # the part that waited for restores only
@@ -131,9 +132,9 @@ class Engine:
         finished = self.scheduler.update_from_output(scheduled, step_s, next_tokens, self.clock.now())
         output = StepOutput(scheduled, finished, step_s, stall_s)
         if self.early_saver is not None:
-            self.early_saver(self, output)
+            self.early_saver(self.view, output)
         if self.prefetcher is not None:
-            self.prefetcher(self, output)
+            self.prefetcher(self.view, output)
         return output
 
     def fork(self) -> Engine:

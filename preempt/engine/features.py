@@ -158,20 +158,11 @@ def scale_free_features(
     return out
 
 
-def engine_features(engine: EngineView, feature_set: str = "v1") -> np.ndarray:
+def engine_features(view: EngineView, feature_set: str = "v1") -> np.ndarray:
     """The features (`feature_set`) of the engine's running requests now, (R, 8): what
     the feature logger records and what the early-save policies decide on."""
-    scheduler = engine.scheduler
-    now = engine.clock.now()
-    args = (
-        scheduler.running,
-        scheduler.waiting_scores(now),
-        now,
-        engine.block_pool.num_free,
-        engine.block_pool.num_blocks,
-    )
+    now = view.now
+    args = (view.running, view.waiting_scores(now), now, view.num_free_blocks, view.num_blocks)
     if feature_set == "scale_free":
-        return scale_free_features(
-            *args, engine.block_size, scheduler.config.max_num_seqs, engine.config.preemption
-        )
-    return compute_features(*args, engine.config.preemption)
+        return scale_free_features(*args, view.block_size, view.max_num_seqs, view.config.preemption)
+    return compute_features(*args, view.config.preemption)

@@ -51,15 +51,15 @@ class Lookahead:
         self.num_forks = 0
         self.num_fork_steps = 0
 
-    def forecast(self, engine: EngineView) -> Forecast:
+    def forecast(self, view: EngineView) -> Forecast:
         """Run a fork until both horizons have passed (or nothing is left to run): a
         preemption decided at the k-th step's schedule() is k steps and (its time - now)
         seconds ahead, as `preempt.obs.dataset.label_rows` counts them."""
-        fork = engine.fork()
+        fork = view.fork()
         self.num_forks += 1
         start_s = fork.clock.now()
         start_step = fork.num_steps
-        upcoming = engine.upcoming_arrivals(start_s + self.horizon_s + 3600.0)
+        upcoming = view.upcoming_arrivals(start_s + self.horizon_s + 3600.0)
         next_arrival = 0
         memo_prompts: dict[int, object] = {}
         preempted: dict[int, tuple[float, int]] = {}

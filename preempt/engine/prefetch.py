@@ -10,7 +10,9 @@ Owns: the choice of whom to prefetch and the blocks held for them. After each en
 step, for the first `prefetch_depth` waiting requests in admission order whose KV is on
 the host: allocate the blocks that cover their computed tokens (they become the
 request's own `block_ids`, which the scheduler then counts as held at admission) and
-ask the saver to restore into them (`Saver.prefetch`). Bounded by
+restore into them (`EngineView.prefetch`, the saver's `Saver.prefetch`). A head of the
+queue that cannot be admitted otherwise takes prefetched blocks back (the scheduler
+cancels prefetches behind it), so a prefetch never keeps anyone waiting. Bounded by
 `prefetch_block_share` of the pool and by a headroom of free blocks kept for the running
 requests' next step (one block each, plus one step's token budget); when free blocks
 fall under that headroom, prefetches are cancelled, last in admission order first (their
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
 
 
 class Prefetcher:
-    """`hook(engine, output)` after each engine step: decode ahead, then copy in ahead."""
+    """`hook(view, output)` after each engine step: decode ahead, then copy in ahead."""
 
     def __init__(self, config: EarlySaveConfig) -> None:
         self.depth = config.prefetch_depth
@@ -47,58 +49,43 @@ class Prefetcher:
         self.num_cancelled = 0
 
     @staticmethod
-    def headroom(engine: EngineView) -> int:
+    def headroom(view: EngineView) -> int:
         """Blocks the running requests take in the next step, if it runs them all (their
         next decode token or prefill chunk within the token budget): kept free, so a
         prefetch never makes the next step preempt anyone for memory."""
-        scheduler = engine.scheduler
-        budget = scheduler.config.max_num_batched_tokens
+        budget = view.max_num_batched_tokens
         need = 0
-        for request in scheduler.running:
+        for request in view.running:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             budget -= num_new
-            need += max(
-                0,
-                blocks_needed(request.num_computed_tokens + num_new, engine.block_size)
-                - len(request.block_ids),
-            )
+            num_blocks = blocks_needed(request.num_computed_tokens + num_new, view.block_size)
+            need += max(0, num_blocks - len(request.block_ids))
         return need
 
-    def __call__(self, engine: EngineView, output: StepOutput) -> None:
-        saver, pool, scheduler = engine.saver, engine.block_pool, engine.scheduler
-        now = engine.clock.now()
-        candidates = [r for r in scheduler.next_to_admit(self.depth) if r.kv_location == "host"]
+    def __call__(self, view: EngineView, output: StepOutput) -> None:
+        candidates = [r for r in view.next_to_admit(self.depth) if r.kv_location == "host"]
         # Phase 1: host decode ahead (no device blocks needed), within the host budget.
-        decoded = saver.ahead.predecode_bytes_held
+        decoded = view.predecode_bytes_held
         for request in candidates:
-            if saver.is_predecoded(request) or not saver.needs_decode(request):
+            if view.is_predecoded(request) or not view.needs_decode(request):
                 continue
-            nbytes = saver.saved_bytes(request)
+            nbytes = view.saved_bytes(request)
             if decoded + nbytes > self.host_budget:
                 break
-            decoded += saver.predecode(request, now)
+            decoded += view.predecode(request)
         # Phase 2: the host-to-device copy into free blocks, keeping the next step's need free.
-        headroom = self.headroom(engine)
+        headroom = self.headroom(view)
         order = {id(r): i for i, r in enumerate(candidates)}
-        held = sorted(saver.prefetched_requests, key=lambda r: order.get(id(r), len(order)))
-        while held and pool.num_free < headroom:  # cancel, last in admission order first
-            self._cancel(engine, held.pop())
+        held = sorted(view.prefetched_requests, key=lambda r: order.get(id(r), len(order)))
+        while held and view.num_free_blocks < headroom:  # cancel, last in admission order first
+            view.cancel_prefetch(held.pop())
+            self.num_cancelled += 1
         num_held = sum(len(r.block_ids) for r in held)
-        limit = int(self.block_share * pool.num_blocks)
+        limit = int(self.block_share * view.num_blocks)
         for request in candidates:
-            if saver.is_prefetched(request):
+            if view.is_prefetched(request):
                 continue
-            num_missing = blocks_needed(request.num_computed_tokens, engine.block_size) - len(
-                request.block_ids
-            )
-            if num_held + num_missing > limit or pool.num_free - num_missing < headroom:
+            num_missing = blocks_needed(request.num_computed_tokens, view.block_size) - len(request.block_ids)
+            if num_held + num_missing > limit or view.num_free_blocks - num_missing < headroom:
                 break  # in admission order: never skip ahead of someone who does not fit
-            request.block_ids.extend(pool.allocate(num_missing))
-            saver.prefetch(request, now)
-            num_held += num_missing
-
-    def _cancel(self, engine: EngineView, request) -> None:
-        engine.saver.cancel_prefetch(request)
-        engine.block_pool.free(request.block_ids)
-        request.block_ids = []
-        self.num_cancelled += 1
+            num_held += view.prefetch(request)

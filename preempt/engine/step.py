@@ -1,24 +1,37 @@
 """What one engine step returns, and the engine as its step hooks see it.
 
 Owns: `StepOutput` (the scheduler's output, the requests that finished, the step's
-compute and stall time) and `EngineView`, the part of `preempt.engine.engine.Engine`
-that the hooks run after a step read: early saves, the restore prefetcher, the feature
-computation, the lookahead oracle. The hooks name this interface instead of the
-`Engine` class, so that the engine can build them without an import circle (the engine
-imports its hooks; they import only this module).
+compute and stall time), `EngineView`, the read-only view of the engine after a step
+that its observers get instead of the `Engine` (early saves, the restore prefetcher, the
+feature computation, the lookahead oracle, the metrics, the collect logger), and `Fork`,
+what the lookahead drives of the engine copy it forks.
+
+The view reads; it changes nothing, except through its few narrow actions, each owned by
+the one hook that asks: `early_save` / `discard_early` (early saves), `predecode` /
+`prefetch` / `cancel_prefetch` (the prefetcher: the blocks it holds for a request are
+that request's own) and `fork` (a copy; the live engine is untouched). Reads return
+copies or immutable values, so a hook cannot reorder the scheduler's queues.
+
+The hooks name these types instead of the `Engine` class, so that the engine can build
+them without an import circle (the engine imports its hooks; they import only this
+module).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+import numpy as np
+
+from preempt.core.block_pool import blocks_needed
 
 if TYPE_CHECKING:
-    from preempt.core.block_pool import BlockPool
     from preempt.core.clock import Clock
     from preempt.core.config import EngineConfig
     from preempt.core.request import Request
     from preempt.engine.scheduler import Scheduler, SchedulerOutput
-    from preempt.kv.saver import Saver
+    from preempt.kv.record import PreemptionRecord
 
 
 class StepOutput(NamedTuple):
@@ -28,24 +41,165 @@ class StepOutput(NamedTuple):
     stall_s: float = 0.0  # compute waited this long for KV moves before the step
 
 
-class EngineView(Protocol):
-    """The engine after a step, as a hook reads it. A hook changes only what it owns:
-    the saves it asks the saver for, the blocks a prefetch holds for its request."""
+class Fork(Protocol):
+    """A copy of the engine that the lookahead steps on its own (`EngineView.fork`)."""
 
-    config: EngineConfig
     scheduler: Scheduler
-    block_pool: BlockPool
-    block_size: int
-    saver: Saver | None
     clock: Clock
     num_steps: int
-
-    def upcoming_arrivals(self, until_s: float) -> list[Request]:
-        """`Engine.run`'s requests arriving by `until_s`, not added yet."""
-
-    def fork(self) -> EngineView:
-        """A copy that can be stepped without touching this engine (the lookahead's)."""
 
     def add_request(self, request: Request) -> None: ...
 
     def step(self) -> StepOutput: ...
+
+
+class EngineView:
+    """The engine after a step, as a hook reads it (built once by the engine)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine  # an `Engine`; reached only through the members below
+
+    # ----------------------------------------------------------------- reads
+    @property
+    def config(self) -> EngineConfig:
+        return self._engine.config
+
+    @property
+    def block_size(self) -> int:
+        return self._engine.block_size
+
+    @property
+    def now(self) -> float:
+        return self._engine.clock.now()
+
+    @property
+    def num_steps(self) -> int:
+        return self._engine.num_steps
+
+    @property
+    def running(self) -> tuple[Request, ...]:
+        """Running requests in admission order (a snapshot)."""
+        return tuple(self._engine.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._engine.scheduler.num_waiting
+
+    @property
+    def num_paused(self) -> int:
+        return len(self._engine.scheduler.paused)
+
+    @property
+    def backoff_until_s(self) -> float:
+        return self._engine.scheduler.backoff_until_s
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._engine.scheduler.config.max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self._engine.scheduler.config.max_num_batched_tokens
+
+    def waiting_scores(self, now: float) -> np.ndarray:
+        """Priority scores of all waiting requests at `now` (`Scheduler.waiting_scores`)."""
+        return self._engine.scheduler.waiting_scores(now)
+
+    def next_to_admit(self, k: int) -> list[Request]:
+        """The first `k` waiting requests in admission order."""
+        return self._engine.scheduler.next_to_admit(k)
+
+    @property
+    def records(self) -> Sequence[PreemptionRecord]:
+        """Every preemption decision so far (a read-only sequence; records are the
+        scheduler's, never to be written through it)."""
+        return _ReadOnly(self._engine.scheduler.records)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._engine.block_pool.num_free
+
+    @property
+    def num_blocks(self) -> int:
+        return self._engine.block_pool.num_blocks
+
+    @property
+    def kv_usage(self) -> float:
+        return self._engine.block_pool.usage
+
+    def stats(self) -> dict[str, float | int]:
+        return self._engine.stats()
+
+    def upcoming_arrivals(self, until_s: float) -> list[Request]:
+        """`Engine.run`'s requests arriving by `until_s`, not added yet."""
+        return self._engine.upcoming_arrivals(until_s)
+
+    # ----------------------------------------------------------------- host copies (reads)
+    def is_prefetched(self, request: Request) -> bool:
+        return self._engine.saver.is_prefetched(request)
+
+    def is_predecoded(self, request: Request) -> bool:
+        return self._engine.saver.is_predecoded(request)
+
+    def needs_decode(self, request: Request) -> bool:
+        return self._engine.saver.needs_decode(request)
+
+    def saved_bytes(self, request: Request) -> int:
+        return self._engine.saver.saved_bytes(request)
+
+    @property
+    def prefetched_requests(self) -> list[Request]:
+        return self._engine.saver.prefetched_requests
+
+    @property
+    def predecode_bytes_held(self) -> int:
+        return self._engine.saver.ahead.predecode_bytes_held
+
+    # ----------------------------------------------------------------- narrow actions
+    def early_save(self, request: Request) -> bool:
+        """Early saves: copy a running request's new full blocks to the host now."""
+        return self._engine.saver.early_save(request, self.now)
+
+    def discard_early(self, request: Request) -> None:
+        """Early saves: the request finished; free its early copies."""
+        self._engine.saver.discard_early(request)
+
+    def predecode(self, request: Request) -> int:
+        """Prefetch: start the host decode of a waiting request's copy; its decoded bytes."""
+        return self._engine.saver.predecode(request, self.now)
+
+    def prefetch(self, request: Request) -> int:
+        """Prefetch: give a waiting request (KV on the host) the blocks that cover its
+        computed tokens and start restoring into them; returns the blocks allocated."""
+        engine = self._engine
+        num_missing = blocks_needed(request.num_computed_tokens, engine.block_size) - len(request.block_ids)
+        request.block_ids.extend(engine.block_pool.allocate(num_missing))
+        engine.saver.prefetch(request, self.now)
+        return num_missing
+
+    def cancel_prefetch(self, request: Request) -> None:
+        """Prefetch: drop a prefetched restore and free the request's blocks (its host
+        copy stays)."""
+        engine = self._engine
+        engine.saver.cancel_prefetch(request)
+        engine.block_pool.free(request.block_ids)
+        request.block_ids = []
+
+    def fork(self) -> Fork:
+        """A copy that can be stepped without touching this engine (the lookahead's)."""
+        return self._engine.fork()
+
+
+class _ReadOnly(Sequence):
+    """A list seen through `Sequence` only (no append, no item assignment)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: list) -> None:
+        self._items = items
+
+    def __getitem__(self, index):
+        return self._items[index]
+
+    def __len__(self) -> int:
+        return len(self._items)

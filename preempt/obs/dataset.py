@@ -114,20 +114,20 @@ class FeatureLogger:
         return sum(self._counts)
 
     def __call__(self, engine: Engine, output: StepOutput) -> None:
+        view = engine.view  # an observer: it reads the step view only
         if not output.scheduled.chunks:
             return
-        self._step_ends.append(engine.clock.now())
-        if engine.num_steps % self.config.every_k_steps:
+        self._step_ends.append(view.now)
+        if view.num_steps % self.config.every_k_steps:
             return
-        scheduler = engine.scheduler
-        running = scheduler.running
+        running = view.running
         if not running:
             return
-        now = engine.clock.now()
-        features = engine_features(engine, self.config.feature_set)
+        now = view.now
+        features = engine_features(view, self.config.feature_set)
         self._num_tokens.append(np.fromiter((r.num_computed_tokens for r in running), np.int64, len(running)))
         self._request_ids.append(np.fromiter((r.request_id for r in running), np.int64, len(running)))
-        self._steps.append(engine.num_steps)
+        self._steps.append(view.num_steps)
         self._counts.append(len(running))
         self._times.append(now)
         self._features.append(features)

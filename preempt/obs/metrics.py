@@ -261,8 +261,9 @@ class PreemptionMetrics:
     def observe_step(self, engine: Engine, output: StepOutput | None = None) -> None:
         """Samples from one step: new preemption records, resumed victims, counters from
         `engine.stats()`, gauges. `output` None: no step ran (e.g. after an abort)."""
-        now = engine.clock.now()
-        records = engine.scheduler.records
+        view = engine.view  # an observer: it reads the step view only
+        now = view.now
+        records = view.records
         for record in records[self._num_records_seen :]:
             self._observe_record(record)
         self._num_records_seen = len(records)
@@ -274,14 +275,13 @@ class PreemptionMetrics:
                 for record in pending or ():
                     self._observe_resume(record, resumed_at)
         self._observe_stored()
-        self._observe_stats(engine.stats())
+        self._observe_stats(view.stats())
 
-        scheduler = engine.scheduler
-        self.running.set(len(scheduler.running))
-        self.waiting.set(scheduler.num_waiting)
-        self.paused.set(len(scheduler.paused))
-        self.kv_usage.set(engine.block_pool.usage)
-        backoff_left = scheduler.backoff_until_s - now
+        self.running.set(len(view.running))
+        self.waiting.set(view.num_waiting)
+        self.paused.set(view.num_paused)
+        self.kv_usage.set(view.kv_usage)
+        backoff_left = view.backoff_until_s - now
         with self._lock:
             self._backoff_until = self._time_fn() + backoff_left
 

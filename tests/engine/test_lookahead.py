@@ -87,7 +87,7 @@ def test_the_forecast_is_what_the_live_run_does(backend):
     forecasts = []
 
     def hook(engine):
-        forecasts.append((engine.clock.now(), engine.num_steps, lookahead.forecast(engine)))
+        forecasts.append((engine.clock.now(), engine.num_steps, lookahead.forecast(engine.view)))
 
     _trace(engine, _workload(), hook=hook)
     events = preemption_events(engine.scheduler.records)
