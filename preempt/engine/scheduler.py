@@ -35,6 +35,15 @@ blob over one slot) or a request already preempted `max_consecutive_preemptions`
 takes the fallback: the request is marked PREEMPTION_FAILED and runs to completion (a
 forced preemption still drops its KV, since the blocks are needed), and new admissions
 back off exponentially. Without it a failed save only drops the KV for recompute.
+
+The records are the scheduler's: it creates each `PreemptionRecord` and alone writes it,
+from the `SaveResult` / `RestoreResult` its `KVMover` returns (a stored size that a
+worker learns later arrives through a future, settled at the next `schedule`).
+
+Over 500 lines, for a reason: it is one algorithm (vLLM's `schedule()` step for step,
+which `preempt parity vllm` compares) and the fate of its victims' KV, which the step
+decides in the middle of its passes; split apart, the step could no longer be read top
+to bottom beside vLLM's.
 """
 
 from __future__ import annotations
