@@ -529,9 +529,9 @@ class Scheduler:
         return True
 
     def _fail(self, request: Request, record: PreemptionRecord, failure: str) -> None:
-        """A preemption could not go as planned (`failure` says why). With the SPEC's
-        fallback: mark PREEMPTION_FAILED (runs to completion, never a priority victim
-        again) and back new admissions off exponentially. Without it (the baselines), only
+        """A preemption could not go as planned (`failure` says why). With the design's
+        fallback (docs/design.md §7): mark PREEMPTION_FAILED (runs to completion, never a
+        priority victim again) and back new admissions off exponentially. Without it (the baselines), only
         the record says what happened."""
         record.failure = failure
         is_running = request in self.running

@@ -11,7 +11,7 @@ the scrape (`render`) runs on another thread, and it reads nothing of the engine
 through callbacks on objects documented as thread-safe (the host pool's counters).
 
 Every preemption-related metric name contains `preemption`, so
-`curl .../metrics | grep preemption` finds them all (SPEC §5). What is counted:
+`curl .../metrics | grep preemption` finds them all (docs/design.md §5). What is counted:
 
 - `preempt_preemptions_total{reason}`: requests taken out of the batch (`priority` or
   `memory`), exactly `engine.stats()["num_preemptions"]`; a failed attempt that kept its
@@ -113,7 +113,7 @@ class PreemptionMetrics:
         )
         self.failures = Counter(
             "preempt_preemption_failures",
-            "Preemption fallbacks taken (SPEC 7), by reason",
+            "Preemption fallbacks taken (the failure handling of docs/design.md §7), by reason",
             ["reason"],
             registry=r,
         )

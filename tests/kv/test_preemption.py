@@ -302,7 +302,7 @@ def test_mixed_mode_on_the_null_backend_stores_the_plans_share():
     plan = engine.saver.plan
     target = engine.cost_model.target
     assert (plan.num_layers, plan.num_kv_heads) == (target.num_layers, target.num_kv_heads)
-    assert engine.saver.mixed_ratio == pytest.approx(0.65, abs=0.01)  # SPEC §9: 35% smaller than FP16
+    assert engine.saver.mixed_ratio == pytest.approx(0.65, abs=0.01)  # design §9: 35% smaller
     request = make_request(0, 100, 5)
     request.num_computed_tokens = 100
     saved = engine.saver.save(request, "mixed", 0.0)
