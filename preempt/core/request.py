@@ -70,7 +70,6 @@ class Request:
     executed_s: float = 0.0  # executed time over its whole life (MLFQ's attained service)
     preemption_failed: bool = False  # fallback taken: never preempted for priority again
     kv_location: KVLocation = None  # where a PREEMPTED request's KV is
-    saved_kv: Any = None  # the saver's handle while kv_location == "host" (opaque here)
     # (num_layers, num_kv_heads) int: a lossy restore dropped these heads' saved KV, so their
     # keys below this position stay masked for the rest of the request's life (docs/design.md §9);
     # 0 where nothing is masked. None: no head dropped.
