@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 
 from experiments.catalogue import ENGINE_REPORTED, NAN, SLA_METRICS
 from preempt.core.limits import RATE_WINDOW_S
+from preempt.kv.record import is_preemption
 
 
 def _percentile_ms(values: list[float], q: float) -> float:
@@ -41,7 +42,7 @@ def _nan_if_none(value: Any) -> float:
 def run_metrics(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
     """The table's metrics of one run, from its summary.json and preemptions.parquet."""
     rec = pq.read_table(run_dir / "preemptions.parquet").to_pylist()
-    preempted = [r for r in rec if r["reason"] in ("priority", "memory") and r["action"] != "none"]
+    preempted = [r for r in rec if is_preemption(r["reason"], r["action"])]
     saves = [r for r in rec if r["action"] == "save" and r["failure"] is None and r["bytes_raw"] > 0]
     restores = [r for r in saves if r["restored"]]
     recomputed = sum(r["num_tokens"] for r in rec if r["action"] == "recompute" or r["restored"] is False)
