@@ -123,16 +123,16 @@ def cmd_collect(args: argparse.Namespace) -> int:
     feature_config = _feature_config(args)
     config = _config_from_args(args)
     logger = FeatureLogger(feature_config)
-    engines = []
+    views = []
 
-    def on_step(engine: Any, output: Any) -> None:
-        if not engines:
-            engines.append(engine)
-        logger(engine, output)
+    def on_step(view: Any, output: Any) -> None:
+        if not views:
+            views.append(view)  # the run's read-only view: its records label the rows
+        logger(view, output)
 
     summary = replay(config, args.out, progress=not args.no_progress, on_step=on_step)
     started = time.perf_counter()
-    records = engines[0].scheduler.records if engines else []
+    records = list(views[0].records) if views else []
     columns = logger.columns(records)
     info = {
         "trace": config.workload.trace,

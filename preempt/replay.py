@@ -16,7 +16,7 @@ from typing import Any
 from preempt.core.config import EngineConfig
 from preempt.core.workload import build_workload
 from preempt.engine.engine import Engine
-from preempt.engine.step import StepOutput
+from preempt.engine.step import EngineView, StepOutput
 from preempt.obs.results import summarize, write_preemptions_parquet, write_requests_parquet, write_summary
 
 
@@ -24,10 +24,11 @@ def replay(
     config: EngineConfig,
     out_dir: Path,
     progress: bool = True,
-    on_step: Callable[[Engine, StepOutput], None] | None = None,
+    on_step: Callable[[EngineView, StepOutput], None] | None = None,
 ) -> dict[str, Any]:
-    """Run `config`'s workload and write the run's files; `on_step(engine, output)`, if
-    given, sees every step (e.g. `preempt collect`'s feature logger)."""
+    """Run `config`'s workload and write the run's files; `on_step(view, output)`, if
+    given, sees every step through the engine's read-only view (e.g. `preempt collect`'s
+    feature logger)."""
     started = time.perf_counter()
     engine = Engine(config)
     requests = build_workload(config.workload, seed=config.seed, vocab_size=engine.runner.vocab_size)
@@ -40,7 +41,7 @@ def replay(
 
     def hook(output: StepOutput) -> None:
         if on_step is not None:
-            on_step(engine, output)
+            on_step(engine.view, output)
         if bar is not None:
             if output.finished:
                 bar.update(len(output.finished))

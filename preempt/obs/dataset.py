@@ -41,8 +41,7 @@ from preempt.engine.features import FEATURE_DOCS, FEATURE_SETS, NUM_FEATURES, SC
 if TYPE_CHECKING:
     from datasets import Dataset
 
-    from preempt.engine.engine import Engine
-    from preempt.engine.step import StepOutput
+    from preempt.engine.step import EngineView, StepOutput
     from preempt.kv.record import PreemptionRecord
 
 # Engine-clock times are float sums of step durations: t + 0.05 and the record's time can
@@ -113,8 +112,7 @@ class FeatureLogger:
     def num_rows(self) -> int:
         return sum(self._counts)
 
-    def __call__(self, engine: Engine, output: StepOutput) -> None:
-        view = engine.view  # an observer: it reads the step view only
+    def __call__(self, view: EngineView, output: StepOutput) -> None:
         if not output.scheduled.chunks:
             return
         self._step_ends.append(view.now)

@@ -50,7 +50,7 @@ def _requests(num: int = 40):
 def _collect(requests, feature_config: FeatureConfig | None = None):
     engine = Engine(_config())
     logger = FeatureLogger(feature_config)
-    engine.run(requests, on_step=lambda output: logger(engine, output))
+    engine.run(requests, on_step=lambda output: logger(engine.view, output))
     return logger.columns(engine.scheduler.records), engine
 
 
