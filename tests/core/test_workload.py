@@ -351,7 +351,11 @@ def test_synthetic_arrivals_keep_the_trace_rate(arrival: str, rate_scale: float)
     expected_cv = 1.0 if arrival == "poisson" else 3.0
     # The mean of n gaps has relative std cv / sqrt(n) (0.7% poisson, 2.2% gamma at cv 3):
     # three sigmas, so an off-by-a-few-percent rate (e.g. a wrong span) fails.
-    assert 1 / gaps.mean() == pytest.approx(trace_rate * rate_scale, rel=3 * expected_cv / np.sqrt(len(gaps)))
+    tolerance = 3 * expected_cv / np.sqrt(len(gaps))
+    assert tolerance < 0.1  # enough gaps that the check discriminates
+    assert 1 / gaps.mean() == pytest.approx(trace_rate * rate_scale, rel=tolerance)
+    # ... and a rate 10% off would not pass it.
+    assert 1 / gaps.mean() != pytest.approx(trace_rate * rate_scale * 1.1, rel=tolerance)
     assert gaps.std() / gaps.mean() == pytest.approx(expected_cv, rel=0.15)
 
 
