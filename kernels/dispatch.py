@@ -25,6 +25,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 # dtype -> (kind code the kernels branch on, integer dtype with the same bits)
 DTYPE_KINDS: dict[torch.dtype, tuple[int, torch.dtype]] = {
@@ -120,3 +121,19 @@ def check_block_ids(block_ids: torch.Tensor, device: torch.device, num_blocks: i
         raise ValueError(f"{name} is on {block_ids.device}, the cache on {device}")
     if block_ids.numel() and (int(block_ids.min()) < 0 or int(block_ids.max()) >= num_blocks):
         raise IndexError(f"{name} must lie in [0, {num_blocks})")
+
+
+@triton.jit
+def bits_to_float32(bits, SRC_KIND: tl.constexpr):
+    """A cache element's integer bits (a `storage_view`) as float32, inside a kernel:
+    SRC_KIND 0 fp16, 1 bf16 (by shifting its bits: the interpreter's bf16 conversion is
+    wrong), 2 fp32, 3 fp64. The one copy every kernel that reads cache bits uses."""
+    if SRC_KIND == 0:
+        x = bits.to(tl.float16, bitcast=True).to(tl.float32)
+    elif SRC_KIND == 1:
+        x = ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    elif SRC_KIND == 2:
+        x = bits.to(tl.float32, bitcast=True)
+    else:
+        x = bits.to(tl.float64, bitcast=True).to(tl.float32)
+    return x

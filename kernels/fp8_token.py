@@ -99,14 +99,7 @@ def _fp8_token_kernel(
     mask = (t < num_tokens)[:, None] & (d < head_dim)[None, :]
     src = src_ptr + (pid * num_tokens + t[:, None]) * head_dim + d[None, :]
     bits = tl.load(src, mask=mask, other=0)
-    if SRC_KIND == 0:
-        x = bits.to(tl.float16, bitcast=True).to(tl.float32)
-    elif SRC_KIND == 1:
-        x = ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-    elif SRC_KIND == 2:
-        x = bits.to(tl.float32, bitcast=True)
-    else:
-        x = bits.to(tl.float64, bitcast=True).to(tl.float32)
+    x = dispatch.bits_to_float32(bits, SRC_KIND)
     amax = tl.max(tl.abs(x), axis=1)  # (BLOCK_T,)
     scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
     y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0)

@@ -321,16 +321,7 @@ def _fma_into(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, target: t
 def _load_float32(ptrs, mask, SRC_KIND: tl.constexpr):
     """Cache elements (integer bits) as float32; bf16 by shifting its bits (the
     interpreter's bf16 conversion is wrong). Masked lanes read 0."""
-    bits = tl.load(ptrs, mask=mask, other=0)
-    if SRC_KIND == 0:
-        x = bits.to(tl.float16, bitcast=True).to(tl.float32)
-    elif SRC_KIND == 1:
-        x = ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-    elif SRC_KIND == 2:
-        x = bits.to(tl.float32, bitcast=True)
-    else:
-        x = bits.to(tl.float64, bitcast=True).to(tl.float32)
-    return x
+    return dispatch.bits_to_float32(tl.load(ptrs, mask=mask, other=0), SRC_KIND)
 
 
 @triton.jit

@@ -97,21 +97,6 @@ def pack_extra(plan: HeadPlan, select, use_triton: bool | None) -> tuple[torch.T
 
 
 @triton.jit
-def _bits_to_float32(bits, SRC_KIND: tl.constexpr):
-    """A cache element's integer bits as float32 (bf16 by shifting its bits: the
-    interpreter's bf16 conversion is wrong)."""
-    if SRC_KIND == 0:
-        x = bits.to(tl.float16, bitcast=True).to(tl.float32)
-    elif SRC_KIND == 1:
-        x = ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-    elif SRC_KIND == 2:
-        x = bits.to(tl.float32, bitcast=True)
-    else:
-        x = bits.to(tl.float64, bitcast=True).to(tl.float32)
-    return x
-
-
-@triton.jit
 def _quantize_heads_kernel(
     src_ptr,  # integer view of the paged source (L, 2, num_blocks, block_size, H, D)
     block_ids_ptr,  # (n,) physical block of each logical block
@@ -158,7 +143,7 @@ def _quantize_heads_kernel(
             blk = tl.load(block_ids_ptr + t // block_size, mask=t < num_tokens, other=0).to(tl.int64)
             rows = src_base + blk * stride_blk + (t % block_size) * stride_tok
             bits = tl.load(src_ptr + rows[:, None] + d[None, :], mask=mask, other=0)
-            x = _bits_to_float32(bits, SRC_KIND)
+            x = dispatch.bits_to_float32(bits, SRC_KIND)
             amax = tl.maximum(amax, tl.max(tl.abs(x)))
         # IEEE division (div_rn), as torch does: Triton's `/` may be approximate on GPU.
         scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
@@ -169,7 +154,7 @@ def _quantize_heads_kernel(
             blk = tl.load(block_ids_ptr + t // block_size, mask=t < num_tokens, other=0).to(tl.int64)
             rows = src_base + blk * stride_blk + (t % block_size) * stride_tok
             bits = tl.load(src_ptr + rows[:, None] + d[None, :], mask=mask, other=0)
-            x = _bits_to_float32(bits, SRC_KIND)
+            x = dispatch.bits_to_float32(bits, SRC_KIND)
             y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
             # E4M3 encode with round-half-even done here (see module doc).
             y_bits = y.to(tl.int32, bitcast=True)
