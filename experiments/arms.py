@@ -124,6 +124,13 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
         "docs/design.md §6: at most 30 priority preemptions per minute",
     ),
     Arm(
+        "rate_limit_tight",
+        "slices_dynamic",
+        {"preemption.max_preemption_per_min": 8},
+        "a cap of 8 priority preemptions per minute: under the quick load's uncapped peak (7-17), "
+        "so the cap decides and its cost shows",
+    ),
+    Arm(
         "pause",
         "rate_limit",
         {"preemption.mode": "pause"},
@@ -172,6 +179,26 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
         "time_share_dynamic",
         {"preemption.time_slice_strategy": "static"},
         "time sharing with one static slice: the dynamic-slice claim where slices decide",
+    ),
+    Arm(
+        "time_share_swap",
+        "time_share_dynamic",
+        {"preemption.mode": "swap"},
+        "time sharing whose yields save raw KV and restore it: the zero-copy pause's twin where "
+        "preempted requests resume soon",
+    ),
+    Arm(
+        "time_share_uncapped",
+        "time_share_dynamic",
+        {"preemption.max_preemption_per_min": None},
+        "time sharing without the 30-per-minute cap: every used-up slice may yield (the rate cap's "
+        "twin where it binds)",
+    ),
+    Arm(
+        "time_share_uncapped_static",
+        "time_share_uncapped",
+        {"preemption.time_slice_strategy": "static"},
+        "uncapped time sharing with one static slice: the dynamic-slice claim without the cap",
     ),
     Arm(
         "fastserve_mlfq",

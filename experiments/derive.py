@@ -10,6 +10,14 @@ the point's engine config then names (the engine has no knob for either):
 - `derive.prompt_scale: X`: the point's `workload.trace` with every prompt X times longer
   (rounded, at least 1 token), arrivals and output lengths unchanged, as a Mooncake-format
   JSONL. Long-context regimes on real arrival patterns.
+- `derive.slice_scale: X`: every time slice (the static one, the dynamic long / medium /
+  short ones and the minimum) X times the point's, so a sweep moves slice lengths past
+  a step's time (~10-50 ms on the virtual H200) without listing five keys.
+- `derive.sla_mix: "70-20-10"`: the SLA mix as percentages of levels 0, 1, 2, ... (a
+  readable point label and a run directory name, where a dict would be neither); they must
+  sum to 100.
+
+The last two only change the config; the first two write files.
 
 Must never: write outside `OUT/inputs/`, or change a file it wrote for other contents (a
 file is rewritten only when its contents differ, so reruns and `--resume` see the same
@@ -26,7 +34,8 @@ from typing import Any
 from preempt.core.config import ConfigError
 
 DERIVED_PREFIX = "derive."
-DERIVED_KEYS = ("derive.link_gb_s", "derive.prompt_scale")
+DERIVED_KEYS = ("derive.link_gb_s", "derive.prompt_scale", "derive.slice_scale", "derive.sla_mix")
+SLICE_KEYS = ("static_ms", "long_ms", "medium_ms", "short_ms")
 
 
 def _write(path: Path, text: str) -> str:
@@ -108,5 +117,28 @@ def apply_derived(data: dict[str, Any], key: str, value: Any, out_dir: Path) -> 
             workload["trace"] = scaled_trace(workload.get("trace", "azure-conv"), _number(key, value), inputs)
         except ValueError as err:  # TraceError: unknown or malformed trace
             raise ConfigError(f"grid key '{key}': {err}") from None
+    elif key == "derive.slice_scale":
+        from preempt.core.config import PreemptionConfig, TimeSliceConfig
+
+        scale = _number(key, value)
+        preemption = data.setdefault("preemption", {})
+        slices = preemption.setdefault("time_slices", {})
+        for name in SLICE_KEYS:
+            slices[name] = float(slices.get(name, TimeSliceConfig.model_fields[name].default)) * scale
+        minimum = preemption.get("min_time_slice_ms", PreemptionConfig.model_fields["min_time_slice_ms"].default)
+        preemption["min_time_slice_ms"] = float(minimum) * scale
+    elif key == "derive.sla_mix":
+        data.setdefault("workload", {})["sla_mix"] = sla_mix(key, value)
     else:
         raise ConfigError(f"unknown grid key '{key}'; derived keys: {', '.join(DERIVED_KEYS)}")
+
+
+def sla_mix(key: str, value: Any) -> dict[int, float]:
+    """"70-20-10" -> {0: 0.7, 1: 0.2, 2: 0.1}."""
+    try:
+        shares = [float(part) for part in str(value).split("-")]
+    except ValueError:
+        raise ConfigError(f"grid key '{key}': expected percentages like \"70-20-10\", got {value!r}") from None
+    if any(x < 0 for x in shares) or abs(sum(shares) - 100.0) > 1e-6:
+        raise ConfigError(f"grid key '{key}': percentages must be >= 0 and sum to 100, got {value!r}")
+    return {level: share / 100.0 for level, share in enumerate(shares)}

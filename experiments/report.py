@@ -9,7 +9,7 @@ and the plots, copied next to the report.
 Must never: hold a number typed by hand (everything comes from `results.csv` and
 `ablation.json`), or call a claim held when the arms it needs did not run, did nothing
 (same metrics as their parent) or saw no event to judge by: those are "not measured by
-this run" or "inconclusive", with the reason.
+this run" or "idle" (the mechanism never acted at that point), with the reason.
 """
 
 from __future__ import annotations
@@ -34,10 +34,13 @@ from experiments.tables import (
     sla_table,
 )
 
-HELD, NOT_HELD, INCONCLUSIVE, NOT_MEASURED = (
+HELD, NOT_HELD, INCONCLUSIVE, IDLE, NOT_MEASURED = (
     "held",
     "did not hold",
     "inconclusive",
+    # The arms ran but the mechanism never acted (no priority preemption, a cap never
+    # reached, a slice that never decided): no evidence either way, and not noise either.
+    "idle",
     "not measured by this run",
 )
 DTYPE_BITS = {"float64": 64, "float32": 32, "bfloat16": 16, "float16": 16}
@@ -161,7 +164,7 @@ def _threshold(arms: Arms) -> Finding:
         f"level-{top} TTFT p99 {_f(_iv(score, f'sla{top}_ttft_p99_s'))} s at 0.2",
     ]
     if _same(zero, score) and _same(score, fifty):
-        return Finding("; ".join(parts) + f"; the margin changed nothing ({_n(score)})", INCONCLUSIVE)
+        return Finding("; ".join(parts) + f"; the margin changed nothing ({_n(score)})", IDLE)
     decisions = []
     for name, other in (("0", zero), ("0.5", fifty)):
         rel = _paired(score, other, _rel("goodput_req_s"))
@@ -183,7 +186,7 @@ def _vip(arms: Arms) -> Finding:
         f"difference {_f(diff)} s ({_n(score)})"
     )
     if not any(r["num_priority_preemptions"] for r in score):
-        return Finding(measured + "; no priority preemption happened", INCONCLUSIVE)
+        return Finding(measured + "; no priority preemption happened", IDLE)
     return Finding(measured, compare(diff, 0.0, claimed="below") or INCONCLUSIVE)
 
 
@@ -196,6 +199,7 @@ def _overhead_metric(row: dict[str, Any]) -> tuple[str, str]:
 # (fixed slice, dynamic slice): the first pair that ran and differs decides, time-sharing first
 SLICE_PAIRS = (
     ("time_share_static", "time_share_dynamic"),
+    ("time_share_uncapped_static", "time_share_uncapped"),
     ("swap_zstd_static", "swap_zstd"),
     ("score", "slices_dynamic"),
 )
@@ -223,7 +227,7 @@ def _dynamic_slices(arms: Arms) -> Finding:
             verdict = compare(reduction, 0.23 - 0.05, claimed="above") or INCONCLUSIVE
     if not parts:
         return _missing(arms, *SLICE_PAIRS[1])
-    return Finding("; ".join(parts), verdict or INCONCLUSIVE)
+    return Finding("; ".join(parts), verdict or IDLE)
 
 
 def _save_restore_ms(arms: Arms) -> Finding:
@@ -239,7 +243,7 @@ def _save_restore_ms(arms: Arms) -> Finding:
     if rows is None:
         return _missing(arms, "swap_zstd")
     if not all(r["num_saves"] for r in rows[0]):
-        return Finding("swap_zstd saved nothing in some seed", INCONCLUSIVE)
+        return Finding("swap_zstd saved nothing in some seed", IDLE)
     decisions = []
     for key in ("save_ms_p50", "restore_ms_p50"):
         if all(not _nan(r[key]) for r in rows[0]):
@@ -304,7 +308,7 @@ def _warmup(arms: Arms) -> Finding:
         f"({sum(r['num_restores'] for r in real)} lossy restores, {_n(real)})"
     )
     if not any(r["num_restores"] for r in real):
-        return Finding(measured + "; no lossy restore happened", INCONCLUSIVE)
+        return Finding(measured + "; no lossy restore happened", IDLE)
     return Finding(measured, compare(exact, 0.95, claimed="above") or INCONCLUSIVE)
 
 
@@ -334,7 +338,7 @@ def _early_warning(arms: Arms) -> Finding:
     if _same(base, lstm):
         return Finding(measured + "; early_lstm ran identically to swap_mixed: no early save", NOT_MEASURED)
     if not any(r["preemption_stall_s"] for r in base):
-        return Finding(measured, INCONCLUSIVE)
+        return Finding(measured + "; no stall to hide", IDLE)
     diff = _paired(lstm, base, _diff("preemption_stall_s"))
     return Finding(
         measured + f"; difference {_f(diff)} s ({_n(base)})",
@@ -342,51 +346,83 @@ def _early_warning(arms: Arms) -> Finding:
     )
 
 
+# (uncapped, capped) twins that differ only in `max_preemption_per_min`: a cap binds on
+# priority preemptions (`rate_limit_tight` on the quick load) or on time sharing's yields
+RATE_PAIRS = (
+    ("slices_dynamic", "rate_limit"),
+    ("slices_dynamic", "rate_limit_tight"),
+    ("time_share_uncapped", "time_share_dynamic"),
+)
+
+
 def _rate_limit(arms: Arms) -> Finding:
-    rows = _ok(arms, "slices_dynamic", "rate_limit")
-    if rows is None:
-        return _missing(arms, "slices_dynamic", "rate_limit")
-    free, capped = rows
-    cap = capped[0]["_config"]["preemption"]["max_preemption_per_min"]
     key = "peak_priority_preemptions_per_min"
-    measured = (
-        f"peak priority preemptions per minute {_f(_iv(free, key))} uncapped -> {_f(_iv(capped, key))} "
-        f"with cap {cap} (max {max(r[key] for r in free)} -> {max(r[key] for r in capped)}); goodput "
-        f"{_f(_iv(free, 'goodput_req_s'))} -> {_f(_iv(capped, 'goodput_req_s'))} req/s ({_n(free)})"
-    )
-    # A cap is a hard bound, not an average: it holds when no seed's capped run passes it.
-    if any(r[key] > cap for r in capped):
-        return Finding(measured, NOT_HELD)
-    if not any(r[key] > cap for r in free):
-        return Finding(measured + "; the cap was never reached", INCONCLUSIVE)
-    return Finding(measured, HELD)
+    parts, binds, broken = [], False, False
+    for uncapped, capped_name in RATE_PAIRS:
+        rows = _ok(arms, uncapped, capped_name)
+        if rows is None:
+            continue
+        free, capped = rows
+        cap = capped[0]["_config"]["preemption"]["max_preemption_per_min"]
+        text = (
+            f"{uncapped} -> {capped_name} (cap {cap}): peak priority preemptions per minute "
+            f"{_f(_iv(free, key))} -> {_f(_iv(capped, key))} (max {max(r[key] for r in free)} -> "
+            f"{max(r[key] for r in capped)}), goodput {_f(_iv(free, 'goodput_req_s'))} -> "
+            f"{_f(_iv(capped, 'goodput_req_s'))} req/s ({_n(free)})"
+        )
+        # A cap is a hard bound, not an average: it holds when no seed's capped run passes it.
+        if any(r[key] > cap for r in capped):
+            broken = True
+        if any(r[key] > cap for r in free):
+            binds = True
+        else:
+            text += "; the cap was never reached"
+        parts.append(text)
+    if not parts:
+        return _missing(arms, *RATE_PAIRS[0])
+    verdict = NOT_HELD if broken else HELD if binds else IDLE
+    return Finding("; ".join(parts), verdict)
+
+
+# (swap, pause) twins on the same uncompressed path, so only the copies avoided differ
+# (swap_zstd's stall is mostly zstd's). Time sharing first: its yields resume soon, before
+# their blocks are needed, which is what a pause is for; the first pair that binds decides.
+ZERO_COPY_PAIRS = (("time_share_swap", "time_share_dynamic"), ("swap_raw", "pause"))
 
 
 def _zero_copy(arms: Arms) -> Finding:
-    # Against raw swap: the same uncompressed path, so only the copies avoided differ
-    # (swap_zstd's stall is mostly zstd's, shown for scale).
-    rows = _ok(arms, "swap_raw", "pause")
-    if rows is None:
-        return _missing(arms, "swap_raw", "pause")
-    swap, pause = rows
-    moved = _paired(pause, swap, _diff("kv_bytes_moved"))
-    stall = _paired(pause, swap, _diff("preemption_stall_s"))
-    measured = (
-        f"KV moved {_f(_iv(swap, 'kv_bytes_moved'), scale=1e-9)} GB (swap_raw) vs "
-        f"{_f(_iv(pause, 'kv_bytes_moved'), scale=1e-9)} GB (pause; {sum(r['num_reclaims'] for r in pause)} "
-        f"reclaims over the seeds), difference {_f(moved, scale=1e-9)} GB; stall difference {_f(stall)} s "
-        f"({_n(swap)})"
-    )
-    if not any(r["num_preemptions"] for r in pause):
-        return Finding(measured + "; no preemption", INCONCLUSIVE)
-    # fewer bytes (interval below 0) and a stall that is not longer (interval not above 0)
-    bytes_verdict = compare(moved, 0.0, claimed="below")
-    stall_longer = compare(stall, 0.0, claimed="above") == HELD
-    if bytes_verdict == NOT_HELD or stall_longer:
-        return Finding(measured, NOT_HELD)
-    if bytes_verdict == HELD and stall.is_defined and stall.lo <= 0:
-        return Finding(measured, HELD)
-    return Finding(measured, INCONCLUSIVE)
+    parts, verdict = [], None
+    for swap_name, pause_name in ZERO_COPY_PAIRS:
+        rows = _ok(arms, swap_name, pause_name)
+        if rows is None:
+            continue
+        swap, pause = rows
+        moved = _paired(pause, swap, _diff("kv_bytes_moved"))
+        stall = _paired(pause, swap, _diff("preemption_stall_s"))
+        text = (
+            f"KV moved {_f(_iv(swap, 'kv_bytes_moved'), scale=1e-9)} GB ({swap_name}) vs "
+            f"{_f(_iv(pause, 'kv_bytes_moved'), scale=1e-9)} GB ({pause_name}; "
+            f"{sum(r['num_reclaims'] for r in pause)} reclaims over the seeds), difference "
+            f"{_f(moved, scale=1e-9)} GB; stall difference {_f(stall)} s ({_n(swap)})"
+        )
+        if not any(r["num_preemptions"] for r in pause):
+            parts.append(text + "; no preemption")
+            continue
+        parts.append(text)
+        if verdict is not None:
+            continue
+        # fewer bytes (interval below 0) and a stall that is not longer (interval not above 0)
+        bytes_verdict = compare(moved, 0.0, claimed="below")
+        stall_longer = compare(stall, 0.0, claimed="above") == HELD
+        if bytes_verdict == NOT_HELD or stall_longer:
+            verdict = NOT_HELD
+        elif bytes_verdict == HELD and stall.is_defined and stall.lo <= 0:
+            verdict = HELD
+        else:
+            verdict = INCONCLUSIVE
+    if not parts:
+        return _missing(arms, *ZERO_COPY_PAIRS[1])
+    return Finding("; ".join(parts), verdict or IDLE)
 
 
 def _zstd_critical_path(arms: Arms) -> Finding:
@@ -402,7 +438,7 @@ def _zstd_critical_path(arms: Arms) -> Finding:
         f"{_f(_iv(zstd, 'goodput_req_s'))} req/s ({_n(raw)})"
     )
     if not any(r["num_saves"] for r in zstd):
-        return Finding(measured + "; nothing saved", INCONCLUSIVE)
+        return Finding(measured + "; nothing saved", IDLE)
     return Finding(measured, compare(diff, 0.0, claimed="above") or INCONCLUSIVE)
 
 
@@ -448,7 +484,8 @@ CLAIMS: list[Claim] = [
         "Dynamic time slices cut preemption overhead by 23% against a fixed slice",
         "overhead (stall; recomputed tokens in recompute mode) of a dynamic-slice arm vs its fixed-slice "
         "twin, paired reduction interval above 18% (23% - 5 points); the first pair that binds decides: "
-        "`time_share_static`/`_dynamic` (slices decide who runs), `swap_zstd_static`/`swap_zstd`, "
+        "`time_share_static`/`_dynamic` (slices decide who runs), the same uncapped, "
+        "`swap_zstd_static`/`swap_zstd`, "
         "`score`/`slices_dynamic`",
         _dynamic_slices,
         regime="time sharing (`time_share_static` vs `time_share_dynamic`): the slice decides who runs",
@@ -496,19 +533,24 @@ CLAIMS: list[Claim] = [
         "rate_limit",
         "docs/design.md §6",
         "max_preemption_per_min bounds preemption thrashing",
-        "peak priority preemptions in any 60 s window of `rate_limit` at most its cap in every seed (a "
-        "hard bound), where `slices_dynamic` (uncapped) exceeds it in some seed",
+        "peak priority preemptions in any 60 s window of a capped arm at most its cap in every seed (a "
+        "hard bound), where its uncapped twin exceeds it in some seed; twins: `slices_dynamic` / "
+        "`rate_limit` (cap 30) and `rate_limit_tight` (cap 8), `time_share_uncapped` / "
+        "`time_share_dynamic` (cap 30 on time sharing's yields)",
         _rate_limit,
-        regime="load.yaml from 2x, where uncapped priority preemptions pass 30 a minute",
+        regime="time sharing (every yield is a priority preemption) and a cap under the uncapped "
+        "peak: quick's `rate_limit_tight`, load.yaml from 1x",
     ),
     Claim(
         "zero_copy",
         "docs/design.md §4",
         "A zero-copy pause resumes without moving KV",
-        "`pause` - `swap_raw` (same uncompressed path) KV bytes moved, paired by seed: interval below 0, "
-        "and the stall difference's interval not above 0",
+        "KV bytes moved by a pausing arm minus its raw-swap twin (same uncompressed path), paired by "
+        "seed: interval below 0, and the stall difference's interval not above 0; the first pair that "
+        "preempts decides: `time_share_dynamic` / `time_share_swap` (yields resume soon), `pause` / "
+        "`swap_raw`",
         _zero_copy,
-        regime="preempted requests that resume before their blocks are needed: quick, load.yaml",
+        regime="preempted requests that resume before their blocks are needed: time sharing's yields",
     ),
     Claim(
         "zstd_critical_path",
@@ -615,7 +657,9 @@ def render(sources: list[Source], out: Path, command: str) -> str:
         "claims is a hypothesis here; each row says what we measured and whether it held. "
         "Values are means over seeds with 95% intervals `[lo, hi]` (Student t; differences "
         "between arms are paired by seed); a claim is `held` or `did not hold` only when the "
-        "interval lies on one side of its bound, otherwise `inconclusive` with the interval.",
+        "interval lies on one side of its bound, otherwise `inconclusive` with the interval; "
+        "`idle` where the mechanism never acted at that point (no priority preemption, a cap never "
+        "reached, a slice that never decided: no evidence either way).",
         "",
         "## Claims at a glance",
         "",
@@ -686,7 +730,7 @@ def _glance(verdicts: list[str]) -> str:
     """One cell per source: the verdict, or with several points how many got which."""
     if len(verdicts) == 1:
         return verdicts[0]
-    counts = {v: verdicts.count(v) for v in (HELD, NOT_HELD, INCONCLUSIVE, NOT_MEASURED) if v in verdicts}
+    counts = {v: verdicts.count(v) for v in (HELD, NOT_HELD, INCONCLUSIVE, IDLE, NOT_MEASURED) if v in verdicts}
     return ", ".join(f"{v} {n}/{len(verdicts)}" for v, n in counts.items())
 
 
