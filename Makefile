@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint bench clean peer parity
+.PHONY: setup run test lint bench clean peer parity sweeps results
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,16 @@ parity: $(STAMP) $(PEER_STAMP)
 # LM's first training (~5 min) on 2 cores.
 run: $(STAMP)
 	$(BIN)/python -m experiments.main --out runs/main
+
+# The sweeps behind docs/results.md (experiments/configs/*.yaml; null backend, 5 seeds per
+# point, Ray on this machine's cores; docs/results.md gives each one's wall time), then
+# the report from them and the main job's quick ablation (`make run` first).
+SWEEPS := load slices sla margin pool regimes
+sweeps: $(STAMP)
+	for s in $(SWEEPS); do $(BIN)/preempt ablate --config experiments/configs/$$s.yaml --out runs/$$s || exit 1; done
+
+results: sweeps
+	$(BIN)/preempt report --quick runs/main/ablate $(foreach s,$(SWEEPS),--sweep runs/$(s)) --out docs/results.md
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

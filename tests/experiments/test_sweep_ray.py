@@ -115,6 +115,32 @@ def test_derived_link_and_prompt_inputs_change_the_run(tmp_path):
         plan_ablation(bad, tmp_path / "bad")
 
 
+def test_slice_scale_and_sla_mix_set_the_config_and_change_time_sharing(tmp_path):
+    path = _sweep_config(
+        tmp_path,
+        20,
+        arms=["time_share_uncapped"],
+        grid={"derive.slice_scale": [1, 16], "derive.sla_mix": ["70-20-10", "34-33-33"]},  # keys sorted
+        seeds=None,
+    )
+    plan = plan_ablation(path, tmp_path / "out")
+    long = plan.run("time_share_uncapped@sla_mix=34-33-33,slice_scale=16").config
+    slices = long.preemption.time_slices
+    assert (slices.static_ms, slices.long_ms, slices.medium_ms, slices.short_ms) == (320, 800, 320, 160)
+    assert long.preemption.min_time_slice_ms == 160
+    assert long.workload.sla_mix == {0: 0.34, 1: 0.33, 2: 0.33}
+    base = plan.run("time_share_uncapped@sla_mix=70-20-10,slice_scale=1").config
+    assert base.preemption.time_slices.static_ms == 20 and base.workload.sla_mix == {0: 0.7, 1: 0.2, 2: 0.1}
+    result = ablate(path, tmp_path / "out", wandb="disabled", jobs=1, plots=False, log=lambda _: None)
+    by_run = {r["run"]: r for r in result.rows}
+    short, longer = (by_run[f"time_share_uncapped@sla_mix=70-20-10,slice_scale={s}"] for s in (1, 16))
+    assert longer["num_preemptions"] < short["num_preemptions"]  # longer slices, fewer yields
+    for bad, match in (("70-20", "sum to 100"), ("a-b", "percentages like")):
+        config = _sweep_config(tmp_path, grid={"derive.sla_mix": [bad]})
+        with pytest.raises(ValueError, match=match):
+            plan_ablation(config, tmp_path / "bad")
+
+
 def test_regime_table_has_a_row_per_point_with_intervals(sweeps):
     from experiments.regimes import regime_table
     from experiments.tables import interval_cell

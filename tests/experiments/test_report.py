@@ -1,0 +1,108 @@
+"""The claims' judges on hand-made results: a verdict follows the intervals and the twins
+that ran, and a mechanism that never acted is `idle`, not evidence either way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from experiments.report import HELD, IDLE, INCONCLUSIVE, NOT_HELD, NOT_MEASURED, _glance, _rate_limit, _vip, _zero_copy
+
+
+def _rows(arm: str, cap: int | None = 30, **metrics: list[float]) -> list[dict[str, Any]]:
+    """One results row per seed; every metric given as one value per seed."""
+    num = len(next(iter(metrics.values())))
+    return [
+        {
+            "arm": arm,
+            "run": f"{arm}@seed={seed}",
+            "status": "ok",
+            "_config": {
+                "seed": seed,
+                "preemption": {"max_preemption_per_min": cap, "mode": "pause"},
+                "workload": {"sla_mix": {0: 0.9, 2: 0.1}},
+            },
+            **{name: values[seed] for name, values in metrics.items()},
+        }
+        for seed in range(num)
+    ]
+
+
+def _capped(arm: str, cap: int | None, peaks: list[float]) -> list[dict[str, Any]]:
+    return _rows(arm, cap, peak_priority_preemptions_per_min=peaks, goodput_req_s=[4.0, 4.1, 4.2])
+
+
+def test_a_cap_that_binds_and_is_kept_holds():
+    arms = {
+        "slices_dynamic": _capped("slices_dynamic", None, [17, 9, 14]),
+        "rate_limit": _capped("rate_limit", 30, [17, 9, 14]),  # never reached: no evidence
+        "rate_limit_tight": _capped("rate_limit_tight", 8, [8, 7, 8]),
+    }
+    finding = _rate_limit(arms)
+    assert finding.verdict == HELD
+    assert "cap 8" in finding.measured and "the cap was never reached" in finding.measured
+
+
+def test_a_cap_passed_in_one_seed_does_not_hold():
+    arms = {
+        "slices_dynamic": _capped("slices_dynamic", None, [17, 9, 14]),
+        "rate_limit_tight": _capped("rate_limit_tight", 8, [8, 9, 8]),
+    }
+    assert _rate_limit(arms).verdict == NOT_HELD
+
+
+def test_a_cap_never_reached_is_idle_and_a_missing_twin_is_not_measured():
+    arms = {
+        "slices_dynamic": _capped("slices_dynamic", None, [17, 9, 14]),
+        "rate_limit": _capped("rate_limit", 30, [17, 9, 14]),
+    }
+    assert _rate_limit(arms).verdict == IDLE
+    assert _rate_limit({"rate_limit": arms["rate_limit"]}).verdict == NOT_MEASURED
+
+
+def _moves(arm: str, moved: list[float], stall: list[float], preemptions: int = 5) -> list[dict[str, Any]]:
+    return _rows(
+        arm,
+        kv_bytes_moved=moved,
+        preemption_stall_s=stall,
+        num_reclaims=[0] * len(moved),
+        num_preemptions=[preemptions] * len(moved),
+    )
+
+
+def test_zero_copy_is_decided_by_time_sharing_first():
+    arms = {
+        # time sharing: the pause moves far less and stalls less -> held
+        "time_share_swap": _moves("time_share_swap", [12e9, 11e9, 13e9], [0.24, 0.25, 0.26]),
+        "time_share_dynamic": _moves("time_share_dynamic", [5e9, 4e9, 4.5e9], [0.10, 0.09, 0.11]),
+        # the gate pair alone would be inconclusive (moves the same)
+        "swap_raw": _moves("swap_raw", [7e9, 8e9, 6e9], [0.15, 0.14, 0.16]),
+        "pause": _moves("pause", [7.1e9, 7.8e9, 6.2e9], [0.15, 0.15, 0.15]),
+    }
+    finding = _zero_copy(arms)
+    assert finding.verdict == HELD
+    assert "time_share_swap" in finding.measured and "swap_raw" in finding.measured
+    del arms["time_share_swap"], arms["time_share_dynamic"]
+    assert _zero_copy(arms).verdict == INCONCLUSIVE
+
+
+def test_zero_copy_without_any_preemption_is_idle():
+    arms = {
+        "swap_raw": _moves("swap_raw", [0, 0, 0], [0, 0, 0], preemptions=0),
+        "pause": _moves("pause", [0, 0, 0], [0, 0, 0], preemptions=0),
+    }
+    assert _zero_copy(arms).verdict == IDLE
+
+
+def test_priority_claim_without_priority_preemption_is_idle_and_with_one_follows_the_interval():
+    def arm(name: str, ttft: list[float], priority: int) -> list[dict[str, Any]]:
+        return _rows(name, sla2_ttft_p99_s=ttft, num_priority_preemptions=[priority] * len(ttft))
+
+    quiet = {"vllm_priority": arm("vllm_priority", [0.6, 0.7, 0.5], 0), "score": arm("score", [0.6, 0.7, 0.5], 0)}
+    assert _vip(quiet).verdict == IDLE
+    better = {"vllm_priority": arm("vllm_priority", [0.6, 0.7, 0.5], 0), "score": arm("score", [0.2, 0.3, 0.2], 4)}
+    assert _vip(better).verdict == HELD
+
+
+def test_glance_counts_idle_points_apart():
+    assert _glance([HELD, IDLE, IDLE]) == "held 1/3, idle 2/3"
+    assert _glance([INCONCLUSIVE]) == INCONCLUSIVE
