@@ -42,7 +42,8 @@ def bench_early(quick: bool, model: str | None = None) -> dict[str, Any]:
 
 
 def _horizon_of(model: str) -> list[str]:
-    """The checkpoint's horizon and feature set, for every arm (the oracle looks as far)."""
+    """The checkpoint's horizon, feature set and stride, for every arm (the oracle looks
+    as far; the stride is the `lstm` arm's, and the others ignore it)."""
     from preempt.engine.online_predictor import load_checkpoint
 
     _, hparams = load_checkpoint(model)
@@ -50,6 +51,7 @@ def _horizon_of(model: str) -> list[str]:
         f"early_save.horizon_ms={float(hparams.get('horizon_ms', 50.0))}",
         f"early_save.horizon_steps={int(hparams.get('horizon_steps', 0))}",
         f"early_save.feature_set={hparams.get('feature_set', 'v1')}",
+        f"early_save.every_k_steps={int(hparams.get('every_k_steps', 1))}",
     ]
 
 

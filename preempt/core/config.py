@@ -376,6 +376,10 @@ class EarlySaveConfig(_Section):
     this many steps, whichever reaches further (0: time only)."""
     feature_set: Literal["v1", "scale_free"] = "v1"
     """`lstm`: the features the checkpoint must have been trained on (preempt.engine.features)."""
+    every_k_steps: int = Field(1, gt=0)
+    """`lstm`: step the predictor (features and LSTM) every this many engine steps, keeping
+    its decision between; the checkpoint must have been trained on rows logged at the same
+    stride (`features.every_k_steps`), or it is refused."""
     lookahead_every_steps: int = Field(1, gt=0)
     """`lookahead`: fork and simulate every this many steps (between, reuse the forecast)."""
     prefetch: bool = False

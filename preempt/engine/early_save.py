@@ -100,13 +100,15 @@ class LSTMPolicy(EarlySavePolicy):
                 config.horizon_ms,
                 config.horizon_steps,
                 config.feature_set,
+                config.every_k_steps,
             )
         except (OSError, ValueError) as exc:
             raise ConfigError(f"config key 'early_save.checkpoint': {exc}") from None
         self.feature_set = config.feature_set
         # A model trained on rows logged every k steps takes one LSTM step per k engine
-        # steps; between, the last decision stands.
-        self.every_k_steps = self.predictor.every_k_steps
+        # steps (checked above: early_save.every_k_steps = the checkpoint's k); between,
+        # the last decision stands.
+        self.every_k_steps = config.every_k_steps
         self._stepping = True
         self._chosen: set[int] = set()
         self.last_probs: np.ndarray = np.zeros(0, dtype=np.float32)

@@ -70,11 +70,18 @@ SCALE_FREE_NAMES: tuple[str, ...] = (
     "sla_level",
     "need_share",
     "queue_share",
-    "free_kv_fraction",
+    "headroom",
 )
 """The `scale_free` feature set: the same 8 slots, none of them in tokens, requests or
 seconds, so a model fitted on one trace reads another trace's values in the same range
-(mooncake's requests are ~7x longer than azure-conv's and its pool ~16x larger)."""
+(mooncake's requests are ~7x longer than azure-conv's and its pool ~16x larger).
+
+`headroom` replaced `free_kv_fraction` (issue 15): both triggers need the queue's head
+to be refused, by the pool *or* by the batch's seats. On azure-conv the pool refuses
+(median free KV 4%), on mooncake-synthetic the seats do (24 of 24 running at every
+preemption, free KV 95%): a model fitted on the first read "95% free" as "safe" and
+ranked mooncake's victims low. The rename makes checkpoints of the old column refused
+online (`check_trained_for` compares the names)."""
 
 SCALE_FREE_DOCS: dict[str, str] = {
     "num_preemptions": FEATURE_DOCS["num_preemptions"],
@@ -83,9 +90,10 @@ SCALE_FREE_DOCS: dict[str, str] = {
     "rank_share": "score_rank / (running requests - 1): 0 = the lowest score, the next victim",
     "sla_level": FEATURE_DOCS["sla_level"],
     "need_share": "KV blocks it still needs to reach max_tokens / free KV blocks (capped at 10)",
-    "queue_share": "waiting requests that beat it by the trigger margin / max_num_seqs "
-    "(a share of the batch's seats; capped at 10)",
-    "free_kv_fraction": FEATURE_DOCS["free_kv_fraction"],
+    "queue_share": "waiting requests (arrived by now, queued or not yet) that beat it by "
+    "the trigger margin / max_num_seqs (a share of the batch's seats; capped at 10)",
+    "headroom": "min(free KV blocks / all KV blocks, free seats / max_num_seqs): how far "
+    "the batch is from refusing the queue's head (0: refused, a trigger can fire)",
 }
 
 FEATURE_SETS: dict[str, tuple[str, ...]] = {"v1": FEATURE_NAMES, "scale_free": SCALE_FREE_NAMES}
@@ -154,7 +162,7 @@ def scale_free_features(
     need = np.maximum(0.0, np.ceil(final_tokens / block_size) - held)
     out[:, 5] = np.minimum(need / max(1, num_free_blocks), _NEED_CAP)
     out[:, 6] = np.minimum(v1[:, 6] / max_num_seqs, _NEED_CAP)
-    out[:, 7] = v1[:, 7]
+    out[:, 7] = min(num_free_blocks / num_blocks, max(0, max_num_seqs - num_running) / max_num_seqs)
     return out
 
 
@@ -162,7 +170,18 @@ def engine_features(view: EngineView, feature_set: str = "v1") -> np.ndarray:
     """The features (`feature_set`) of the engine's running requests now, (R, 8): what
     the feature logger records and what the early-save policies decide on."""
     now = view.now
-    args = (view.running, view.waiting_scores(now), now, view.num_free_blocks, view.num_blocks)
+    waiting = view.waiting_scores(now)
     if feature_set == "scale_free":
+        # Requests that arrived during the step are not queued before the next schedule(),
+        # which then preempts for them: on mooncake-synthetic (24 ms steps) every
+        # challenger arrived < 20 ms before its preemption, so a queue read without them
+        # saw no challenger at any preemption. They have arrived (a server holds them):
+        # present state, not the future. (`v1` keeps its old reading: a contract with
+        # its checkpoints.)
+        arrived = view.upcoming_arrivals(now)
+        if arrived:
+            waiting = np.concatenate([waiting, priority_scores(arrived, now, view.config.preemption.priority_weights)])
+        args = (view.running, waiting, now, view.num_free_blocks, view.num_blocks)
         return scale_free_features(*args, view.block_size, view.max_num_seqs, view.config.preemption)
+    args = (view.running, waiting, now, view.num_free_blocks, view.num_blocks)
     return compute_features(*args, view.config.preemption)

@@ -91,23 +91,42 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
 
 
 def check_trained_for(
-    path: str | Path, hparams: dict[str, Any], horizon_ms: float, horizon_steps: int, feature_set: str
+    path: str | Path,
+    hparams: dict[str, Any],
+    horizon_ms: float,
+    horizon_steps: int,
+    feature_set: str,
+    every_k_steps: int = 1,
 ) -> None:
-    """Refuse a checkpoint trained for another horizon or feature set: its probabilities
-    answer another question, or read other columns. Checkpoints from before these were
-    recorded were trained on `v1` features with a 50 ms, time-only horizon."""
+    """Refuse a checkpoint trained for another horizon, feature set or stride: its
+    probabilities answer another question, read other columns, or stand for another
+    number of engine steps per LSTM step. Checkpoints from before these were recorded
+    were trained on `v1` features with a 50 ms, time-only horizon, every step. The
+    feature *names* are compared too: a set whose columns changed under the same name
+    (scale_free's `free_kv_fraction` -> `headroom`, issue 15) is refused, not misread."""
+    from preempt.engine.features import FEATURE_SETS
+
     trained = (
         float(hparams.get("horizon_ms", 50.0)),
         int(hparams.get("horizon_steps", 0)),
         str(hparams.get("feature_set", "v1")),
+        int(hparams.get("every_k_steps", 1)),
     )
-    wanted = (float(horizon_ms), int(horizon_steps), str(feature_set))
+    wanted = (float(horizon_ms), int(horizon_steps), str(feature_set), int(every_k_steps))
     if trained != wanted:
         raise PredictorCheckpointError(
             f"{path} was trained for horizon_ms={trained[0]:g}, horizon_steps={trained[1]}, "
-            f"feature_set={trained[2]}, but the engine asks for horizon_ms={wanted[0]:g}, "
-            f"horizon_steps={wanted[1]}, feature_set={wanted[2]} (set early_save.horizon_ms/"
-            "horizon_steps/feature_set to match, or retrain on data collected that way)"
+            f"feature_set={trained[2]}, every_k_steps={trained[3]}, but the engine asks for "
+            f"horizon_ms={wanted[0]:g}, horizon_steps={wanted[1]}, feature_set={wanted[2]}, "
+            f"every_k_steps={wanted[3]} (set early_save.horizon_ms/horizon_steps/feature_set/"
+            "every_k_steps to match, or retrain on data collected that way)"
+        )
+    names = list(hparams.get("feature_names") or [])
+    expected = list(FEATURE_SETS.get(str(feature_set), ()))
+    if names and names != expected:
+        raise PredictorCheckpointError(
+            f"{path} was trained on the features {names}, but feature_set={feature_set} now "
+            f"computes {expected} (retrain on data collected with this version)"
         )
 
 

@@ -212,22 +212,36 @@ def test_bench_predictor_quick_reports_the_step_ratio():
     assert result["meets_target"] == (ratio <= result["target_fraction"])
 
 
-def test_a_checkpoint_for_another_horizon_or_feature_set_is_refused_online(trained, tmp_path):
+def test_a_checkpoint_for_another_horizon_feature_set_or_stride_is_refused_online(trained, tmp_path):
     from preempt.core.config import ConfigError, EarlySaveConfig
     from preempt.engine.early_save import make_policy
+    from preempt.engine.features import SCALE_FREE_NAMES
 
     path = str(trained[0])
     assert make_policy(EarlySaveConfig(policy="lstm", checkpoint=path)).feature_set == "v1"  # as trained
-    for wrong in ({"horizon_ms": 100.0}, {"horizon_steps": 4}, {"feature_set": "scale_free"}):
-        with pytest.raises(ConfigError, match="trained for horizon_ms=50, horizon_steps=0, feature_set=v1"):
+    trained_for = "trained for horizon_ms=50, horizon_steps=0, feature_set=v1, every_k_steps=1"
+    for wrong in ({"horizon_ms": 100.0}, {"horizon_steps": 4}, {"feature_set": "scale_free"}, {"every_k_steps": 4}):
+        with pytest.raises(ConfigError, match=trained_for):
             make_policy(EarlySaveConfig(policy="lstm", checkpoint=path, **wrong))
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    checkpoint["hyper_parameters"].update(horizon_steps=4, feature_set="scale_free")
+    hparams = checkpoint["hyper_parameters"]
+    hparams.update(horizon_steps=4, feature_set="scale_free", feature_names=list(SCALE_FREE_NAMES), every_k_steps=8)
     other = tmp_path / "scale_free.ckpt"
     torch.save(checkpoint, other)
-    with pytest.raises(ConfigError, match="feature_set=scale_free, but the engine asks for .*feature_set=v1"):
+    with pytest.raises(ConfigError, match="feature_set=scale_free, every_k_steps=8, but the engine asks for .*feature_set=v1"):
         make_policy(EarlySaveConfig(policy="lstm", checkpoint=str(other)))
+    with pytest.raises(ConfigError, match="every_k_steps=8, but the engine asks for .*every_k_steps=1"):
+        make_policy(EarlySaveConfig(policy="lstm", checkpoint=str(other), horizon_steps=4, feature_set="scale_free"))
     policy = make_policy(
-        EarlySaveConfig(policy="lstm", checkpoint=str(other), horizon_steps=4, feature_set="scale_free")
+        EarlySaveConfig(
+            policy="lstm", checkpoint=str(other), horizon_steps=4, feature_set="scale_free", every_k_steps=8
+        )
     )
-    assert policy.feature_set == "scale_free"
+    assert policy.feature_set == "scale_free" and policy.every_k_steps == 8
+    # The same set name with other columns (scale_free before `headroom`): refused by name.
+    old_names = [*SCALE_FREE_NAMES[:-1], "free_kv_fraction"]
+    hparams.update(feature_names=old_names, every_k_steps=1)
+    stale = tmp_path / "stale.ckpt"
+    torch.save(checkpoint, stale)
+    with pytest.raises(ConfigError, match="trained on the features .*free_kv_fraction.* now computes .*headroom"):
+        make_policy(EarlySaveConfig(policy="lstm", checkpoint=str(stale), horizon_steps=4, feature_set="scale_free"))
