@@ -72,6 +72,31 @@ def test_ray_gives_the_same_numbers_as_a_local_run(sweeps):
     assert local.rows[0]["sla2_ttft_p99_s"] != local.rows[1]["sla2_ttft_p99_s"]
 
 
+def test_a_ray_cluster_at_an_address_gives_the_same_numbers(sweeps, tmp_path):
+    """`--ray-address`: a real two-node cluster (Ray's own `cluster_utils`, separate
+    raylets and workers, as Ray's tests use), joined by address like a remote one."""
+    from ray.cluster_utils import Cluster
+
+    tmp, local, _ = sweeps
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    address = cluster.address  # host:port of the head's GCS, as `ray start --head` prints it
+    try:
+        result = ablate(
+            _sweep_config(tmp_path),
+            tmp_path / "cluster",
+            wandb="disabled",
+            ray_address=address,
+            log=lambda _: None,
+        )
+    finally:
+        cluster.shutdown()
+    assert result.info["ray_address"] == address
+    for name in ("results.csv", "summary.csv"):
+        for a, b in zip(read_csv(tmp / "local" / name), read_csv(tmp_path / "cluster" / name), strict=True):
+            _same(a, b)
+
+
 def test_summary_rows_hold_t_intervals_over_the_seeds(sweeps):
     _, local, _ = sweeps
     point = next(p for p in local.points if p["run"] == "swap_raw@rate_scale=8.0")
