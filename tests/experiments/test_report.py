@@ -5,7 +5,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from experiments.report import HELD, IDLE, INCONCLUSIVE, NOT_HELD, NOT_MEASURED, _glance, _rate_limit, _vip, _zero_copy
+from experiments.report import (
+    HELD,
+    IDLE,
+    INCONCLUSIVE,
+    NOT_HELD,
+    NOT_MEASURED,
+    _glance,
+    _rate_limit,
+    _vip,
+    _vip_vs_strict,
+    _zero_copy,
+)
 
 
 def _rows(arm: str, cap: int | None = 30, **metrics: list[float]) -> list[dict[str, Any]]:
@@ -93,14 +104,19 @@ def test_zero_copy_without_any_preemption_is_idle():
     assert _zero_copy(arms).verdict == IDLE
 
 
-def test_priority_claim_without_priority_preemption_is_idle_and_with_one_follows_the_interval():
+def test_priority_claims_are_idle_without_priority_preemption_and_judged_against_their_baseline():
     def arm(name: str, ttft: list[float], priority: int) -> list[dict[str, Any]]:
         return _rows(name, sla2_ttft_p99_s=ttft, num_priority_preemptions=[priority] * len(ttft))
 
-    quiet = {"vllm_priority": arm("vllm_priority", [0.6, 0.7, 0.5], 0), "score": arm("score", [0.6, 0.7, 0.5], 0)}
+    fcfs, strict = arm("vllm_fcfs", [2.0, 2.5, 1.8], 0), arm("vllm_priority", [0.2, 0.25, 0.15], 0)
+    quiet = {"vllm_fcfs": fcfs, "vllm_priority": strict, "score": arm("score", [2.0, 2.5, 1.8], 0)}
     assert _vip(quiet).verdict == IDLE
-    better = {"vllm_priority": arm("vllm_priority", [0.6, 0.7, 0.5], 0), "score": arm("score", [0.2, 0.3, 0.2], 4)}
-    assert _vip(better).verdict == HELD
+    # better than FCFS (protects), worse than strict priority (the bar)
+    arms = {"vllm_fcfs": fcfs, "vllm_priority": strict, "score": arm("score", [0.6, 0.7, 0.5], 4)}
+    assert _vip(arms).verdict == HELD and "(vllm_fcfs)" in _vip(arms).measured
+    assert _vip_vs_strict(arms).verdict == NOT_HELD and "(vllm_priority)" in _vip_vs_strict(arms).measured
+    del arms["vllm_fcfs"]
+    assert _vip(arms).verdict == NOT_MEASURED
 
 
 def test_glance_counts_idle_points_apart():
