@@ -683,7 +683,8 @@ def render(sources: list[Source], out: Path, command: str) -> str:
         "between arms are paired by seed); a claim is `held` or `did not hold` only when the "
         "interval lies on one side of its bound, otherwise `inconclusive` with the interval; "
         "`idle` where the mechanism never acted at that point (no priority preemption, a cap never "
-        "reached, a slice that never decided: no evidence either way).",
+        "reached, a slice that never decided: no evidence either way). In the glance table `–` "
+        "marks a sweep without the arms a claim needs.",
         "",
         "## Claims at a glance",
         "",
@@ -751,7 +752,10 @@ def render(sources: list[Source], out: Path, command: str) -> str:
 
 
 def _glance(verdicts: list[str]) -> str:
-    """One cell per source: the verdict, or with several points how many got which."""
+    """One cell per source: the verdict, or with several points how many got which; `–`
+    where the source has no arm for the claim."""
+    if all(v == NOT_MEASURED for v in verdicts) and len(verdicts) > 1:
+        return "–"
     if len(verdicts) == 1:
         return verdicts[0]
     counts = {v: verdicts.count(v) for v in (HELD, NOT_HELD, INCONCLUSIVE, IDLE, NOT_MEASURED) if v in verdicts}

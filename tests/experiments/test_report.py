@@ -122,3 +122,4 @@ def test_priority_claims_are_idle_without_priority_preemption_and_judged_against
 def test_glance_counts_idle_points_apart():
     assert _glance([HELD, IDLE, IDLE]) == "held 1/3, idle 2/3"
     assert _glance([INCONCLUSIVE]) == INCONCLUSIVE
+    assert _glance([NOT_MEASURED, NOT_MEASURED]) == "–" and _glance([NOT_MEASURED]) == NOT_MEASURED
