@@ -5,10 +5,11 @@ that arrives later; `headroom` is the tighter of the pool and the seats."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from preempt.core.request import RequestState
 from preempt.engine.engine import Engine
-from preempt.engine.features import SCALE_FREE_NAMES, engine_features
+from preempt.engine.features import SCALE_FREE_NAMES, compute_features, engine_features, scale_free_features
 from preempt.engine.priority import beats, priority_score
 from tests.conftest import make_request, small_config
 
@@ -80,3 +81,47 @@ def test_headroom_is_the_tighter_of_pool_and_seats():
         np.testing.assert_allclose(features[:, HEADROOM], expected, rtol=1e-6)
         full_seats += len(running) == seats and free > 0
     assert full_seats > 0  # rows where the pool has room and the seats do not: headroom 0
+
+
+def _reference_scale_free(running, waiting_scores, now, free, num_blocks, block_size, seats, prefs):
+    """The scale-free columns computed the first way: the `v1` columns, rescaled."""
+    v1 = compute_features(running, waiting_scores, now, free, num_blocks, prefs)
+    out = v1.copy()
+    held = np.array([len(r.block_ids) for r in running], np.float32)
+    out[:, 1] = held / num_blocks
+    out[:, 3] = v1[:, 3] / max(1, len(running) - 1)
+    final = np.array([r.num_prompt_tokens + r.max_tokens for r in running], np.float32)
+    out[:, 5] = np.minimum(np.maximum(0.0, np.ceil(final / block_size) - held) / max(1, free), 10.0)
+    out[:, 6] = np.minimum(v1[:, 6] / seats, 10.0)
+    out[:, 7] = min(free / num_blocks, max(0, seats - len(running)) / seats)
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["dynamic", "static"])
+def test_the_one_pass_scale_free_features_equal_the_v1_columns_rescaled(strategy):
+    rng = np.random.default_rng(3)
+    requests = [
+        make_request(i, int(rng.integers(4, 700)), int(rng.integers(2, 60)), arrival_s=0.002 * i, sla_level=i % 3)
+        for i in range(40)
+    ]
+    config = small_config(
+        model={"backend": "null"},
+        scheduler={"policy": "priority_score"},
+        preemption={"time_slice_strategy": strategy},
+    )
+    engine = Engine(config)
+    prefs = engine.config.preemption
+    compared = 0
+
+    def on_step(output):
+        view = engine.view
+        now = view.now
+        waiting = view.waiting_scores(now)
+        args = (view.running, waiting, now, view.num_free_blocks, view.num_blocks, view.block_size, view.max_num_seqs)
+        fast = scale_free_features(*args, prefs)
+        np.testing.assert_array_equal(fast, _reference_scale_free(*args, prefs))
+        nonlocal compared
+        compared += len(view.running)
+
+    engine.run(requests, on_step=on_step)
+    assert compared > 100
