@@ -29,8 +29,11 @@ V params (mid, D / v_group, 2) float16 (min, scale).
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
+from typing import NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -494,3 +497,199 @@ def quantize_kivi(
         BLOCK_P=triton.next_power_of_2(layout.v_group * v_bits // 8),
     )  # fmt: skip
     return rows
+
+
+# ---- the batched CPU path: every KIVI head of a request at once ---------------------------
+
+_BATCH_ELEMS = 1 << 18  # float32 elements per batched chunk (all heads): 1 MB, half of L2
+_SCRATCH_MAX_BYTES = 1 << 23  # temporaries up to 8 MB are kept per thread between calls
+_SCRATCH = threading.local()
+
+
+def _scratch(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor for a temporary, its memory kept for this thread's next call.
+    Why: a fresh megabyte-sized CPU temporary costs its page faults (~1800 per 2048-token
+    request when every temporary was fresh, about as long as the quantization itself);
+    a buffer used again does not. Larger ones (long requests) are allocated each time, so
+    an idle thread holds at most a few of these."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes == 0 or nbytes > _SCRATCH_MAX_BYTES:
+        return torch.empty(shape, dtype=dtype, device=device)
+    pool = _SCRATCH.__dict__.setdefault("pool", {})
+    buffer = pool.get(slot)
+    if buffer is None or buffer.numel() < nbytes:
+        buffer = pool[slot] = torch.empty(nbytes, dtype=torch.uint8)
+    return buffer[:nbytes].view(dtype).view(shape)
+
+
+class KiviClass(NamedTuple):
+    """One KIVI class of a plan: its heads (slot order) and (key bits, value bits)."""
+
+    layers: np.ndarray  # (n,) layer of each head
+    heads: np.ndarray  # (n,) KV head of each head
+    bits: tuple[int, int]
+
+
+def quantize_kivi_kv(
+    kv: torch.Tensor, classes: Sequence[KiviClass], params: tuple[int, int, int]
+) -> list[torch.Tensor]:
+    """kv (L, 2, T, H, D) with contiguous (H, D) rows -> per class its (n, layout.nbytes)
+    rows, the same bytes as `quantize_kivi_ref` of that class's heads (tested), computed
+    for every head of the request at once: the float passes (min, max, subtract, divide,
+    clamp, round) run on (L, t, H, D) chunks of all heads whatever their class, and codes
+    are packed once per bit width, so a 2048-token request is about a hundred torch calls
+    instead of a few dozen per head and class.
+
+    What differs per head is only the number of levels. The group scales divide by a
+    per-head levels tensor (true division either way: same bits as the scalar), and codes
+    are clamped to [0, 255] in float and to the head's levels on the uint8 codes (equal:
+    rounding is monotonic and the bounds are integers). Worth it when most heads are KIVI
+    heads (`quantize_heads_ref` decides); the float work on other heads is discarded."""
+    num_layers, _, num_tokens, num_heads, head_dim = kv.shape
+    itemsize, device = kv.element_size(), kv.device
+    group_size = params[0]
+    layouts = [kivi_layout(c.bits, num_tokens, head_dim, itemsize, params) for c in classes]
+    rows = [
+        torch.empty(len(c.layers), lay.nbytes, dtype=torch.uint8, device=device)
+        for c, lay in zip(classes, layouts, strict=True)
+    ]
+    if not classes or num_tokens == 0:
+        return rows
+    first = layouts[0]  # the token split and the groups do not depend on the bits
+    sink, mid, recent, v_group = first.num_sink, first.num_mid, first.num_recent, first.v_group
+    sections = [_sections(r, lay) for r, lay in zip(rows, layouts, strict=True)]
+    source = kv.view(torch.uint8)  # (L, 2, T, H, D * itemsize)
+    index = [
+        torch.as_tensor(c.layers * num_heads + c.heads, dtype=torch.int64, device=device) for c in classes
+    ]
+    for c, (full, *_) in zip(classes, sections, strict=True):
+        full = full.view(len(c.layers), 2, sink + recent, head_dim * itemsize)
+        full[:, :, :sink] = source[c.layers, :, :sink, c.heads]
+        full[:, :, sink:] = source[c.layers, :, sink + mid :, c.heads]
+    if mid == 0:
+        return rows
+    levels = np.ones((2, num_layers, 1, num_heads, 1), dtype=np.float32)
+    for c in classes:
+        levels[:, c.layers, 0, c.heads, 0] = np.array([[2**b - 1] for b in c.bits])
+    k_levels, v_levels = torch.from_numpy(levels).to(device)
+    num_groups, v_groups = first.num_k_groups, head_dim // v_group
+    # whole-request results, head-major (L * H, ...) so that a class's heads are whole rows,
+    # the params already as a row holds them: K (groups, min / scale, D), V (mid, G, min / scale)
+    k_codes = _scratch("k_codes", (num_layers, num_heads, mid, head_dim), torch.uint8, device)
+    v_codes = _scratch("v_codes", (num_layers, num_heads, mid, head_dim), torch.uint8, device)
+    k_par = _scratch("k_par", (num_layers, num_heads, num_groups, 2, head_dim), torch.float16, device)
+    v_par = _scratch("v_par", (num_layers, num_heads, mid, v_groups, 2), torch.float16, device)
+    step = max(1, _BATCH_ELEMS // (num_layers * num_heads * head_dim * group_size)) * group_size
+    work = _scratch("work", (num_layers * min(step, mid) * num_heads * head_dim,), torch.float32, device)
+    for start in range(0, mid, step):
+        stop = min(mid, start + step)
+        keys = kv[:, 0, sink + start : sink + stop]  # (L, t, H, D)
+        whole = (stop - start) // group_size * group_size
+        for lo, hi in ((0, whole), (whole, stop - start)):  # whole groups, then a short last one
+            if hi > lo:
+                groups = keys[:, lo:hi].unflatten(1, (-1, min(group_size, hi - lo)))  # (L, g, G, H, D)
+                g0 = (start + lo) // group_size
+                codes_out = k_codes[:, :, start + lo : start + hi]
+                low, scale = _quantize_batch(groups, 2, k_levels, work, codes_out)
+                k_par[:, :, g0 : g0 + groups.shape[1], 0] = low.transpose(1, 2)
+                k_par[:, :, g0 : g0 + groups.shape[1], 1] = scale.transpose(1, 2)
+        values = kv[:, 1, sink + start : sink + stop].unflatten(-1, (v_groups, v_group))  # (L, t, H, G, g)
+        low, scale = _quantize_batch(values, 4, v_levels, work, v_codes[:, :, start:stop])
+        v_par[:, :, start:stop, :, 0] = low.transpose(1, 2)
+        v_par[:, :, start:stop, :, 1] = scale.transpose(1, 2)
+    flat = num_layers * num_heads
+    for kv_index, codes in enumerate((k_codes.view(flat, -1), v_codes.view(flat, -1))):
+        for bits, members in _by_bits(classes, kv_index).items():
+            heads = torch.cat([index[i] for i in members])
+            if len(heads) == flat and bool((heads == torch.arange(flat, device=device)).all()):
+                picked = codes  # every head, in order (a uniform plan): no other group reads them
+            else:
+                picked = _scratch("picked", (len(heads), codes.shape[1]), torch.uint8, device)
+                torch.index_select(codes, 0, heads, out=picked)
+            if bits < 8:
+                picked.clamp_(max=2**bits - 1)
+            packed = _scratch("packed", (len(heads), mid, head_dim * bits // 8), torch.uint8, device)
+            _pack_codes(picked.view(len(heads), mid, head_dim), bits, packed)
+            offset = 0
+            for i in members:
+                n = len(index[i])
+                out = sections[i][1 + kv_index].view(n, -1)
+                out.copy_(packed[offset : offset + n].view(n, -1))
+                offset += n
+    k_par, v_par = k_par.view(flat, -1), v_par.view(flat, -1)
+    for i, (_, _, _, kp_out, vp_out) in enumerate(sections):
+        kp_out.copy_(k_par.index_select(0, index[i]).view(torch.uint8))
+        vp_out.copy_(v_par.index_select(0, index[i]).view(torch.uint8))
+    return rows
+
+
+def _by_bits(classes: Sequence[KiviClass], kv_index: int) -> dict[int, list[int]]:
+    """Key (kv_index 0) or value bits -> the classes (their indices) that use them."""
+    groups: dict[int, list[int]] = {}
+    for i, c in enumerate(classes):
+        groups.setdefault(c.bits[kv_index], []).append(i)
+    return groups
+
+
+def _quantize_batch(
+    groups: torch.Tensor, dim: int, levels: torch.Tensor, work: torch.Tensor, codes_out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of every head: `groups` (L, a, b, H, c) keys (dim 2: tokens) or
+    (L, t, H, G, g) values (dim 4: channels) -> float16 (min, scale) of each group
+    (the reduced shape), codes clamped to [0, 255] written to `codes_out` (L, H, t, D) uint8.
+    `levels` broadcasts against the reduced shape (per head: 2^bits - 1)."""
+    low, high = groups.amin(dim=dim), groups.amax(dim=dim)  # exact on the source dtype
+    low, high = low.float(), high.float()
+    scale = ((high - low) / levels).clamp_(MIN_SCALE, HALF_MAX).to(torch.float16)
+    low = low.clamp_(-HALF_MAX, HALF_MAX).to(torch.float16)
+    y = work[: groups.numel()].view(groups.shape)
+    if groups.dtype == torch.float32:
+        torch.sub(groups, low.float().unsqueeze(dim), out=y)
+    else:  # float32 first, as quantize_kivi_ref
+        y.copy_(groups).sub_(low.float().unsqueeze(dim))
+    y.div_(scale.float().unsqueeze(dim)).clamp_(0, 255).add_(ROUNDER)
+    num_layers, num_tokens = codes_out.shape[0], codes_out.shape[2]
+    bits = y.view(torch.int32).view(num_layers, num_tokens, -1, codes_out.shape[-1])  # (L, t, H, D)
+    codes_out.transpose(1, 2).copy_(bits)  # int32 -> uint8 keeps the low byte: the code
+    return low, scale
+
+
+def _pack_codes(codes: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """(..., D) uint8 codes < 2^bits, contiguous -> the bit stream `out` (..., D * bits / 8),
+    contiguous, of `_pack_into` (same bytes), by halving steps inside machine words instead
+    of a shift per code: the codes of one whole-byte run (`_unit`: 2, 4 or 8 codes) are one
+    little-endian int16/32/64 word, and each step merges neighbouring lanes, (even lane) |
+    (odd lane) >> (8 - bits) * width, width 1, 2, then 4 bytes; after log2(codes per run)
+    steps the word's low bytes are the run's stream. 1, 2 and 4 bits (one byte per run)
+    keep it by a narrowing integer conversion, which keeps the low byte; 3, 5, 6 and 7 bits
+    by a byte copy. Every step is a contiguous elementwise op on whole words."""
+    if bits == 8:
+        out.copy_(codes)
+        return
+    per_unit, unit_bytes = _unit(bits)
+    words = codes.view(_WORD[per_unit])  # (..., D / per_unit): one run per word
+    merged = _scratch("merged", tuple(words.shape), words.dtype, words.device)
+    spare = _scratch("spare", tuple(words.shape), words.dtype, words.device)
+    width, source = 1, words  # lane width in bytes
+    while width < per_unit:
+        low, high = _lane_masks(per_unit, width)
+        shift = (8 - bits) * width
+        torch.bitwise_right_shift(source, shift, out=spare).bitwise_and_(high >> shift)
+        torch.bitwise_and(source, low, out=merged).bitwise_or_(spare)
+        width, source = 2 * width, merged
+    if unit_bytes == 1:
+        out.copy_(merged)  # int -> uint8 keeps the low byte
+    else:
+        _copy_low_bytes(merged, out.unflatten(-1, (-1, unit_bytes)))
+
+
+_WORD = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # bytes -> the integer of one run
+
+
+def _lane_masks(word_bytes: int, width: int) -> tuple[int, int]:
+    """(even lanes, odd lanes) masks of `width`-byte lanes in a `word_bytes` word, as the
+    word's signed integer values (the odd-lanes mask is only used shifted right, positive)."""
+    lane = (1 << (8 * width)) - 1
+    low = sum(lane << (16 * width * i) for i in range(word_bytes // (2 * width)))
+    high = low << (8 * width)
+    return low, high

@@ -81,19 +81,36 @@ class QuantizedKV(NamedTuple):
 
 def pack_extra(plan: HeadPlan, select, use_triton: bool | None) -> tuple[torch.Tensor, ...]:
     """The `extra` rows of a plan: `select(cls)` gives that class's heads (n, 2, T, D)."""
+    if not any(plan.count(cls) for cls in EXTRA_CLASSES):
+        return ()
+    return tuple(_pack_class(cls, select(cls), plan.params(), use_triton) for cls in EXTRA_CLASSES)
+
+
+def _pack_class(cls: HeadClass, selected, params, use_triton: bool | None) -> torch.Tensor:
     from kernels.fp8_token import quantize_fp8_token
     from kernels.kivi import quantize_kivi
 
-    if not any(plan.count(cls) for cls in EXTRA_CLASSES):
-        return ()
-    packed = []
-    for cls in EXTRA_CLASSES:
-        selected = select(cls)
-        if cls == HeadClass.FP8_TOKEN:
-            packed.append(quantize_fp8_token(selected, use_triton=use_triton))
-        else:
-            packed.append(quantize_kivi(selected, KIVI_BITS[cls], plan.params(), use_triton=use_triton))
-    return tuple(packed)
+    if cls == HeadClass.FP8_TOKEN:
+        return quantize_fp8_token(selected, use_triton=use_triton)
+    return quantize_kivi(selected, KIVI_BITS[cls], params, use_triton=use_triton)
+
+
+def _pack_extra_ref(kv: torch.Tensor, plan: HeadPlan, select) -> tuple[torch.Tensor, ...]:
+    """`pack_extra` on the torch references, from a gathered (L, 2, T, H, D) `kv`. When
+    KIVI heads are at least half of the heads, every KIVI class goes through
+    `kivi.quantize_kivi_kv` at once (same bytes: a few dozen torch calls for the whole
+    request instead of a few per head and class); else each class on its own."""
+    from kernels.kivi import KiviClass, quantize_kivi_kv
+
+    kivi = [cls for cls in KIVI_BITS if plan.count(cls)]
+    if 2 * sum(plan.count(cls) for cls in kivi) < plan.num_layers * plan.num_kv_heads:
+        return pack_extra(plan, select, use_triton=False)
+    classes = [KiviClass(*plan.heads_of(cls), KIVI_BITS[cls]) for cls in kivi]
+    batched = dict(zip(kivi, quantize_kivi_kv(kv, classes, plan.params()), strict=True))
+    return tuple(
+        batched[cls] if cls in batched else _pack_class(cls, select(cls), plan.params(), False)
+        for cls in EXTRA_CLASSES
+    )
 
 
 @triton.jit
@@ -288,7 +305,7 @@ def quantize_heads_ref(kv: torch.Tensor, plan: HeadPlan) -> QuantizedKV:  # kv: 
         return heads if cls in KIVI_BITS else torch.stack(heads)
 
     fp8, scales = quantize_fp8_ref(select(HeadClass.FP8))
-    extra = pack_extra(plan, select, use_triton=False)
+    extra = _pack_extra_ref(kv, plan, select)
     return QuantizedKV(plan, num_tokens, head_dim, kv.dtype, select(HeadClass.FP16), fp8, scales, extra)
 
 

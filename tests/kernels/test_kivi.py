@@ -123,3 +123,55 @@ def _gathered(cache, block_ids, num_tokens):
     from kernels.gather_blocks import gather_blocks_ref
 
     return gather_blocks_ref(cache, block_ids, num_tokens)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "shape, params", [((3, 77, 5, 16), (16, 3, 5)), ((2, 130, 3, 24), (32, 4, 32)), ((2, 9, 2, 8), (8, 4, 4))]
+)
+def test_batched_kivi_equals_the_per_class_reference(dtype, shape, params):
+    """quantize_kivi_kv (every head of the request at once, per-head levels) writes the
+    same bytes as quantize_kivi_ref of each class's heads, for every bit width, short
+    last key groups, outlier channels, a flat group and out-of-range codes included."""
+    from kernels.kivi import KiviClass, quantize_kivi_kv
+
+    num_layers, num_tokens, num_heads, head_dim = shape
+    gen = torch.Generator().manual_seed(num_tokens)
+    kv = torch.randn(num_layers, 2, num_tokens, num_heads, head_dim, generator=gen)
+    kv = (kv * (torch.rand(head_dim, generator=gen) * 8 + 0.1)).to(dtype)
+    kv[0, :, 10:40, 0] = 3.0  # a flat head: scale floored at 2^-14
+    kv[-1, 0, 5:20, -1] += 1000.0  # a large offset: float16 min far from every value
+    bits = [(4, 4), (2, 2), (5, 4), (6, 4), (8, 4), (5, 3), (3, 6), (1, 7)]
+    bits = [b for b in bits if head_dim * b[0] % 8 == 0 and head_dim * b[1] % 8 == 0]
+    rng = np.random.default_rng(0)
+    which = rng.integers(0, len(bits), (num_layers, num_heads))
+    classes = [KiviClass(*np.nonzero(which == i), b) for i, b in enumerate(bits) if (which == i).any()]
+    for c, rows in zip(classes, quantize_kivi_kv(kv, classes, params), strict=True):
+        views = [kv[layer, :, :, head] for layer, head in zip(c.layers, c.heads, strict=True)]
+        assert_bits_equal(rows, quantize_kivi_ref(views, c.bits, params))
+
+
+def test_quantize_heads_ref_takes_the_batched_path_for_kivi_plans(monkeypatch):
+    """A mostly-KIVI plan goes through quantize_kivi_kv (checked by breaking the per-class
+    reference for any non-empty class) and packs the same rows as the per-class reference."""
+    import kernels.kivi as kivi
+    from kernels.plan import EXTRA_CLASSES, KIVI_BITS
+
+    gen = torch.Generator().manual_seed(3)
+    kv = torch.randn(2, 2, 70, 3, 16, generator=gen)
+    plan = HeadPlan.from_codes(np.array([[4, 6, 7], [8, 0, 9]]), params=(16, 4, 8))
+    expected = {
+        cls: quantize_kivi_ref([kv[la, :, :, h] for la, h in zip(*plan.heads_of(cls), strict=True)],
+                               KIVI_BITS[cls], plan.params())
+        for cls in KIVI_BITS if plan.count(cls)
+    }  # fmt: skip
+    reference = kivi.quantize_kivi_ref
+
+    def only_empty(selected, *args):
+        assert len(selected) == 0, "the per-class reference ran on a KIVI class"
+        return reference(selected, *args)
+
+    monkeypatch.setattr(kivi, "quantize_kivi_ref", only_empty)
+    got = dict(zip(EXTRA_CLASSES, quantize_heads(kv, plan, use_triton=False).extra, strict=True))
+    for cls, rows in expected.items():
+        assert_bits_equal(got[cls], rows)
