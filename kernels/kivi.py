@@ -1,9 +1,11 @@
-"""KIVI-style 4-bit and 2-bit KV heads (Liu et al. 2024, arXiv 2402.02750): the `KIVI4` and
-`KIVI2` head classes.
+"""KIVI-style KV heads (Liu et al. 2024, arXiv 2402.02750): the `KIVI4`, `KIVI2` and
+`KIVI_K<k>V<v>` head classes.
 
-Owns: the packed row of one KIVI head, `quantize_kivi_ref` / `dequantize_kivi_ref` (torch
-references and the CPU path), and the Triton kernels `_kivi_keys_kernel`,
-`_kivi_values_kernel` with their wrapper `quantize_kivi` (bit-exact against the
+Owns: the packed row of one KIVI head, `quantize_kivi_ref` / `dequantize_kivi_ref` (the
+torch references), `quantize_kivi_kv` (the CPU path: every KIVI head of a request at once,
+the same bytes), and the Triton kernels `_kivi_keys_kernel`, `_kivi_values_kernel` (1, 2,
+4, 8 bits) and `_kivi_key_codes_kernel`, `_kivi_value_codes_kernel`, `_kivi_pack_kernel`
+(any width: 3, 5, 6, 7 bits) with their wrapper `quantize_kivi` (bit-exact against the
 reference). It never decides the plan (kernels/plan.py) and never writes the cache.
 
 Format (per head; `kernels.plan.kivi_layout` gives the byte counts):
@@ -440,6 +442,166 @@ def _kivi_values_kernel(
     tl.store(dst, packed.to(tl.uint8), mask=mask)
 
 
+@triton.jit
+def _kivi_key_codes_kernel(
+    src_ptr,  # integer view of (n, 2, T, D), contiguous
+    codes_ptr,  # uint8 (n, mid, D): one code per byte, packed by _kivi_pack_kernel
+    params_ptr,  # int16 view of rows (float16 bits), (n, row_bytes / 2)
+    num_tokens,
+    head_dim,
+    num_sink,
+    num_mid,
+    row_bytes,
+    params_offset,  # int16 offset of the K params in a row
+    group_size,
+    SRC_KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # >= group_size
+    BLOCK_D: tl.constexpr,  # >= head_dim
+):
+    """Any key bits: one program per (head, key group), `_kivi_keys_kernel`'s arithmetic,
+    the codes one per byte (a code of 3, 5 or 6 bits straddles bytes: the pack kernel
+    assembles them)."""
+    head = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1).to(tl.int64)
+    t = group * group_size + tl.arange(0, BLOCK_G)
+    t_mask = (tl.arange(0, BLOCK_G) < group_size) & (t < num_mid)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    mask = t_mask[:, None] & d_mask[None, :]
+    levels = (1 << BITS) - 1
+    src = src_ptr + (head * 2 * num_tokens + num_sink + t[:, None]) * head_dim + d[None, :]
+    x = _load_float32(src, mask, SRC_KIND)
+    low = tl.min(tl.where(mask, x, float("inf")), axis=0)  # (BLOCK_D,)
+    high = tl.max(tl.where(mask, x, float("-inf")), axis=0)
+    scale = tl.math.div_rn(high - low, levels * 1.0)
+    scale16 = tl.minimum(tl.maximum(scale, 0.00006103515625), 65504.0).to(tl.float16)
+    low16 = tl.minimum(tl.maximum(low, -65504.0), 65504.0).to(tl.float16)
+    par = params_ptr + head * (row_bytes // 2) + params_offset + group * 2 * head_dim
+    tl.store(par + d, low16.to(tl.int16, bitcast=True), mask=d_mask)
+    tl.store(par + head_dim + d, scale16.to(tl.int16, bitcast=True), mask=d_mask)
+    y = tl.math.div_rn(x - low16.to(tl.float32)[None, :], scale16.to(tl.float32)[None, :])
+    y = tl.minimum(tl.maximum(y, 0.0), levels * 1.0)
+    q = ((y + 8388608.0) - 8388608.0).to(tl.int32)  # round half to even: ulp is 1 at 2^23
+    tl.store(codes_ptr + (head * num_mid + t[:, None]) * head_dim + d[None, :], q.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _kivi_value_codes_kernel(
+    src_ptr,  # integer view of (n, 2, T, D), contiguous
+    codes_ptr,  # uint8 (n, mid, D)
+    params_ptr,  # int16 view of rows (float16 bits)
+    num_tokens,
+    head_dim,
+    num_sink,
+    num_mid,
+    row_bytes,
+    params_offset,  # int16 offset of the V params in a row
+    v_group,
+    SRC_KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_V: tl.constexpr,  # >= v_group
+):
+    """Any value bits: one program per (head, token tile, channel group),
+    `_kivi_values_kernel`'s arithmetic, the codes one per byte."""
+    head = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    group = tl.program_id(2).to(tl.int64)
+    num_groups = head_dim // v_group
+    c = tl.arange(0, BLOCK_V)
+    t_mask = t < num_mid
+    mask = t_mask[:, None] & (c < v_group)[None, :]
+    levels = (1 << BITS) - 1
+    channel = group * v_group + c
+    src = src_ptr + ((head * 2 + 1) * num_tokens + num_sink + t[:, None]) * head_dim + channel[None, :]
+    x = _load_float32(src, mask, SRC_KIND)
+    low = tl.min(tl.where(mask, x, float("inf")), axis=1)
+    high = tl.max(tl.where(mask, x, float("-inf")), axis=1)
+    scale = tl.math.div_rn(high - low, levels * 1.0)
+    scale16 = tl.minimum(tl.maximum(scale, 0.00006103515625), 65504.0).to(tl.float16)
+    low16 = tl.minimum(tl.maximum(low, -65504.0), 65504.0).to(tl.float16)
+    par = params_ptr + head * (row_bytes // 2) + params_offset + (t * num_groups + group) * 2
+    tl.store(par, low16.to(tl.int16, bitcast=True), mask=t_mask)
+    tl.store(par + 1, scale16.to(tl.int16, bitcast=True), mask=t_mask)
+    y = tl.math.div_rn(x - low16.to(tl.float32)[:, None], scale16.to(tl.float32)[:, None])
+    y = tl.minimum(tl.maximum(y, 0.0), levels * 1.0)
+    q = ((y + 8388608.0) - 8388608.0).to(tl.int32)
+    dst = codes_ptr + (head * num_mid + t[:, None]) * head_dim + channel[None, :]
+    tl.store(dst, q.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _kivi_pack_kernel(
+    codes_ptr,  # uint8 (n, mid, D), codes < 2^BITS
+    rows_ptr,  # uint8 (n, row_bytes)
+    num_mid,
+    head_dim,
+    row_bytes,
+    codes_offset,  # byte offset of this half's codes in a row
+    BITS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # >= head_dim * BITS / 8
+):
+    """Codes -> the little-endian bit stream of `_pack_into`, any width: one program per
+    (head, token tile); output byte p holds stream bits [8p, 8p + 8), from the codes of
+    channels 8p // BITS .. (8p + 7) // BITS (at most 8 // BITS + 2 of them), each shifted
+    into place."""
+    SPAN: tl.constexpr = 8 // BITS + 2  # channels one byte can touch, at most (3 bits: 4)
+    head = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    p = tl.arange(0, BLOCK_P)
+    num_packed = head_dim * BITS // 8
+    mask = (t < num_mid)[:, None] & (p < num_packed)[None, :]
+    byte = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.int32)
+    for k in tl.static_range(SPAN):
+        c = (8 * p) // BITS + k  # (BLOCK_P,) channel
+        offset = c * BITS - 8 * p  # where code c starts relative to byte p's first bit
+        touches = (c < head_dim) & (offset < 8)
+        m = mask & touches[None, :]
+        q = tl.load(codes_ptr + (head * num_mid + t[:, None]) * head_dim + c[None, :], mask=m, other=0)
+        q = q.to(tl.int32)
+        up = tl.maximum(offset, 0)[None, :]
+        down = tl.maximum(-offset, 0)[None, :]
+        byte = byte | (((q << up) >> down) & 0xFF)
+    dst = rows_ptr + head * row_bytes + codes_offset + t[:, None] * num_packed + p[None, :]
+    tl.store(dst, byte.to(tl.uint8), mask=mask)
+
+
+def _quantize_kivi_any_bits(selected, rows, layout, bits, params, kind, src) -> None:
+    """The key and value halves through the codes kernels and the pack kernel (any bits),
+    into `rows` whose kept tokens are already written."""
+    num_heads, _, num_tokens, head_dim = selected.shape
+    sink, mid = layout.num_sink, layout.num_mid
+    half = rows.view(torch.int16)
+    k_codes = layout.full_bytes
+    v_codes = k_codes + layout.k_code_bytes
+    k_params = v_codes + layout.v_code_bytes
+    v_params = k_params + layout.k_param_bytes
+    codes = torch.empty(num_heads, mid, head_dim, dtype=torch.uint8, device=selected.device)
+    group_size = params[0]
+    device = selected.device
+    block_d = triton.next_power_of_2(head_dim)
+    block_t = max(1, min(triton.next_power_of_2(mid), 64))
+    for offset, b, is_key in ((k_codes, bits[0], True), (v_codes, bits[1], False)):
+        if is_key:
+            dispatch.launchable(_kivi_key_codes_kernel, device)[(num_heads, layout.num_k_groups)](
+                src, codes, half, num_tokens, head_dim, sink, mid, layout.nbytes, k_params // 2, group_size,
+                SRC_KIND=kind, BITS=b, BLOCK_G=triton.next_power_of_2(group_size), BLOCK_D=block_d,
+            )  # fmt: skip
+        else:
+            grid = (num_heads, triton.cdiv(mid, block_t), head_dim // layout.v_group)
+            dispatch.launchable(_kivi_value_codes_kernel, device)[grid](
+                src, codes, half, num_tokens, head_dim, sink, mid, layout.nbytes, v_params // 2,
+                layout.v_group, SRC_KIND=kind, BITS=b, BLOCK_T=block_t,
+                BLOCK_V=triton.next_power_of_2(layout.v_group),
+            )  # fmt: skip
+        dispatch.launchable(_kivi_pack_kernel, device)[(num_heads, triton.cdiv(mid, block_t))](
+            codes, rows, mid, head_dim, layout.nbytes, offset,
+            BITS=b, BLOCK_T=block_t, BLOCK_P=triton.next_power_of_2(head_dim * b // 8),
+        )  # fmt: skip
+
+
 def quantize_kivi(
     selected: Heads,
     bits: tuple[int, int],
@@ -455,7 +617,7 @@ def quantize_kivi(
     _, _, _, _, device = _heads_info(selected)
     if any(b not in range(1, 9) for b in bits):
         raise ValueError(f"KIVI bits must lie in 1..8, got {bits}")
-    if any(8 % b for b in bits) or not dispatch.use_triton(device, use_triton):
+    if not dispatch.use_triton(device, use_triton):
         return quantize_kivi_ref(selected, bits, params)
     if not isinstance(selected, torch.Tensor):
         selected = torch.stack(list(selected))
@@ -476,6 +638,9 @@ def quantize_kivi(
     ) % 2:  # float16 params must sit at even offsets
         raise ValueError(f"KIVI row of {layout.nbytes} bytes does not align its float16 params")
     src, kind = dispatch.storage_view(selected)
+    if any(8 % b for b in bits):
+        _quantize_kivi_any_bits(selected, rows, layout, bits, params, kind, src)
+        return rows
     half = rows.view(torch.int16)
     k_codes = layout.full_bytes
     v_codes = k_codes + layout.k_code_bytes

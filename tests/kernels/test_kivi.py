@@ -25,9 +25,11 @@ def _heads(dtype, num_tokens=45, head_dim=16, seed=0):
     return x.to(dtype)
 
 
-@pytest.mark.parametrize("bits", [(4, 4), (2, 2), (8, 4)])
+@pytest.mark.parametrize("bits", [(4, 4), (2, 2), (8, 4), (5, 4), (6, 4), (5, 3), (3, 7)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kivi_kernel_matches_reference_bit_exactly(interp, dtype, bits):
+    """Whole codes per byte (2/4/8 bits) in the quantizing kernels; 3/5/6/7 bits through
+    the codes kernels and the pack kernel, codes straddling bytes."""
     x = _heads(dtype)
     for params in ((16, 3, 5), (8, 0, 0)):
         assert_bits_equal(quantize_kivi(x, bits, params, use_triton=True), quantize_kivi_ref(x, bits, params))
@@ -42,7 +44,7 @@ def test_fp8_token_kernel_matches_reference_bit_exactly(interp, dtype):
 
 def test_kernels_on_cuda_match_reference(cuda):
     x = _heads(torch.bfloat16, num_tokens=300, head_dim=128).to(cuda)
-    for bits in ((4, 4), (2, 2), (8, 4)):
+    for bits in ((4, 4), (2, 2), (8, 4), (5, 4), (6, 4), (5, 3)):
         assert_bits_equal(
             quantize_kivi(x, bits, (32, 4, 32)).cpu(), quantize_kivi_ref(x.cpu(), bits, (32, 4, 32))
         )
