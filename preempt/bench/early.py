@@ -11,7 +11,8 @@
    copy-out), the restore stall, their sum, `stall_hidden` = 1 - total(arm) /
    total(none) and `save_stall_hidden` likewise for the save side only; early bytes
    claimed by preemptions and wasted (the request finished, or the copy was evicted),
-   `waste_share` = wasted / early-saved bytes; prefetch hits, misses and bytes wasted.
+   `waste_share` = wasted / early-saved bytes; prefetch hits, misses and bytes wasted,
+   copy-ins claimed at admission and those of them started with no step of lead.
 2. Wall clock (tiny model on CPU, swap_zstd): median engine step time while every
    running request is early-saved each step (write-through, the heaviest policy), against
    no early saves, in the same run.
@@ -102,6 +103,9 @@ def _row(summary: dict[str, Any]) -> dict[str, Any]:
         "prefetch_misses": summary.get("num_prefetch_misses"),
         "prefetch_gb": round(summary.get("prefetch_bytes", 0) / 1e9, 3),
         "prefetch_wasted_gb": round(summary.get("prefetch_bytes_wasted", 0) / 1e9, 3),
+        # Copy-ins claimed at admission, and those started right before it (no lead).
+        "prefetch_admitted": summary.get("num_prefetch_admitted"),
+        "prefetch_admitted_without_lead": summary.get("num_prefetch_admitted_without_lead"),
         "wall_time_s": round(summary["wall_time_s"], 2),
     }
 

@@ -194,6 +194,7 @@ class Engine:
             "preemption_stall_save_s": self.stall_s - self.stall_restore_s,
             **(saver.stats() if saver else {"kv_saved_bytes_raw": 0, "kv_saved_bytes_stored": 0}),
             **(self.early_saver.stats() if self.early_saver else {}),
+            **(self.prefetcher.stats() if self.prefetcher else {}),
         }
 
     @staticmethod

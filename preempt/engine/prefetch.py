@@ -36,6 +36,7 @@ from preempt.core.block_pool import blocks_needed
 from preempt.core.config import EarlySaveConfig
 
 if TYPE_CHECKING:
+    from preempt.core.request import Request
     from preempt.engine.step import EngineView, StepOutput
 
 
@@ -47,6 +48,31 @@ class Prefetcher:
         self.block_share = config.prefetch_block_share
         self.host_budget = config.prefetch_host_budget
         self.num_cancelled = 0
+        # Lead of copy-ins ahead (issue 15): a copy-in started by the hook right before
+        # the admission's schedule() had no compute to overlap with (0 steps of lead).
+        self._started: dict[int, tuple[Request, int]] = {}  # id(request) -> (it, num_steps at start)
+        self.num_admitted = 0
+        self.num_admitted_without_lead = 0
+
+    def stats(self) -> dict[str, int]:
+        """Prefetched copy-ins claimed by an admission, and those of them started in the
+        hook right before it (no step ran between: the copy-in could hide nothing)."""
+        return {
+            "num_prefetch_admitted": self.num_admitted,
+            "num_prefetch_admitted_without_lead": self.num_admitted_without_lead,
+            "num_prefetch_cancelled": self.num_cancelled,
+        }
+
+    def _count_leads(self, view: EngineView) -> None:
+        running = {id(r) for r in view.running}
+        prefetched = {id(r) for r in view.prefetched_requests}
+        for key, (request, started_step) in list(self._started.items()):
+            if key in running:  # admitted in the step just run: its restore claimed the copy
+                self.num_admitted += 1
+                self.num_admitted_without_lead += view.num_steps - 1 == started_step
+                del self._started[key]
+            elif key not in prefetched:  # cancelled or aborted
+                del self._started[key]
 
     @staticmethod
     def headroom(view: EngineView) -> int:
@@ -63,6 +89,7 @@ class Prefetcher:
         return need
 
     def __call__(self, view: EngineView, output: StepOutput) -> None:
+        self._count_leads(view)
         candidates = [r for r in view.next_to_admit(self.depth) if r.kv_location == "host"]
         # Phase 1: host decode ahead (no device blocks needed), within the host budget.
         decoded = view.predecode_bytes_held
@@ -89,3 +116,4 @@ class Prefetcher:
             if num_held + num_missing > limit or view.num_free_blocks - num_missing < headroom:
                 break  # in admission order: never skip ahead of someone who does not fit
             num_held += view.prefetch(request)
+            self._started[id(request)] = (request, view.num_steps)

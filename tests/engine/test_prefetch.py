@@ -156,3 +156,30 @@ def test_prefetch_needs_the_virtual_clock_and_a_save_mode():
         small_config(clock={"kind": "wall"}, preemption={"mode": "swap"}, early_save={"prefetch": True})
     with pytest.raises(ConfigError, match="recompute"):
         small_config(preemption={"mode": "recompute"}, early_save={"prefetch": True})
+
+
+@pytest.mark.parametrize("mode", ["swap", "swap_zstd"])
+def test_prefetch_counts_admitted_copy_ins_and_those_without_lead(mode, monkeypatch):
+    """`num_prefetch_admitted` = restores that claimed a copy-in done ahead; `..._without_lead`
+    = those whose copy-in started in the hook right before the admission (no step between)."""
+    from preempt.kv.saver import Saver
+
+    engine = Engine(_config(mode, backend="null"))
+    started, claimed = {}, []
+    prefetch, restore = Saver.prefetch, Saver.restore
+
+    def counting_prefetch(saver, request, now):
+        started[id(request)] = engine.num_steps
+        return prefetch(saver, request, now)
+
+    def counting_restore(saver, request, now):
+        if saver.is_prefetched(request):
+            claimed.append(engine.num_steps == started[id(request)])
+        return restore(saver, request, now)
+
+    monkeypatch.setattr(Saver, "prefetch", counting_prefetch)
+    monkeypatch.setattr(Saver, "restore", counting_restore)
+    engine.run(_workload())
+    stats = engine.stats()
+    assert stats["num_prefetch_admitted"] == len(claimed) > 0
+    assert stats["num_prefetch_admitted_without_lead"] == sum(claimed)
