@@ -290,9 +290,9 @@ def dequantize_kivi_ref(
     k_codes = k_codes.view(num_heads, mid, -1)
     v_codes = v_codes.view(num_heads, mid, -1)
     # float16 params as float32 (small: one (min, scale) per group)
-    k_par = k_params.contiguous().view(torch.float16).view(num_heads, -1, 2, head_dim).float()
+    k_par = _aligned(k_params).view(torch.float16).view(num_heads, -1, 2, head_dim).float()
     v_groups = head_dim // layout.v_group
-    v_par = v_params.contiguous().view(torch.float16).view(num_heads, mid, v_groups, 2).float()
+    v_par = _aligned(v_params).view(torch.float16).view(num_heads, mid, v_groups, 2).float()
     step = max(1, _CHUNK_ELEMS // (num_heads * head_dim * group_size)) * group_size
     work = torch.empty(min(step, mid) * num_heads * head_dim, dtype=torch.float32, device=rows.device)
     result = work if dtype != torch.float32 else None
@@ -311,6 +311,15 @@ def dequantize_kivi_ref(
         low, scale = v_par[:, start:stop, :, 0:1], v_par[:, start:stop, :, 1:2]
         _fma_into(q, scale, low, target.unflatten(2, (v_groups, layout.v_group)), result)
     return out
+
+
+def _aligned(section: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a rows' byte section, or the section itself when it already is
+    contiguous at an even offset (viewing bytes as float16 needs both; one row at an odd
+    offset is contiguous but not aligned)."""
+    if section.is_contiguous() and section.storage_offset() % 2 == 0:
+        return section
+    return section.clone(memory_format=torch.contiguous_format)
 
 
 def _fma_into(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, target: torch.Tensor, work) -> None:
@@ -858,3 +867,129 @@ def _lane_masks(word_bytes: int, width: int) -> tuple[int, int]:
     low = sum(lane << (16 * width * i) for i in range(word_bytes // (2 * width)))
     high = low << (8 * width)
     return low, high
+
+
+def dequantize_kivi_kv(
+    rows: Sequence[torch.Tensor],
+    classes: Sequence[KiviClass],
+    params: tuple[int, int, int],
+    out: torch.Tensor,
+) -> None:
+    """The inverse of `quantize_kivi_kv`: each class's (n, layout.nbytes) rows -> its heads
+    written into `out` (L, 2, T, H, D) of the cache dtype, the same values as
+    `dequantize_kivi_ref` (tested). The float pass (code * scale + min, rounded to the
+    dtype) runs on (L, t, H, D) chunks of every head and writes `out` in place, so the
+    caller writes the other classes' heads (and zeros for dropped ones) afterwards."""
+    num_layers, _, num_tokens, num_heads, head_dim = out.shape
+    itemsize, device = out.element_size(), out.device
+    group_size = params[0]
+    layouts = [kivi_layout(c.bits, num_tokens, head_dim, itemsize, params) for c in classes]
+    if not classes or num_tokens == 0:
+        return
+    first = layouts[0]
+    sink, mid, recent, v_group = first.num_sink, first.num_mid, first.num_recent, first.v_group
+    sections = [_sections(r, lay) for r, lay in zip(rows, layouts, strict=True)]
+    target = out.view(torch.uint8)  # (L, 2, T, H, D * itemsize)
+    for c, (full, *_) in zip(classes, sections, strict=True):
+        full = full.view(len(c.layers), 2, sink + recent, head_dim * itemsize)
+        target[c.layers, :, :sink, c.heads] = full[:, :, :sink]
+        target[c.layers, :, sink + mid :, c.heads] = full[:, :, sink:]
+    if mid == 0:
+        return
+    flat = num_layers * num_heads
+    num_groups, v_groups = first.num_k_groups, head_dim // v_group
+    index = [
+        torch.as_tensor(c.layers * num_heads + c.heads, dtype=torch.int64, device=device) for c in classes
+    ]
+    k_codes = _scratch("k_codes", (flat, mid, head_dim), torch.uint8, device)
+    v_codes = _scratch("v_codes", (flat, mid, head_dim), torch.uint8, device)
+    k_par = _scratch("k_par", (flat, num_groups * 2 * head_dim * 2), torch.uint8, device)
+    v_par = _scratch("v_par", (flat, mid * v_groups * 2 * 2), torch.uint8, device)
+    for i, (_, k_in, v_in, kp_in, vp_in) in enumerate(sections):
+        n = len(index[i])
+        for codes, bits, packed in ((k_codes, classes[i].bits[0], k_in), (v_codes, classes[i].bits[1], v_in)):
+            unpacked = _scratch("unpacked", (n, mid, head_dim), torch.uint8, device)
+            _unpack_codes(packed.view(n, mid, -1), bits, unpacked)
+            codes.index_copy_(0, index[i], unpacked)
+        k_par.index_copy_(0, index[i], kp_in)  # bytes: any alignment of the rows' sections
+        v_par.index_copy_(0, index[i], vp_in)
+    # head-major views: K (L, H, groups, min / scale, D), V (L, H, mid, G, min / scale)
+    k_par = k_par.view(torch.float16).view(num_layers, num_heads, num_groups, 2, head_dim)
+    v_par = v_par.view(torch.float16).view(num_layers, num_heads, mid, v_groups, 2)
+    k_codes = k_codes.view(num_layers, num_heads, mid, head_dim)
+    v_codes = v_codes.view(num_layers, num_heads, mid, head_dim)
+    step = max(1, _BATCH_ELEMS // (num_layers * num_heads * head_dim * group_size)) * group_size
+    work = _scratch("work", (num_layers * min(step, mid) * num_heads * head_dim,), torch.float32, device)
+    for start in range(0, mid, step):
+        stop = min(mid, start + step)
+        whole = (stop - start) // group_size * group_size
+        for lo, hi in ((0, whole), (whole, stop - start)):  # whole groups, then a short last one
+            if hi > lo:
+                size = min(group_size, hi - lo)
+                g0 = (start + lo) // group_size
+                g1 = g0 + (hi - lo) // size
+                par = k_par[:, :, g0:g1].float().permute(0, 2, 1, 3, 4).unsqueeze(2)  # (L, g, 1, H, 2, D)
+                dst = out[:, 0, sink + start + lo : sink + start + hi].unflatten(1, (-1, size))
+                codes = k_codes[:, :, start + lo : start + hi].transpose(1, 2)  # (L, t, H, D)
+                _dequantize_batch(codes, par[..., 0, :], par[..., 1, :], work, dst)
+        par = v_par[:, :, start:stop].float().transpose(1, 2)  # (L, t, H, G, 2)
+        dst = out[:, 1, sink + start : sink + stop].unflatten(-1, (v_groups, v_group))
+        codes = v_codes[:, :, start:stop].transpose(1, 2)
+        _dequantize_batch(codes, par[..., 0:1], par[..., 1:2], work, dst)
+
+
+def _dequantize_batch(
+    codes: torch.Tensor, low: torch.Tensor, scale: torch.Tensor, work: torch.Tensor, dst: torch.Tensor
+) -> None:
+    """dst (any view of the cache dtype) = codes * scale + low in float32, rounded: codes
+    (L, t, H, D) uint8 as float32 into `work`, viewed like `dst`; low and scale broadcast."""
+    q = work[: codes.numel()].view(codes.shape)
+    q.copy_(codes)
+    q = q.view(dst.shape)
+    if dst.dtype == torch.float32:
+        torch.addcmul(low, q, scale, out=dst)
+    else:
+        dst.copy_(q.mul_(scale).add_(low))
+
+
+def _unpack_codes(packed: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """(n, ..., D * bits / 8) bit stream (`_pack_into`), rows contiguous -> the codes into
+    `out` (n, ..., D) uint8, contiguous: `_pack_codes` backwards. Each run's bytes go into
+    the low bytes of one word (a widening conversion for one-byte runs, a byte copy for the
+    others), then halving steps in reverse split each lane into two, the odd half moved up
+    by (8 - bits) * width bits, width 4, 2, then 1 byte."""
+    if bits == 8:
+        out.copy_(packed)
+        return
+    per_unit, unit_bytes = _unit(bits)
+    word = _WORD[per_unit]
+    merged = _scratch("merged", (*out.shape[:-1], out.shape[-1] // per_unit), word, out.device)
+    if unit_bytes == 1:
+        merged.copy_(packed)  # uint8 -> a wider integer: zero-extended
+    else:
+        merged.zero_()
+        merged.view(torch.uint8).unflatten(-1, (-1, per_unit))[..., :unit_bytes].copy_(
+            packed.unflatten(-1, (-1, unit_bytes))
+        )
+    spare = _scratch("spare", tuple(merged.shape), word, out.device)
+    width = per_unit // 2
+    while width >= 1:
+        low, high = _lane_masks(per_unit, width)
+        keep = _lane_bits(per_unit, width, bits * width)  # each 2w lane's low b * w bits
+        shift = (8 - bits) * width
+        moved = _signed(high & (keep << 8 * width), word)  # where the odd half lands
+        torch.bitwise_left_shift(merged, shift, out=spare).bitwise_and_(moved)
+        merged.bitwise_and_(keep).bitwise_or_(spare)
+        width //= 2
+    out.view(word).view(merged.shape).copy_(merged)
+
+
+def _lane_bits(word_bytes: int, width: int, num_bits: int) -> int:
+    """Mask of the low `num_bits` bits of every 2 * `width`-byte lane of a word."""
+    return sum(((1 << num_bits) - 1) << (16 * width * i) for i in range(word_bytes // (2 * width)))
+
+
+def _signed(mask: int, dtype: torch.dtype) -> int:
+    """An unsigned bit mask as the value of `dtype` with those bits (two's complement)."""
+    bits = 8 * dtype.itemsize
+    return mask - (1 << bits) if mask >> (bits - 1) else mask

@@ -203,21 +203,42 @@ def _check(quantized: QuantizedKV, kv_cache: torch.Tensor, block_ids) -> torch.T
 def dequantize_heads_ref(quantized: QuantizedKV, out: torch.Tensor | None = None) -> torch.Tensor:
     """Dense KV (L, 2, T, H, D) from a `QuantizedKV`: FP16 heads as saved, FP8 heads
     dequantized, dropped heads zero. What a CPU codec decodes to (the saver's existing
-    restore then applies). `out`: a zeroed (L, 2, T, H, D) tensor (or view) to fill."""
+    restore then applies). `out`: an (L, 2, T, H, D) tensor (or view) to fill; every
+    element is written.
+
+    CPU speed: a mostly-KIVI plan's KIVI heads are dequantized together
+    (`kivi.dequantize_kivi_kv`, writing every head in place, so the other classes come
+    after it), and each class's heads go in by one copy per head (a strided (2, T, D)
+    copy; an advanced-index assignment runs ~10x slower here)."""
+    from kernels.kivi import KiviClass, dequantize_kivi_kv
+
     plan = quantized.plan
     device = quantized.kept.device
     shape = (plan.num_layers, 2, quantized.num_tokens, plan.num_kv_heads, quantized.head_dim)
     if out is None:
-        out = torch.zeros(shape, dtype=quantized.dtype, device=device)
-    layers, heads = (torch.as_tensor(i, device=device) for i in plan.heads_of(HeadClass.FP16))
-    out[layers, :, :, heads, :] = quantized.kept
-    layers, heads = (torch.as_tensor(i, device=device) for i in plan.heads_of(HeadClass.FP8))
-    out[layers, :, :, heads, :] = dequantize_fp8_ref(quantized.fp8, quantized.scales, quantized.dtype)
+        out = torch.empty(shape, dtype=quantized.dtype, device=device)
+    done = set()
+    kivi = [cls for cls in KIVI_BITS if quantized.extra and plan.count(cls)]
+    if 2 * sum(plan.count(cls) for cls in kivi) >= plan.num_layers * plan.num_kv_heads:
+        classes = [KiviClass(*plan.heads_of(cls), KIVI_BITS[cls]) for cls in kivi]
+        rows = [quantized.extra[EXTRA_CLASSES.index(cls)] for cls in kivi]
+        dequantize_kivi_kv(rows, classes, plan.params(), out)
+        done.update(kivi)
+    _put_heads(out, plan.heads_of(HeadClass.FP16), quantized.kept)
+    fp8 = dequantize_fp8_ref(quantized.fp8, quantized.scales, quantized.dtype)
+    _put_heads(out, plan.heads_of(HeadClass.FP8), fp8)
     for cls in EXTRA_CLASSES if quantized.extra else ():
-        layers, heads = (torch.as_tensor(i, device=device) for i in plan.heads_of(cls))
-        if layers.numel():
-            out[layers, :, :, heads, :] = dequantize_extra_ref(quantized, cls)
+        if cls not in done and plan.count(cls):
+            _put_heads(out, plan.heads_of(cls), dequantize_extra_ref(quantized, cls))
+    for layer, head in zip(*plan.heads_of(HeadClass.DROP), strict=True):
+        out[layer, :, :, head].zero_()
     return out
+
+
+def _put_heads(out: torch.Tensor, heads: tuple, values: torch.Tensor) -> None:
+    """out[layer, :, :, head] = values[i] for the i-th (layer, head) of `heads`."""
+    for i, (layer, head) in enumerate(zip(*heads, strict=True)):
+        out[layer, :, :, head] = values[i]
 
 
 _E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # code -> value
@@ -248,8 +269,9 @@ def restore_blocks_ref(
     block_ids = _check(quantized, kv_cache, block_ids)
     num_layers, _, _, block_size, num_heads, head_dim = kv_cache.shape
     num_blocks = block_ids.numel()
-    padded = kv_cache.new_zeros(num_layers, 2, num_blocks * block_size, num_heads, head_dim)
+    padded = kv_cache.new_empty(num_layers, 2, num_blocks * block_size, num_heads, head_dim)
     dequantize_heads_ref(quantized, out=padded[:, :, : quantized.num_tokens])
+    padded[:, :, quantized.num_tokens :] = 0  # the last block's rows past T
     blocks = padded.view(num_layers, 2, num_blocks, block_size, num_heads, head_dim)
     kv_cache.index_copy_(2, block_ids.to(torch.int64), blocks)
     return quantized.plan.dropped_mask(kv_cache.device)

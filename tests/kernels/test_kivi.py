@@ -10,7 +10,7 @@ import torch
 
 from kernels.fp8_token import dequantize_fp8_token_ref, quantize_fp8_token, quantize_fp8_token_ref
 from kernels.kivi import _pack, _unpack, dequantize_kivi_ref, quantize_kivi, quantize_kivi_ref
-from kernels.plan import HeadClass, HeadPlan, kivi_layout, stored_bytes
+from kernels.plan import KIVI_BITS, HeadClass, HeadPlan, kivi_layout, stored_bytes
 from kernels.quantize_heads import gather_quantize_heads, quantize_heads
 from kernels.restore_blocks import dequantize_heads_ref, restore_blocks
 from tests.kernels.conftest import assert_bits_equal
@@ -157,7 +157,7 @@ def test_quantize_heads_ref_takes_the_batched_path_for_kivi_plans(monkeypatch):
     """A mostly-KIVI plan goes through quantize_kivi_kv (checked by breaking the per-class
     reference for any non-empty class) and packs the same rows as the per-class reference."""
     import kernels.kivi as kivi
-    from kernels.plan import EXTRA_CLASSES, KIVI_BITS
+    from kernels.plan import EXTRA_CLASSES
 
     gen = torch.Generator().manual_seed(3)
     kv = torch.randn(2, 2, 70, 3, 16, generator=gen)
@@ -177,3 +177,49 @@ def test_quantize_heads_ref_takes_the_batched_path_for_kivi_plans(monkeypatch):
     got = dict(zip(EXTRA_CLASSES, quantize_heads(kv, plan, use_triton=False).extra, strict=True))
     for cls, rows in expected.items():
         assert_bits_equal(got[cls], rows)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batched_kivi_decode_equals_the_per_class_reference(dtype):
+    """dequantize_kivi_kv writes each class's heads as dequantize_kivi_ref decodes them,
+    and dequantize_heads_ref of a mostly-KIVI plan (other classes and a dropped head
+    written after it) equals the per-class assembly."""
+    from kernels.kivi import KiviClass, dequantize_kivi_kv, quantize_kivi_kv
+
+    gen = torch.Generator().manual_seed(5)
+    kv = (torch.randn(3, 2, 77, 4, 16, generator=gen) * 3).to(dtype)
+    params = (16, 3, 5)
+    which = np.array([[4, 6, 7, 9], [8, 5, 4, 6], [0, 2, 1, 3]])
+    plan = HeadPlan.from_codes(which, params=params)
+    classes = [KiviClass(*plan.heads_of(HeadClass(c)), KIVI_BITS[HeadClass(c)]) for c in (4, 5, 6, 7, 8, 9)]
+    rows = quantize_kivi_kv(kv, classes, params)
+    out = torch.full_like(kv, 7.0)
+    dequantize_kivi_kv(rows, classes, params, out)
+    for c, r in zip(classes, rows, strict=True):
+        back = dequantize_kivi_ref(r, c.bits, 77, 16, dtype, params)
+        for i, (layer, head) in enumerate(zip(c.layers, c.heads, strict=True)):
+            assert_bits_equal(out[layer, :, :, head], back[i])
+    quantized = quantize_heads(kv, plan, use_triton=False)
+    dense = dequantize_heads_ref(quantized)
+    for cls in HeadClass:
+        for layer, head in zip(*plan.heads_of(cls), strict=True):
+            if cls == HeadClass.DROP:
+                assert not dense[layer, :, :, head].any()
+            elif cls == HeadClass.FP16:
+                assert_bits_equal(dense[layer, :, :, head], kv[layer, :, :, head])
+    assert_bits_equal(dense[:2], out[:2])  # the KIVI layers as the batched decode wrote them
+
+
+def test_kivi_rows_at_an_odd_offset_decode():
+    """One row whose float16 params start at an odd byte (a one-head class after sections
+    of odd length in a blob) decodes; it raised: the row is contiguous, so it was not
+    copied, and a float16 view of an odd offset is refused."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 2, 21, 24, generator=gen).half()
+    rows = quantize_kivi_ref(x, (5, 3), (8, 0, 0))
+    padded = torch.zeros(1, rows.shape[1] + 1, dtype=torch.uint8)
+    padded[0, 1:] = rows[0]
+    view = padded[:, 1:]  # contiguous, at an odd storage offset
+    assert view.is_contiguous() and view.storage_offset() % 2 == 1
+    back = dequantize_kivi_ref(view, (5, 3), 21, 24, torch.float16, (8, 0, 0))
+    assert_bits_equal(back, dequantize_kivi_ref(rows, (5, 3), 21, 24, torch.float16, (8, 0, 0)))
