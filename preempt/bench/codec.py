@@ -19,10 +19,13 @@ on real KV from the model:
   `top1_agreement`. The restore follows the engine: the restored prefix of dropped heads
   masked for the rest of the request, the last `warmup_tokens` recomputed at full
   precision (and visible to every head).
-- CPU speed, one thread: encode (quantize + pack into blob parts) and decode (unpack +
+- CPU speed on `CPU_THREADS` torch thread(s) (`cpu_threads` in the JSON; encode, decode
+  and clone alike): encode (quantize + pack into blob parts) and decode (unpack +
   dequantize into blocks) MB/s of raw KV, against `torch.clone` of the same tensor timed
   alternately with it, for a 2048-token request (`encode_vs_clone`: cache-resident, clone
-  near memory bandwidth) and a 32k-token one (`encode_vs_clone_long`).
+  near memory bandwidth) and a 32k-token one (`encode_vs_clone_long`). One thread: on the
+  two shared cores these run on, a second intra-op thread speeds clone up more than the
+  codec (many small ops), so it would not raise the ratio.
 
 Prompts are held-out text (the LM corpus's test split: Python stdlib sources); the
 sensitivity and gate scores that choose the budget plans come from the validation split.
@@ -54,12 +57,13 @@ KIVI_PARAMS = (64, 4, 8)  # (group_size, num_sink, num_recent) of every KIVI pla
 # The classes a budget plan may use (FP16 always): what the sensitivity scan prices.
 BUDGET_CLASSES = ("fp8", "kivi4", "kivi_k5v4", "kivi_k6v4", "kivi_k8v4", "drop")
 UNIFORM_CLASSES = ("fp8_token", "kivi4", "kivi2", "kivi_k5v4", "kivi_k6v4")
+CPU_THREADS = 1  # torch intra-op threads for everything timed (module doc)
 
 
 def bench_codec(
     quick: bool, model: str | None = None, plan: str | None = None, warmup_tokens: int = 2
 ) -> dict[str, Any]:
-    torch.set_num_threads(1)  # comparable across machines; quality does not depend on it
+    torch.set_num_threads(CPU_THREADS)  # comparable across machines; quality does not depend on it
     num_prompts, prompt_len, num_gen = (4, 256, 32) if quick else (16, 512, 64)
     runner = _runner(model, num_blocks=4 * (prompt_len + num_gen + BLOCK_SIZE) // BLOCK_SIZE)
     cfg = runner.model.cfg
@@ -79,6 +83,7 @@ def bench_codec(
         "prompts": f"{num_prompts} x {prompt_len} bytes of held-out text (LM corpus test split)",
         "num_generated": num_gen,
         "warmup_tokens": warmup_tokens,
+        "cpu_threads": torch.get_num_threads(),
         "plans": {},
     }
     speed_kvs = {name: _tiled(references[0]["kv"], tokens) for name, tokens in _speed_sizes(quick).items()}

@@ -23,4 +23,5 @@ def test_codec_bench_reports_every_plan_and_lossless_fp16_changes_nothing():
         assert row["encode_mb_s"] > 0 and row["decode_mb_s"] > 0
         assert row["encode_vs_clone_long"] > 0 and row["clone_mb_s_long"] > 0  # both request sizes
     assert [s["num_tokens"] for s in result["speed_sizes"].values()] == [2048, 4096]
+    assert result["cpu_threads"] == 1  # the speed columns say on how many threads
     assert "meaningless" in result["model"]  # an untrained model says so
