@@ -86,7 +86,9 @@ def attention_fidelity(device: DeviceProfile, points: list[vidur.AttnPoint]) -> 
     cost = _cost("llama3-70b", 2, device)  # the attention file's shape: 64 q / 8 kv heads, TP 2
     decode, prefill = [], []
     for p in points:
-        ratio = cost.attention_s(p.sum_attn_ctx, p.sum_kv_read) / p.measured_s
+        ratio = (
+            cost.attention_s(p.sum_attn_ctx, p.sum_kv_read, p.prefill_rows, p.sum_masked_ctx) / p.measured_s
+        )
         (prefill if p.is_prefill else decode).append(ratio)
     return {"decode": summarise(decode), "prefill": summarise(prefill)}
 

@@ -140,29 +140,54 @@ def fit_elementwise(points: Sequence[OpPoint]) -> tuple[float, float]:
     return float(np.exp(x[0])), float(np.exp(x[1]))
 
 
-def attention_features(points: Sequence[AttnPoint]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(KV bytes read, FLOPs, measured_s) per layer on one GPU."""
+# The profiled A100 kernel (an early FlashAttention) does not skip masked tiles: its
+# prefill time grows with the whole chunk square (docs/clock.md), so the fit charges every
+# masked pair. Fixed, not fitted: left free it stays near 1 and the fit does not improve.
+PROFILED_MASKED_SHARE = 1.0
+ATTN_KEYS = (
+    "attn_kv_bytes_per_s",
+    "attn_flops_per_s",
+    "attn_exponent",
+    "attn_floor_s",
+    "attn_per_prefill_row_s",
+)
+
+
+def attention_features(
+    points: Sequence[AttnPoint], masked_share: float = PROFILED_MASKED_SHARE
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(KV bytes read, FLOPs computed, prefill rows, measured_s) per layer on one GPU."""
     kv = np.array([p.sum_kv_read * 4.0 * p.num_kv_heads / p.tp * p.head_dim for p in points])
-    flops = np.array([p.sum_attn_ctx * 4.0 * p.num_q_heads / p.tp * p.head_dim for p in points])
-    return kv, flops, np.array([p.measured_s for p in points])
+    pairs = np.array([p.sum_attn_ctx + masked_share * p.sum_masked_ctx for p in points])
+    flops = pairs * np.array([4.0 * p.num_q_heads / p.tp * p.head_dim for p in points])
+    rows = np.array([float(p.prefill_rows) for p in points])
+    return kv, flops, rows, np.array([p.measured_s for p in points])
 
 
-def attention_predict(params: np.ndarray, kv: np.ndarray, flops: np.ndarray) -> np.ndarray:
-    """params: log(kv bytes/s), log(flops/s), log(p - 1), log(floor_s)."""
+def attention_predict(params: np.ndarray, kv: np.ndarray, flops: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """params: log(kv bytes/s), log(flops/s), log(p - 1), log(floor_s), log(per_prefill_row_s)."""
     b, f, p, floor = np.exp(params[0]), np.exp(params[1]), _exponent(params[2]), np.exp(params[3])
-    return floor + _smooth_max(kv / b, flops / f, p)
+    return floor + np.exp(params[4]) * rows + _smooth_max(kv / b, flops / f, p)
 
 
-def fit_attention(points: Sequence[AttnPoint]) -> dict[str, float]:
-    kv, flops, measured = attention_features(points)
-    x0 = [math.log(1.5e12), math.log(1.5e14), math.log(2.0), math.log(1.5e-5)]
-    x = levenberg_marquardt(lambda q: np.log(attention_predict(q, kv, flops) / measured), x0)
+def _attention_params(x: np.ndarray) -> dict[str, float]:
     return {
         "attn_kv_bytes_per_s": float(np.exp(x[0])),
         "attn_flops_per_s": float(np.exp(x[1])),
         "attn_exponent": _exponent(x[2]),
         "attn_floor_s": float(np.exp(x[3])),
+        "attn_per_prefill_row_s": float(np.exp(x[4])),
     }
+
+
+def fit_attention(
+    points: Sequence[AttnPoint], masked_share: float = PROFILED_MASKED_SHARE
+) -> dict[str, float]:
+    """The attention constants; `masked_share` is the kernel's (not fitted, see above)."""
+    kv, flops, rows, measured = attention_features(points, masked_share)
+    x0 = [math.log(1.5e12), math.log(1.5e14), math.log(2.0), math.log(1.5e-5), math.log(3e-8)]
+    x = levenberg_marquardt(lambda q: np.log(attention_predict(q, kv, flops, rows) / measured), x0)
+    return {**_attention_params(x), "attn_masked_share": masked_share}
 
 
 def fit_all_reduce(points: Sequence[AllReducePoint]) -> tuple[float, float]:
@@ -191,6 +216,8 @@ _SHAPE_ONLY = DeviceProfile(
     1,
     2,
     0,
+    0,
+    1,
     {n: (0, 1) for n in (2, 4, 8)},
     0,
     1,
@@ -226,8 +253,12 @@ def fit_device(
     attn = [p for p in attention if p.gpu == gpu]
     if attn:
         values.update(fit_attention(attn))
-        for key in ("attn_kv_bytes_per_s", "attn_flops_per_s", "attn_exponent", "attn_floor_s"):
+        for key in ATTN_KEYS:
             sources[key] = f"fit: {VIDUR} {gpu} attention (Llama-70B shape, TP 2, decode + prefill)"
+        sources["attn_masked_share"] = (
+            f"fixed: {VIDUR} {gpu} attention's kernel (early FlashAttention) computes the whole "
+            "chunk square, masked tiles included (its prefill time follows it)"
+        )
     elif attention_from is not None:
         values.update(attention_from[0])
         sources.update({k: attention_from[1] for k in attention_from[0]})
@@ -291,14 +322,21 @@ def fit_vidur() -> dict[str, DeviceProfile]:
     # No H100 attention data in the bundle: A100's fit carried over, KV rate by the HBM
     # ratio and FLOP/s by the ratio of the two GPUs' fitted GEMM FLOP/s.
     carried = derive_device(a100, "h100", "a100", compute_ratio=compute)
-    attn_keys = ("attn_kv_bytes_per_s", "attn_flops_per_s", "attn_exponent", "attn_floor_s")
     why = (
         f"A100 attention fit carried to H100 (KV bytes/s x HBM ratio "
         f"{HBM_BYTES_PER_S['h100'] / HBM_BYTES_PER_S['a100']:.3f}, FLOP/s x GEMM ratio {compute:.3f})"
     )
-    h100 = fit_device(
-        "h100", ops, [], all_reduce, attention_from=({k: getattr(carried, k) for k in attn_keys}, why)
-    )
+    # The served kernel is not the profiled one: FlashAttention-2 and later skip the tiles
+    # causal masking removes, so the H100 (and the H200 derived from it) pays the causal
+    # pairs only, at the rate per computed pair fitted above.
+    carried_attn = {**{k: getattr(carried, k) for k in ATTN_KEYS}, "attn_masked_share": 0.0}
+    h100 = fit_device("h100", ops, [], all_reduce, attention_from=(carried_attn, why))
+    data = h100.to_dict()
+    data["sources"] = {
+        **h100.sources,
+        "attn_masked_share": "assumption: FlashAttention-2+ skips fully masked tiles (not in Vidur's data)",
+    }
+    h100 = DeviceProfile.from_dict(data, where="h100")
     h200 = derive_device(h100, "h200", "h100")
     return {"a100": a100, "h100": h100, "h200": h200}
 
@@ -365,25 +403,21 @@ def fit_measurements(data: dict, base: DeviceProfile, name: str | None = None) -
         )
         for p in data["attention"]
     ]
-    kv, attn_flops, measured = attention_features(attn)
+    # SDPA with an explicit causal mask (gpu.py) computes every pair: masked share 1
+    kv, attn_flops, rows, measured = attention_features(attn, masked_share=1.0)
     kv = kv * b / 2  # attention_features counts 2-byte KV
     x0 = [
         math.log(float(kv.max() / measured.max())),
         math.log(float(attn_flops.max() / measured.max())),
         1.0,
         math.log(float(measured.min()) / 2),
+        math.log(float(measured.min()) / 100),
     ]
-    q = levenberg_marquardt(lambda p: np.log(attention_predict(p, kv, attn_flops) / measured), x0)
-    values.update(
-        {
-            "attn_kv_bytes_per_s": float(np.exp(q[0])),
-            "attn_flops_per_s": float(np.exp(q[1])),
-            "attn_exponent": _exponent(q[2]),
-            "attn_floor_s": float(np.exp(q[3])),
-        }
-    )
-    for key in ("attn_kv_bytes_per_s", "attn_flops_per_s", "attn_exponent", "attn_floor_s"):
+    q = levenberg_marquardt(lambda p: np.log(attention_predict(p, kv, attn_flops, rows) / measured), x0)
+    values.update({**_attention_params(q), "attn_masked_share": 1.0})
+    for key in ATTN_KEYS:
         sources[key] = f"fit: {where}, SDPA decode + prefill"
+    sources["attn_masked_share"] = f"fixed: {where}: SDPA with an explicit mask computes every pair"
     copies = data["copies"]
     sizes = np.array([c["bytes"] for c in copies] * 2, dtype=float)
     one_way = np.array([c["d2h_s"] for c in copies] + [c["h2d_s"] for c in copies])

@@ -68,6 +68,17 @@ class AttnPoint(NamedTuple):
         return self.batch_size * self.kv_cache_size
 
     @property
+    def prefill_rows(self) -> int:
+        """New tokens beyond each sequence's first: a chunk's other rows (decode: none)."""
+        return self.prefill_chunk_size - 1 if self.is_prefill else 0
+
+    @property
+    def sum_masked_ctx(self) -> int:
+        """Key-query pairs inside the chunk that causal masking removes."""
+        c = self.prefill_chunk_size if self.is_prefill else 0
+        return c * (c - 1) // 2
+
+    @property
     def sum_kv_read(self) -> int:
         if self.is_prefill:
             return self.kv_cache_size + self.prefill_chunk_size

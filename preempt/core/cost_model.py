@@ -13,8 +13,10 @@ One step, per GPU (tensor parallelism shards heads and the MLP over `num_gpus`):
     linear(M, K, N)  = floor + smoothmax(2MKN / flops_per_s, 2(KN + MK + MN) / bytes_per_s; p)
     smoothmax(a, b; p) = (a^p + b^p)^(1/p)       (p -> inf is the sharp roofline max)
     elementwise op   = floor_op + bytes_op / bytes_per_s_op   (RMSNorm x2, RoPE, SiLU*mul, add)
-    attention        = floor + smoothmax(KV bytes read / kv_bytes_per_s,
-                                         4 * q_heads * head_dim * sum_attn_ctx / flops_per_s; p)
+    attention        = floor + per_prefill_row_s * (num_tokens - num_seqs)
+                       + smoothmax(KV bytes read / kv_bytes_per_s,
+                                   4 * q_heads * head_dim * (sum_attn_ctx + masked_share * sum_masked_ctx)
+                                   / flops_per_s; p)
     all_reduce(n)    = latency(tp) + n / bytes_per_s(tp), twice a layer (after O and down)
 The LM head runs only for sampled positions (one per scheduled sequence), as engines do.
 Copies to and from the host share one duplex link: `one_way` bytes/s when one direction
@@ -114,6 +116,13 @@ class DeviceProfile:
     attn_flops_per_s: float  # prefill: attention FLOP/s
     attn_exponent: float
     attn_floor_s: float  # per layer, per step (the ~15-20 us a tiny attention call costs)
+    # Per new token beyond each sequence's first (a prefill chunk's rows; a decode has
+    # none): the chunk's query rows cost in proportion to their number, apart from the
+    # key-query pairs (loading Q, the softmax normalisation, writing O).
+    attn_per_prefill_row_s: float
+    # Share of the causally masked key-query pairs inside a chunk that the kernel still
+    # computes (1: no masked-tile skipping, the profiled kernel; 0: all skipped).
+    attn_masked_share: float
     all_reduce: dict[int, tuple[float, float]]  # num GPUs -> (latency_s, bytes_per_s)
     cpu_step_overhead_s: float  # scheduler + input prep + sampling on the host, per step
     copy_one_way_bytes_per_s: float  # pinned device<->host, one direction busy
@@ -161,9 +170,13 @@ class DeviceProfile:
                     "copy_latency_s",
                     "linear_floor_s",
                     "attn_floor_s",
+                    "attn_per_prefill_row_s",
+                    "attn_masked_share",
                     "cpu_step_overhead_s",
                 )
                 values[f.name] = _number(raw, key, allow_zero=zero_ok)
+                if f.name == "attn_masked_share" and values[f.name] > 1:
+                    raise ProfileError(f"{key}: a share, expected 0..1, got {raw!r}")
         sources = data.get("sources", {})
         if not isinstance(sources, dict):
             raise ProfileError(f"{where}.sources: expected an object field -> source")
@@ -384,6 +397,9 @@ class StepShape(NamedTuple):
     # Sequences in the step = positions whose logits are computed. None: unknown, every
     # token is charged (an upper bound; the engine always says).
     num_seqs: int | None = None
+    # Key-query pairs causal masking removes inside the chunks (n(n-1)/2 for a chunk of n
+    # new tokens), charged at the device's attn_masked_share; 0 when the caller does not say.
+    sum_masked_ctx: int = 0
 
 
 def smooth_max(a: float, b: float, p: float) -> float:
@@ -452,12 +468,21 @@ class CostModel:
         per_token = self._elementwise_bytes[op] if op != "emb" else 2 * self._allreduce_bytes_per_token
         return floor + num_tokens * per_token / rate
 
-    def attention_s(self, sum_attn_ctx: int, sum_kv_read: int) -> float:
-        """One layer's attention on one GPU (decode reads KV; prefill is FLOP-bound)."""
+    def attention_s(
+        self, sum_attn_ctx: int, sum_kv_read: int, prefill_rows: int = 0, sum_masked_ctx: int = 0
+    ) -> float:
+        """One layer's attention on one GPU (decode reads KV; prefill is FLOP-bound):
+        `prefill_rows` new tokens beyond each sequence's first, `sum_masked_ctx` causally
+        masked pairs inside chunks."""
         d = self._dev
         kv_s = sum_kv_read * self._kv_bytes_per_ctx / d.attn_kv_bytes_per_s
-        flops_s = sum_attn_ctx * self._attn_flops_per_ctx / d.attn_flops_per_s
-        return d.attn_floor_s + smooth_max(kv_s, flops_s, d.attn_exponent)
+        pairs = sum_attn_ctx + d.attn_masked_share * sum_masked_ctx
+        flops_s = pairs * self._attn_flops_per_ctx / d.attn_flops_per_s
+        return (
+            d.attn_floor_s
+            + d.attn_per_prefill_row_s * prefill_rows
+            + smooth_max(kv_s, flops_s, d.attn_exponent)
+        )
 
     def all_reduce_s(self, num_bytes: float) -> float:
         if self._tp == 1:
@@ -476,7 +501,10 @@ class CostModel:
         linear = num_layers * sum(self.layer_linear_s(t).values())
         elementwise = num_layers * sum(self.elementwise_s(op, t) for op in ELEMENTWISE_OPS)
         elementwise += self.elementwise_s("emb", t)
-        attention = num_layers * self.attention_s(shape.sum_attn_ctx, shape.sum_kv_read)
+        # prefill rows: new tokens beyond each sequence's first (none if num_seqs is unknown)
+        attention = num_layers * self.attention_s(
+            shape.sum_attn_ctx, shape.sum_kv_read, t - seqs, shape.sum_masked_ctx
+        )
         all_reduce = num_layers * 2 * self.all_reduce_s(t * self._allreduce_bytes_per_token)
         lm_head = self.linear_s(seqs, m.hidden_size, m.vocab_size // self._tp) if seqs else 0.0
         return OpTimes(linear, elementwise, attention, all_reduce, lm_head, self._dev.cpu_step_overhead_s)

@@ -24,6 +24,7 @@ def _known_device():
         linear_flops_per_s=6.0e14, linear_bytes_per_s=2.7e12, linear_exponent=3.0, linear_floor_s=4e-6
     )
     data.update(attn_kv_bytes_per_s=2.0e12, attn_flops_per_s=2.5e14, attn_exponent=2.5, attn_floor_s=1.8e-5)
+    data.update(attn_per_prefill_row_s=5e-8, attn_masked_share=1.0)
     return type(load_device("h100")).from_dict(data)
 
 
@@ -49,9 +50,14 @@ def test_fit_recovers_known_constants_from_synthetic_data():
         for c in (4, 8, 16, 32, 64, 512, 4096)
         for kv in (0, 1024, 4032)
     ]
-    attn = [p._replace(measured_s=cost.attention_s(p.sum_attn_ctx, p.sum_kv_read)) for p in attn]
+    attn = [
+        p._replace(
+            measured_s=cost.attention_s(p.sum_attn_ctx, p.sum_kv_read, p.prefill_rows, p.sum_masked_ctx)
+        )
+        for p in attn
+    ]
     got = fit.fit_attention(attn)
-    for key in ("attn_kv_bytes_per_s", "attn_flops_per_s", "attn_exponent", "attn_floor_s"):
+    for key in fit.ATTN_KEYS:
         assert got[key] == pytest.approx(getattr(device, key), rel=0.02), key
 
     sizes = np.geomspace(1e3, 6e7, 20).astype(int)
@@ -82,6 +88,17 @@ def test_a_profile_missing_a_field_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match="attn_floor_s"):
         load_config(None, [f"clock.target={path}"])
     data["device"]["attn_floor_s"] = 1e-5
+    for new_field in ("attn_per_prefill_row_s", "attn_masked_share"):  # profiles older than these terms
+        value = data["device"].pop(new_field)
+        path.write_text(json.dumps(data))
+        with pytest.raises(ProfileError, match=f"missing field '{new_field}'"):
+            load_target(path)
+        data["device"][new_field] = value
+    data["device"]["attn_masked_share"] = 1.5
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="attn_masked_share: a share"):
+        load_target(path)
+    data["device"]["attn_masked_share"] = 1.0
     data["device"]["elementwise"]["add"] = [1e-6]
     path.write_text(json.dumps(data))
     with pytest.raises(ProfileError, match="elementwise.add"):

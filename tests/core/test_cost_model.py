@@ -1,7 +1,15 @@
 import pytest
 
 from preempt.core.clock import VirtualClock, WallClock
-from preempt.core.cost_model import TARGETS, CostModel, StepShape, get_target, smooth_max
+from preempt.core.cost_model import (
+    TARGETS,
+    CostModel,
+    DeviceProfile,
+    StepShape,
+    TargetProfile,
+    get_target,
+    smooth_max,
+)
 
 
 def test_llama3_8b_kv_bytes_and_capacity():
@@ -94,3 +102,27 @@ def test_wall_clock_is_real_time():
     start = clock.now()
     clock.wait_until(start + 0.01)
     assert clock.now() >= start + 0.01
+
+
+def test_attention_charges_query_rows_and_the_kernels_share_of_masked_pairs():
+    base = get_target("h200-llama3-8b")
+    chunk = 2048
+    masked = chunk * (chunk - 1) // 2
+    shape = StepShape(chunk, chunk * (chunk + 1) // 2, chunk, 1, sum_masked_ctx=masked)
+
+    def attention(step=shape, **changes):
+        device = DeviceProfile.from_dict({**base.device.to_dict(), **changes})
+        return CostModel(TargetProfile("t", base.model, 1, device)).op_times(step).attention
+
+    # a kernel that skips masked tiles pays the causal pairs only, as if none were masked
+    assert attention(attn_masked_share=0.0) == attention(shape._replace(sum_masked_ctx=0))
+    # one that computes them pays for the whole square: as many pairs as chunk x chunk causal ones
+    full_square = shape._replace(sum_attn_ctx=chunk * chunk, sum_masked_ctx=0)
+    assert attention(attn_masked_share=1.0) == pytest.approx(attention(full_square, attn_masked_share=0.0))
+    assert attention(attn_masked_share=1.0) > attention(attn_masked_share=0.0)
+    # the per-row term: each of the chunk's rows but its first, every layer; a decode has none
+    more = base.device.attn_per_prefill_row_s + 1e-7
+    extra = attention(attn_per_prefill_row_s=more) - attention()
+    assert extra == pytest.approx(base.model.num_layers * (chunk - 1) * 1e-7, rel=1e-6)
+    decode = StepShape(8, 8 * 1000, 8 * 1000, 8)
+    assert attention(decode, attn_per_prefill_row_s=more) == attention(decode)
