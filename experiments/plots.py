@@ -6,7 +6,8 @@ saved per mode, and early-save precision/recall when the engine reports them. Wi
 grid, one set per grid point (file names end with the point).
 
 With seeds (a sweep), also the plots users expect of one: goodput, p99 TTFT and p99 TPOT
-per SLA class against each numeric grid axis (the load, `workload.rate_scale`, first), one
+per SLA class against each grid axis (the load, `workload.rate_scale`, first; a non-numeric
+one such as an SLA mix in the grid's order), one
 line per arm with its 95% band over seeds (`plot_sweep`, from summary.csv's rows).
 
 Must never: compute a metric the table does not have (the bar charts plot the results
@@ -202,26 +203,41 @@ def _numeric(values: list[Any]) -> bool:
 
 
 def sweep_lines(
-    points: list[dict[str, Any]], axis: str, metrics: list[tuple[str, str]], path: Path, title: str
+    points: list[dict[str, Any]],
+    axis: str,
+    metrics: list[tuple[str, str]],
+    path: Path,
+    title: str,
+    categories: list[str] | None = None,
 ) -> Path:
-    """One panel per metric: mean against `axis`, one line per arm, 95% band over seeds."""
+    """One panel per metric: mean against `axis`, one line per arm, 95% band over seeds.
+    `categories`: a non-numeric axis (an SLA mix), placed evenly in this order."""
     plt = _pyplot()
+
+    def position(value: Any) -> float:
+        return float(categories.index(str(value))) if categories is not None else float(value)
+
     arms = list(dict.fromkeys(p["arm"] for p in points))
     fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
     for ax, (metric, label) in zip(axes[0], metrics, strict=True):
         for arm, style in zip(arms, _styles(len(arms)), strict=True):
-            rows = sorted((p for p in points if p["arm"] == arm and metric in p), key=lambda p: p[axis])
+            rows = sorted(
+                (p for p in points if p["arm"] == arm and metric in p), key=lambda p: position(p[axis])
+            )
             if not rows:
                 continue
-            x = np.array([float(r[axis]) for r in rows])
+            x = np.array([position(r[axis]) for r in rows])
             y = np.array([float(r[metric]) for r in rows])
             lo = np.array([float(r.get(f"{metric}_lo", math.nan)) for r in rows])
             hi = np.array([float(r.get(f"{metric}_hi", math.nan)) for r in rows])
             ax.plot(x, y, marker="o", markersize=3, label=arm, **style)
             ax.fill_between(x, lo, hi, color=style["color"], alpha=0.15, linewidth=0)
-        xs = [float(p[axis]) for p in points if axis in p]
-        if xs and min(xs) > 0 and max(xs) / min(xs) >= 8:  # load from 0.25x to 4x: even steps
-            ax.set_xscale("log", base=2)
+        if categories is not None:
+            ax.set_xticks(range(len(categories)), categories, fontsize=8)
+        else:
+            xs = [float(p[axis]) for p in points if axis in p]
+            if xs and min(xs) > 0 and max(xs) / min(xs) >= 8:  # load from 0.25x to 4x: even steps
+                ax.set_xscale("log", base=2)
         ax.set_xlabel(axis)
         ax.set_title(label, fontsize=9)
         ax.grid(alpha=0.3)
@@ -231,11 +247,12 @@ def sweep_lines(
 
 
 def plot_sweep(points: list[dict[str, Any]], grid: dict[str, list[Any]], plots_dir: Path) -> list[Path]:
-    """Per numeric grid axis (others held at each of their values): goodput and p99
-    TTFT / TPOT per SLA class against the axis, one line per arm, 95% bands."""
+    """Per grid axis (others held at each of their values): goodput and p99 TTFT / TPOT
+    per SLA class against the axis, one line per arm, 95% bands. A non-numeric axis (an
+    SLA mix) is placed in the grid's order."""
     written: list[Path] = []
     columns = {key: key.rsplit(".", 1)[-1] for key in grid}
-    axes = [key for key, values in grid.items() if len(values) > 1 and _numeric(values)]
+    axes = [key for key, values in grid.items() if len(values) > 1]
     axes.sort(key=lambda key: key != "workload.rate_scale")  # load first
     names = {k for p in points for k in p}
     levels = sorted(
@@ -244,6 +261,7 @@ def plot_sweep(points: list[dict[str, Any]], grid: dict[str, list[Any]], plots_d
     )
     for axis in axes:
         x = columns[axis]
+        categories = None if _numeric(grid[axis]) else [str(v) for v in grid[axis]]
         others = [columns[k] for k in grid if k != axis]
         slices: dict[tuple, list[dict[str, Any]]] = {}
         for p in points:
@@ -259,6 +277,7 @@ def plot_sweep(points: list[dict[str, Any]], grid: dict[str, list[Any]], plots_d
                     sweep_lines(
                         rows, x, metrics, plots_dir / f"sweep_{kind}_vs_{x}{suffix}.png",
                         f"{label} vs {x} (mean and 95% interval over seeds){suffix.replace('-', ' ')}",
+                        categories,
                     )  # fmt: skip
                 )
     return written

@@ -647,7 +647,10 @@ class Source:
 
 
 def _copy_plots(source: Source, images_dir: Path, link_base: Path) -> list[tuple[str, str]]:
-    plots = sorted((source.path / "plots").glob("*.png"))
+    # A sweep's per-point plots (CDFs, bars: ~25 a point) stay in its run directory; the
+    # report shows the lines against each axis, with bands.
+    pattern = "sweep_*.png" if source.info.get("grid") else "*.png"
+    plots = sorted((source.path / "plots").glob(pattern))
     target = images_dir / source.label
     if target.exists():
         shutil.rmtree(target)  # stale plots of an earlier report must not linger
