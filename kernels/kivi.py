@@ -676,16 +676,16 @@ def quantize_kivi(
 # ---- the batched CPU path: every KIVI head of a request at once ---------------------------
 
 _BATCH_ELEMS = 1 << 18  # float32 elements per batched chunk (all heads): 1 MB, half of L2
-_SCRATCH_MAX_BYTES = 1 << 23  # temporaries up to 8 MB are kept per thread between calls
+_SCRATCH_MAX_BYTES = 1 << 22  # temporaries up to 4 MB are kept per thread between calls
 _SCRATCH = threading.local()
 
 
 def _scratch(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised tensor for a temporary, its memory kept for this thread's next call.
-    Why: a fresh megabyte-sized CPU temporary costs its page faults (~1800 per 2048-token
-    request when every temporary was fresh, about as long as the quantization itself);
-    a buffer used again does not. Larger ones (long requests) are allocated each time, so
-    an idle thread holds at most a few of these."""
+    Why: a fresh megabyte-sized CPU temporary pays a page fault per 4 kB on every call (a
+    2048-token request's temporaries all did); a buffer used again does not. Larger ones
+    (long requests, big models) are allocated each time, so a thread holds at most its
+    ten slots of up to `_SCRATCH_MAX_BYTES` each."""
     nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes == 0 or nbytes > _SCRATCH_MAX_BYTES:
         return torch.empty(shape, dtype=dtype, device=device)
