@@ -149,23 +149,23 @@ ATTN_KEYS = (
     "attn_flops_per_s",
     "attn_exponent",
     "attn_floor_s",
-    "attn_per_prefill_row_s",
+    "attn_per_row_head_s",
 )
 
 
 def attention_features(
     points: Sequence[AttnPoint], masked_share: float = PROFILED_MASKED_SHARE
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(KV bytes read, FLOPs computed, prefill rows, measured_s) per layer on one GPU."""
+    """(KV bytes read, FLOPs computed, prefill rows x query heads, measured_s) per layer on one GPU."""
     kv = np.array([p.sum_kv_read * 4.0 * p.num_kv_heads / p.tp * p.head_dim for p in points])
     pairs = np.array([p.sum_attn_ctx + masked_share * p.sum_masked_ctx for p in points])
     flops = pairs * np.array([4.0 * p.num_q_heads / p.tp * p.head_dim for p in points])
-    rows = np.array([float(p.prefill_rows) for p in points])
+    rows = np.array([float(p.prefill_rows * p.num_q_heads // p.tp) for p in points])
     return kv, flops, rows, np.array([p.measured_s for p in points])
 
 
 def attention_predict(params: np.ndarray, kv: np.ndarray, flops: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """params: log(kv bytes/s), log(flops/s), log(p - 1), log(floor_s), log(per_prefill_row_s)."""
+    """params: log(kv bytes/s), log(flops/s), log(p - 1), log(floor_s), log(per_row_head_s)."""
     b, f, p, floor = np.exp(params[0]), np.exp(params[1]), _exponent(params[2]), np.exp(params[3])
     return floor + np.exp(params[4]) * rows + _smooth_max(kv / b, flops / f, p)
 
@@ -176,7 +176,7 @@ def _attention_params(x: np.ndarray) -> dict[str, float]:
         "attn_flops_per_s": float(np.exp(x[1])),
         "attn_exponent": _exponent(x[2]),
         "attn_floor_s": float(np.exp(x[3])),
-        "attn_per_prefill_row_s": float(np.exp(x[4])),
+        "attn_per_row_head_s": float(np.exp(x[4])),
     }
 
 
@@ -185,8 +185,19 @@ def fit_attention(
 ) -> dict[str, float]:
     """The attention constants; `masked_share` is the kernel's (not fitted, see above)."""
     kv, flops, rows, measured = attention_features(points, masked_share)
-    x0 = [math.log(1.5e12), math.log(1.5e14), math.log(2.0), math.log(1.5e-5), math.log(3e-8)]
-    x = levenberg_marquardt(lambda q: np.log(attention_predict(q, kv, flops, rows) / measured), x0)
+
+    def residuals(q: np.ndarray) -> np.ndarray:
+        return np.log(attention_predict(q, kv, flops, rows) / measured)
+
+    # Two starts, a soft and a sharp knee (p = 3, p = 33): five coupled constants have
+    # more than one local minimum; the lower cost wins (deterministic).
+    fits = [
+        levenberg_marquardt(
+            residuals, [math.log(1.5e12), math.log(1.5e14), q, math.log(1.5e-5), math.log(2e-9)]
+        )
+        for q in (math.log(2.0), 10.0)
+    ]
+    x = min(fits, key=lambda x: float(residuals(x) @ residuals(x)))
     return {**_attention_params(x), "attn_masked_share": masked_share}
 
 
@@ -296,10 +307,13 @@ def derive_device(base: DeviceProfile, name: str, base_gpu: str, compute_ratio: 
         sources[key] = f"derived: {why}; was {base.sources.get(key, '')}"
     data["elementwise"] = {op: [f, r * bw] for op, (f, r) in base.elementwise.items()}
     sources["elementwise"] = f"derived: rates {why}; was {base.sources.get('elementwise', '')}"
-    for key in ("linear_flops_per_s", "attn_flops_per_s"):
-        data[key] *= compute_ratio
+    # FLOP/s scale with compute; the per-row attention time is compute work, so it shrinks
+    data["linear_flops_per_s"] *= compute_ratio
+    data["attn_flops_per_s"] *= compute_ratio
+    data["attn_per_row_head_s"] /= compute_ratio
+    for key, op in (("linear_flops_per_s", "x"), ("attn_flops_per_s", "x"), ("attn_per_row_head_s", "/")):
         if compute_ratio != 1.0:
-            sources[key] = f"derived: {base.name} x {compute_ratio:.3f} (ratio of fitted GEMM FLOP/s)"
+            sources[key] = f"derived: {base.name} {op} {compute_ratio:.3f} (ratio of fitted GEMM FLOP/s)"
         else:
             sources[key] = f"kept: same compute die as {base.name}; was {base.sources.get(key, '')}"
     data["name"] = name
@@ -324,7 +338,8 @@ def fit_vidur() -> dict[str, DeviceProfile]:
     carried = derive_device(a100, "h100", "a100", compute_ratio=compute)
     why = (
         f"A100 attention fit carried to H100 (KV bytes/s x HBM ratio "
-        f"{HBM_BYTES_PER_S['h100'] / HBM_BYTES_PER_S['a100']:.3f}, FLOP/s x GEMM ratio {compute:.3f})"
+        f"{HBM_BYTES_PER_S['h100'] / HBM_BYTES_PER_S['a100']:.3f}, FLOP/s x and per-row time / "
+        f"GEMM ratio {compute:.3f})"
     )
     # The served kernel is not the profiled one: FlashAttention-2 and later skip the tiles
     # causal masking removes, so the H100 (and the H200 derived from it) pays the causal
@@ -411,7 +426,7 @@ def fit_measurements(data: dict, base: DeviceProfile, name: str | None = None) -
         math.log(float(attn_flops.max() / measured.max())),
         1.0,
         math.log(float(measured.min()) / 2),
-        math.log(float(measured.min()) / 100),
+        math.log(float(measured.min()) / 1e4),  # per row and head: ~1e-4 of a call
     ]
     q = levenberg_marquardt(lambda p: np.log(attention_predict(p, kv, attn_flops, rows) / measured), x0)
     values.update({**_attention_params(q), "attn_masked_share": 1.0})

@@ -13,7 +13,7 @@ One step, per GPU (tensor parallelism shards heads and the MLP over `num_gpus`):
     linear(M, K, N)  = floor + smoothmax(2MKN / flops_per_s, 2(KN + MK + MN) / bytes_per_s; p)
     smoothmax(a, b; p) = (a^p + b^p)^(1/p)       (p -> inf is the sharp roofline max)
     elementwise op   = floor_op + bytes_op / bytes_per_s_op   (RMSNorm x2, RoPE, SiLU*mul, add)
-    attention        = floor + per_prefill_row_s * (num_tokens - num_seqs)
+    attention        = floor + per_row_head_s * q_heads * (num_tokens - num_seqs)
                        + smoothmax(KV bytes read / kv_bytes_per_s,
                                    4 * q_heads * head_dim * (sum_attn_ctx + masked_share * sum_masked_ctx)
                                    / flops_per_s; p)
@@ -116,10 +116,10 @@ class DeviceProfile:
     attn_flops_per_s: float  # prefill: attention FLOP/s
     attn_exponent: float
     attn_floor_s: float  # per layer, per step (the ~15-20 us a tiny attention call costs)
-    # Per new token beyond each sequence's first (a prefill chunk's rows; a decode has
-    # none): the chunk's query rows cost in proportion to their number, apart from the
-    # key-query pairs (loading Q, the softmax normalisation, writing O).
-    attn_per_prefill_row_s: float
+    # Per query head on the GPU and new token beyond each sequence's first (a prefill
+    # chunk's rows; a decode has none): the rows' own work apart from the key-query pairs
+    # (Q in, the softmax normalisation, O out; and small chunks fill fewer SMs).
+    attn_per_row_head_s: float
     # Share of the causally masked key-query pairs inside a chunk that the kernel still
     # computes (1: no masked-tile skipping, the profiled kernel; 0: all skipped).
     attn_masked_share: float
@@ -170,7 +170,7 @@ class DeviceProfile:
                     "copy_latency_s",
                     "linear_floor_s",
                     "attn_floor_s",
-                    "attn_per_prefill_row_s",
+                    "attn_per_row_head_s",
                     "attn_masked_share",
                     "cpu_step_overhead_s",
                 )
@@ -450,7 +450,8 @@ class CostModel:
             "mlp_act": (mlp_out + m.intermediate_size) // tp * b if m.is_gated_mlp else 2 * mlp_out // tp * b,
             "add": 3 * h * b,
         }
-        self._attn_flops_per_ctx = 4 * m.num_q_heads // tp * m.head_dim
+        self._q_heads = m.num_q_heads // tp
+        self._attn_flops_per_ctx = 4 * self._q_heads * m.head_dim
         self._kv_bytes_per_ctx = m.kv_bytes_per_token // m.num_layers // tp
         self._allreduce_bytes_per_token = h * b
         if tp > 1 and tp not in dev.all_reduce:
@@ -480,7 +481,7 @@ class CostModel:
         flops_s = pairs * self._attn_flops_per_ctx / d.attn_flops_per_s
         return (
             d.attn_floor_s
-            + d.attn_per_prefill_row_s * prefill_rows
+            + d.attn_per_row_head_s * self._q_heads * prefill_rows
             + smooth_max(kv_s, flops_s, d.attn_exponent)
         )
 

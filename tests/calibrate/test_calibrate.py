@@ -24,7 +24,7 @@ def _known_device():
         linear_flops_per_s=6.0e14, linear_bytes_per_s=2.7e12, linear_exponent=3.0, linear_floor_s=4e-6
     )
     data.update(attn_kv_bytes_per_s=2.0e12, attn_flops_per_s=2.5e14, attn_exponent=2.5, attn_floor_s=1.8e-5)
-    data.update(attn_per_prefill_row_s=5e-8, attn_masked_share=1.0)
+    data.update(attn_per_row_head_s=2e-9, attn_masked_share=1.0)
     return type(load_device("h100")).from_dict(data)
 
 
@@ -88,7 +88,7 @@ def test_a_profile_missing_a_field_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match="attn_floor_s"):
         load_config(None, [f"clock.target={path}"])
     data["device"]["attn_floor_s"] = 1e-5
-    for new_field in ("attn_per_prefill_row_s", "attn_masked_share"):  # profiles older than these terms
+    for new_field in ("attn_per_row_head_s", "attn_masked_share"):  # profiles older than these terms
         value = data["device"].pop(new_field)
         path.write_text(json.dumps(data))
         with pytest.raises(ProfileError, match=f"missing field '{new_field}'"):

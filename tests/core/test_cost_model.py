@@ -120,9 +120,12 @@ def test_attention_charges_query_rows_and_the_kernels_share_of_masked_pairs():
     full_square = shape._replace(sum_attn_ctx=chunk * chunk, sum_masked_ctx=0)
     assert attention(attn_masked_share=1.0) == pytest.approx(attention(full_square, attn_masked_share=0.0))
     assert attention(attn_masked_share=1.0) > attention(attn_masked_share=0.0)
-    # the per-row term: each of the chunk's rows but its first, every layer; a decode has none
-    more = base.device.attn_per_prefill_row_s + 1e-7
-    extra = attention(attn_per_prefill_row_s=more) - attention()
-    assert extra == pytest.approx(base.model.num_layers * (chunk - 1) * 1e-7, rel=1e-6)
+    # the per-row term: each of the chunk's rows but its first, each query head, every layer;
+    # a decode has none
+    more = base.device.attn_per_row_head_s + 1e-7
+    extra = attention(attn_per_row_head_s=more) - attention()
+    assert extra == pytest.approx(
+        base.model.num_layers * base.model.num_q_heads * (chunk - 1) * 1e-7, rel=1e-6
+    )
     decode = StepShape(8, 8 * 1000, 8 * 1000, 8)
-    assert attention(decode, attn_per_prefill_row_s=more) == attention(decode)
+    assert attention(decode, attn_per_row_head_s=more) == attention(decode)
