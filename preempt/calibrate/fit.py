@@ -121,23 +121,55 @@ def fit_linear(points: Sequence[OpPoint]) -> dict[str, float]:
     }
 
 
-def elementwise_bytes(points: Sequence[OpPoint]) -> np.ndarray:
-    out = []
+def elementwise_bytes(points: Sequence[OpPoint]) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes moved, one token's bytes) of each elementwise point, per GPU shard."""
+    total, row = [], []
     for p in points:
         cost = _cost(p.model, p.tp)
         per_token = cost._elementwise_bytes[p.op] if p.op != "emb" else 2 * cost._allreduce_bytes_per_token
-        out.append(float(per_token * p.num_tokens))
-    return np.array(out)
+        total.append(float(per_token * p.num_tokens))
+        row.append(float(per_token))
+    return np.array(total), np.array(row)
 
 
-def fit_elementwise(points: Sequence[OpPoint]) -> tuple[float, float]:
-    """(floor_s, bytes_per_s) of one elementwise op."""
-    nbytes = elementwise_bytes(points)
-    measured = np.array([p.measured_s for p in points])
-    x = levenberg_marquardt(
-        lambda q: np.log((np.exp(q[0]) + nbytes / np.exp(q[1])) / measured), [math.log(3e-6), math.log(1e12)]
-    )
-    return float(np.exp(x[0])), float(np.exp(x[1]))
+def elementwise_predict(params: np.ndarray, nbytes: np.ndarray, row: np.ndarray) -> np.ndarray:
+    """params: log(floor_s), log(bytes/s), log(row s/byte), log(p - 1)."""
+    lead = np.exp(params[0]) + row * np.exp(params[2])
+    return _smooth_max(lead, nbytes / np.exp(params[1]), _exponent(params[3]))
+
+
+def fit_elementwise_bytes(
+    nbytes: np.ndarray, row: np.ndarray, measured: np.ndarray
+) -> tuple[float, float, float, float]:
+    """(floor_s, bytes_per_s, row_s_per_byte, exponent) of one elementwise op. The row term
+    is fitted only where the row width varies (the TP shards of a wide row); with one width
+    it is the floor under another name, so 0."""
+    varies = float(row.max()) > float(row.min())
+
+    def residuals(q: np.ndarray) -> np.ndarray:
+        return np.log(
+            elementwise_predict(q if varies else np.r_[q[:2], -100.0, q[2:]], nbytes, row) / measured
+        )
+
+    # The knee has local minima: nine starts (floor x knee sharpness p = 2, 3.7, 21), the
+    # lowest cost wins (deterministic).
+    starts = [
+        [math.log(floor), math.log(1e12), *([math.log(1e-10)] if varies else []), q]
+        for floor in (float(measured.min()) / 2, float(measured.min()), 2e-6)
+        for q in (0.0, 1.0, 3.0)
+    ]
+    fits = [levenberg_marquardt(residuals, x0) for x0 in starts]
+    x = min(fits, key=lambda q: float(residuals(q) @ residuals(q)))
+    if not varies:
+        x = np.r_[x[:2], -100.0, x[2:]]
+    row_s = float(np.exp(x[2])) if varies else 0.0
+    return float(np.exp(x[0])), float(np.exp(x[1])), row_s, _exponent(x[3])
+
+
+def fit_elementwise(points: Sequence[OpPoint]) -> tuple[float, float, float, float]:
+    """(floor_s, bytes_per_s, row_s_per_byte, exponent) of one elementwise op."""
+    nbytes, row = elementwise_bytes(points)
+    return fit_elementwise_bytes(nbytes, row, np.array([p.measured_s for p in points]))
 
 
 # The profiled A100 kernel (an early FlashAttention) does not skip masked tiles: its
@@ -222,7 +254,7 @@ _SHAPE_ONLY = DeviceProfile(
     1,
     2,
     0,
-    {op: (0, 1) for op in (*ELEMENTWISE_OPS, "emb")},
+    {op: (0, 1, 0, 2) for op in (*ELEMENTWISE_OPS, "emb")},
     1,
     1,
     2,
@@ -305,7 +337,7 @@ def derive_device(base: DeviceProfile, name: str, base_gpu: str, compute_ratio: 
     for key in ("linear_bytes_per_s", "attn_kv_bytes_per_s"):
         data[key] *= bw
         sources[key] = f"derived: {why}; was {base.sources.get(key, '')}"
-    data["elementwise"] = {op: [f, r * bw] for op, (f, r) in base.elementwise.items()}
+    data["elementwise"] = {op: [f, r * bw, row / bw, p] for op, (f, r, row, p) in base.elementwise.items()}
     sources["elementwise"] = f"derived: rates {why}; was {base.sources.get('elementwise', '')}"
     # FLOP/s scale with compute; the per-row attention time is compute work, so it shrinks
     data["linear_flops_per_s"] *= compute_ratio
@@ -399,7 +431,8 @@ def fit_measurements(data: dict, base: DeviceProfile, name: str | None = None) -
     for op, bytes_per_token in per_token.items():
         pts = [(t, s) for o, t, s in data["elementwise"] if o == op]
         tokens, seconds = (np.array(col, dtype=float) for col in zip(*pts, strict=True))
-        elementwise[op] = _fit_latency_rate(tokens * bytes_per_token, seconds)
+        row = np.full_like(tokens, float(bytes_per_token))  # one model, one width: no row term
+        elementwise[op] = fit_elementwise_bytes(tokens * bytes_per_token, row, seconds)
     elementwise["post_attention_layernorm"] = elementwise["input_layernorm"]  # the same kernel
     values["elementwise"] = elementwise
     sources["elementwise"] = f"fit per op: {where} (emb kept from {base.name})"

@@ -12,7 +12,8 @@ One step, per GPU (tensor parallelism shards heads and the MLP over `num_gpus`):
              + lm_head(num_seqs)
     linear(M, K, N)  = floor + smoothmax(2MKN / flops_per_s, 2(KN + MK + MN) / bytes_per_s; p)
     smoothmax(a, b; p) = (a^p + b^p)^(1/p)       (p -> inf is the sharp roofline max)
-    elementwise op   = floor_op + bytes_op / bytes_per_s_op   (RMSNorm x2, RoPE, SiLU*mul, add)
+    elementwise op   = smoothmax(floor + row_bytes * row_s_per_byte, bytes / bytes_per_s; p)
+                       (RMSNorm x2, RoPE, SiLU*mul, add; per op; row_bytes: one token's)
     attention        = floor + per_row_head_s * q_heads * (num_tokens - num_seqs)
                        + smoothmax(KV bytes read / kv_bytes_per_s,
                                    4 * q_heads * head_dim * (sum_attn_ctx + masked_share * sum_masked_ctx)
@@ -111,7 +112,10 @@ class DeviceProfile:
     linear_bytes_per_s: float  # GEMM weight-streaming rate at small token counts
     linear_exponent: float  # smooth-max exponent p (sharp roofline: p -> inf)
     linear_floor_s: float  # per-GEMM fixed cost (launch, tail of the last wave)
-    elementwise: dict[str, tuple[float, float]]  # op -> (floor_s, bytes_per_s)
+    # op -> (floor_s, bytes_per_s, row_s_per_byte, exponent): a small launch is flat at its
+    # floor, plus the time one block takes through one token's row (the kernels give each
+    # token a block: wide rows cost before the GPU fills), until streaming dominates
+    elementwise: dict[str, tuple[float, float, float, float]]
     attn_kv_bytes_per_s: float  # decode: KV bytes read per second
     attn_flops_per_s: float  # prefill: attention FLOP/s
     attn_exponent: float
@@ -156,8 +160,7 @@ class DeviceProfile:
                 values[f.name] = raw
             elif f.name == "elementwise":
                 values[f.name] = {
-                    op: _pair(_get(raw, op, key), f"{key}.{op}", allow_zero_floor=True)
-                    for op in ELEMENTWISE_OPS + ("emb",)
+                    op: _elementwise(_get(raw, op, key), f"{key}.{op}") for op in ELEMENTWISE_OPS + ("emb",)
                 }
             elif f.name == "all_reduce":
                 if not isinstance(raw, dict) or not raw:
@@ -203,6 +206,19 @@ def _pair(raw: Any, key: str, allow_zero_floor: bool) -> tuple[float, float]:
     if not isinstance(raw, list | tuple) or len(raw) != 2:
         raise ProfileError(f"{key}: expected [floor_s, bytes_per_s]")
     return _number(raw[0], key, allow_zero=allow_zero_floor), _number(raw[1], key)
+
+
+def _elementwise(raw: Any, key: str) -> tuple[float, float, float, float]:
+    if not isinstance(raw, list | tuple) or len(raw) != 4:
+        raise ProfileError(
+            f"{key}: expected [floor_s, bytes_per_s, row_s_per_byte, exponent] "
+            f"(a profile from before the row term has two numbers: refit it), got {raw!r}"
+        )
+    floor, rate, row = _number(raw[0], key, True), _number(raw[1], key), _number(raw[2], key, True)
+    exponent = _number(raw[3], key)
+    if exponent < 1:
+        raise ProfileError(f"{key}: exponent must be >= 1, got {exponent!r}")
+    return floor, rate, row, exponent
 
 
 def _int_key(raw: Any, where: str) -> int:
@@ -465,9 +481,9 @@ class CostModel:
         return d.linear_floor_s + smooth_max(flops_s, bytes_s, d.linear_exponent)
 
     def elementwise_s(self, op: str, num_tokens: int) -> float:
-        floor, rate = self._dev.elementwise[op]
+        floor, rate, row_s_per_byte, exponent = self._dev.elementwise[op]
         per_token = self._elementwise_bytes[op] if op != "emb" else 2 * self._allreduce_bytes_per_token
-        return floor + num_tokens * per_token / rate
+        return smooth_max(floor + per_token * row_s_per_byte, num_tokens * per_token / rate, exponent)
 
     def attention_s(
         self, sum_attn_ctx: int, sum_kv_read: int, prefill_rows: int = 0, sum_masked_ctx: int = 0
@@ -534,5 +550,5 @@ class CostModel:
         """A memory-bound kernel that reads and writes `num_bytes` in all (e.g. the save
         path's gather + quantize: raw in, packed out), at the fitted elementwise rate of
         the residual add (the plainest streaming kernel measured), shard per GPU."""
-        floor, rate = self._dev.elementwise["add"]
+        floor, rate = self._dev.elementwise["add"][:2]
         return floor + num_bytes / (self._tp * rate)

@@ -60,6 +60,18 @@ def test_fit_recovers_known_constants_from_synthetic_data():
     for key in fit.ATTN_KEYS:
         assert got[key] == pytest.approx(getattr(device, key), rel=0.02), key
 
+    # elementwise: a wide row whose width the TP shards vary (SiLU*mul) recovers all four
+    # constants; a row of one width (RMSNorm) has no row term to find: 0
+    known = {"mlp_act": (2e-6, 1.5e12, 1e-10, 3.0), "input_layernorm": (3e-6, 1.2e12, 0.0, 4.0)}
+    device = type(device).from_dict({**device.to_dict(), "elementwise": {**device.elementwise, **known}})
+    for op, constants in known.items():
+        points = []
+        for tp in (1, 2, 4, 8):
+            cost = CostModel(TargetProfile("synthetic", MODELS["llama2-7b"], tp, device))
+            for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096):
+                points.append(vidur.OpPoint("x", "llama2-7b", tp, op, t, cost.elementwise_s(op, t)))
+        assert fit.fit_elementwise(points) == pytest.approx(constants, rel=0.02, abs=1e-14), op
+
     sizes = np.geomspace(1e3, 6e7, 20).astype(int)
     latency, rate = device.all_reduce[4]
     reduce = [vidur.AllReducePoint("x", 4, int(s), latency + 2 * s / rate) for s in sizes]
@@ -99,6 +111,12 @@ def test_a_profile_missing_a_field_is_refused_by_name(tmp_path):
     with pytest.raises(ProfileError, match="attn_masked_share: a share"):
         load_target(path)
     data["device"]["attn_masked_share"] = 1.0
+    data["device"]["elementwise"]["add"] = [1e-6, 1e12]  # before the row term: refit, says so
+    path.write_text(json.dumps(data))
+    with pytest.raises(
+        ProfileError, match=r"elementwise.add: expected \[floor_s, bytes_per_s, row_s_per_byte"
+    ):
+        load_target(path)
     data["device"]["elementwise"]["add"] = [1e-6]
     path.write_text(json.dumps(data))
     with pytest.raises(ProfileError, match="elementwise.add"):
