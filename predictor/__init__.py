@@ -4,7 +4,8 @@ engine's feature logs (`preempt collect`, preempt.obs.dataset).
 Modules: `data` (the features dataset as request histories, split by request), `model`
 (the design's LSTM -> Linear -> sigmoid as a LightningModule), `train` (`preempt train`),
 `evaluate` (`preempt eval-predictor`), `metrics` (AUROC, AUPRC, F1 in numpy),
-`baselines` (rule, logistic regression, oracle). The engine's side (one batched LSTM
+`baselines` (rule, logistic regression, oracle), `diagnose` (positive rows logged before
+their preemption's challenger arrived: what any predictor can know). The engine's side (one batched LSTM
 step per engine step, each request's state carried; torch, never Lightning) is
 `preempt.engine.online_predictor`: preempt/ never imports this package, only the CLI
 does. Importing this package imports nothing heavy; `data`, `model`, `train` and
