@@ -234,7 +234,7 @@ class MlfqConfig(_Section):
     join_tokens_per_ms: float = Field(40.0, gt=0)
     """Prompt tokens one millisecond of prefill covers, to place a new request (skip-join
     by its first iteration's time): ~40 on the virtual H200 serving Llama-3-8B, whose
-    2,048-token prefill step takes ~49 ms (docs/clock.md)."""
+    2,048-token prefill step takes ~48 ms (docs/clock.md)."""
 
 
 class PreemptionConfig(_Section):
