@@ -316,7 +316,11 @@ def gather_quantize_heads_ref(
     paged cache with one advanced index (no gathered copy of the whole request)."""
     num_layers, _, num_blocks, block_size, num_heads, head_dim = kv_cache.shape
     plan.check_shape(num_layers, num_heads)
-    if kv_cache.stride(2) != block_size * kv_cache.stride(3):  # blocks and rows do not merge
+    # Blocks and rows that do not merge, or a mostly-KIVI plan: gather first. For the KIVI
+    # plan the gathered copy (one pass) buys `_pack_extra_ref`'s batched path, which runs
+    # every head at once instead of picking each class's heads and quantizing them apart.
+    kivi = sum(plan.count(cls) for cls in KIVI_BITS)
+    if kv_cache.stride(2) != block_size * kv_cache.stride(3) or 2 * kivi >= num_layers * num_heads:
         from kernels.gather_blocks import gather_blocks_ref
 
         return quantize_heads_ref(gather_blocks_ref(kv_cache, block_ids, num_tokens), plan)
