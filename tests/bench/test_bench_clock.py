@@ -1,0 +1,56 @@
+"""`preempt bench clock`'s published section: predicted / measured per point and summary."""
+
+import math
+
+import pytest
+
+from preempt.bench.clock import published_fidelity
+from preempt.calibrate import published
+from preempt.calibrate.published import parse_row
+
+
+def _point(value_ms):
+    return parse_row(
+        {
+            "id": "hand",
+            "source": "hand-made table",
+            "url": "https://example.invalid",
+            "quote": f"x | {value_ms}",
+            "gpu": "H200",
+            "device": "h200",
+            "model": "llama3-8b",
+            "precision": "bf16",
+            "tp": "1",
+            "batch": "1",
+            "input_len": "16",
+            "output_len": "1",
+            "engine": "test",
+            "engine_version": "0",
+            "metric": "first_token_latency",
+            "value": str(value_ms),
+            "unit": "ms",
+            "measures": "prefill",
+        }
+    )
+
+
+def test_published_section_compares_a_hand_made_point_with_its_prediction():
+    predicted = published.predict(_point(1.0)).predicted_s  # one prefill step of 16 tokens
+    # a point measured at twice the prediction: ratio 0.5, outside +-15%
+    out = published_fidelity([_point(round(2 * predicted * 1e3, 6))])
+    (row,) = out["points"]
+    assert row["steps"] == 1
+    assert row["predicted_ms"] == pytest.approx(predicted * 1e3, abs=0.01)
+    assert row["ratio"] == pytest.approx(0.5, abs=1e-3)
+    summary = out["all"]["with_host_overhead"]
+    assert summary["n"] == 1
+    assert summary["rms_log"] == pytest.approx(abs(math.log(0.5)), abs=1e-3)
+    assert summary["within_15pct"] == 0.0
+    assert out["held_out"] is True
+    assert out["multi_gpu"]["with_host_overhead"] == {"n": 0}
+
+
+def test_published_section_covers_every_bundled_point():
+    out = published_fidelity()
+    assert out["all"]["with_host_overhead"]["n"] == len(published.load_published())
+    assert set(out["by_source"]) == {p.source.split(" ")[0] for p in published.load_published()}
