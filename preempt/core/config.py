@@ -300,6 +300,13 @@ class PreemptionConfig(_Section):
     (the design's "1-2 tokens of warm-up")."""
     reclaim_codec: Literal["raw", "zstd"] = "raw"
     """How `pause` saves a paused request when its blocks are reclaimed."""
+    async_restore: bool = False
+    """Restore saved KV asynchronously (as vLLM's KV connectors load remote KV,
+    WAITING_FOR_REMOTE_KVS): a request admitted with its KV on the host gets its blocks
+    and a seat, and its copy-in starts on the link, but it stays out of the batch (READY)
+    until the copy ends on the virtual clock; the rest of the batch runs meanwhile. Off:
+    the whole step waits for the restore (the baselines, vLLM parity). Virtual clock only,
+    and not for the `sglang_*` policies' loop."""
     codec_encode_mb_s: dict[str, float] = Field(
         default_factory=lambda: {"raw": 0.0, "zstd": 480.0, "mixed": 0.0}
     )
@@ -462,6 +469,13 @@ class EngineConfig(_Section):
             )
         if self.early_save.prefetch and self.preemption.mode == "recompute":
             raise ValueError("early_save.prefetch needs a preemption.mode that saves KV, not recompute")
+        if self.preemption.async_restore and self.clock.kind != "virtual":
+            # On the wall clock a restore runs on the engine thread inside schedule() (decode
+            # and scatter), with no copy stream or completion event to overlap the step with.
+            raise ValueError(
+                "preemption.async_restore needs clock.kind 'virtual': on the wall clock restores "
+                "run synchronously on the engine thread (no asynchronous copy-in to wait for)"
+            )
         return self
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from preempt.core.block_pool import BlockPool
 from preempt.core.clock import make_clock
-from preempt.core.config import EngineConfig
+from preempt.core.config import ConfigError, EngineConfig
 from preempt.core.cost_model import CostModel, StepShape, get_target
 from preempt.core.request import Request, RequestState
 from preempt.engine.policies import get_policy
@@ -50,6 +50,11 @@ class Engine:
             )
         policy = get_policy(config.scheduler.policy, config.preemption)
         scheduler_cls = Scheduler
+        if policy.loop == "sglang" and config.preemption.async_restore:
+            raise ConfigError(
+                "config key 'preemption.async_restore': the sglang_* policies' loop "
+                "(preempt/engine/sglang_scheduler.py) restores synchronously"
+            )
         if policy.loop == "sglang":
             from preempt.engine.sglang_scheduler import SglangScheduler as scheduler_cls
         self.scheduler = scheduler_cls(
@@ -120,6 +125,18 @@ class Engine:
     def step(self) -> StepOutput:
         scheduled = self.scheduler.schedule(self.clock.now())
         stall_s = self._stall(scheduled)
+        while not scheduled.chunks and self.scheduler.restoring:
+            # Async restores: nothing else can run, so compute does wait for the first READY
+            # request's copy-in (a restore stall), then the step is scheduled again.
+            wait_s = max(0.0, self.scheduler.next_restore_ready_s - self.clock.now())
+            self.clock.advance(wait_s)
+            self.stall_s += wait_s
+            self.stall_restore_s += wait_s
+            again = self.scheduler.schedule(self.clock.now())
+            stall_s += wait_s + self._stall(again)
+            scheduled = again._replace(
+                preempted=scheduled.preempted + again.preempted, records=scheduled.records + again.records
+            )
         if not scheduled.chunks:
             return StepOutput(scheduled, [], 0.0, stall_s)
         shape = self._step_shape(scheduled)
@@ -195,6 +212,16 @@ class Engine:
             **(saver.stats() if saver else {"kv_saved_bytes_raw": 0, "kv_saved_bytes_stored": 0}),
             **(self.early_saver.stats() if self.early_saver else {}),
             **(self.prefetcher.stats() if self.prefetcher else {}),
+            **(self._async_restore_stats() if self.config.preemption.async_restore else {}),
+        }
+
+    def _async_restore_stats(self) -> dict[str, float | int]:
+        """Async restores: how many waited out of the batch, and how long (the restore
+        time the batch did not wait for, except where it had nothing else to run: that
+        part is in `preemption_stall_restore_s` too)."""
+        return {
+            "num_async_restores": self.scheduler.num_async_restores,
+            "preemption_restore_wait_s": self.scheduler.restore_wait_s,
         }
 
     @staticmethod
@@ -312,5 +339,6 @@ def _fork(engine: Engine) -> Engine:
 def _live_requests(engine: Engine):
     scheduler = engine.scheduler
     yield from scheduler.running
+    yield from scheduler.restoring
     for entry in scheduler._waiting:
         yield entry[2]

@@ -64,9 +64,9 @@ class Prefetcher:
         }
 
     def _count_leads(self, view: EngineView) -> None:
-        running = {id(r) for r in view.running}
+        running = {id(r) for r in view.running} | {id(r) for r in view.restoring}  # admitted
         prefetched = {id(r) for r in view.prefetched_requests}
-        for key, (request, started_step) in list(self._started.items()):
+        for key, (_request, started_step) in list(self._started.items()):
             if key in running:  # admitted in the step just run: its restore claimed the copy
                 self.num_admitted += 1
                 self.num_admitted_without_lead += view.num_steps - 1 == started_step

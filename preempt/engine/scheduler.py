@@ -23,6 +23,18 @@ finished requests out). `schedule(now)`:
    preempted request resumes by re-pointing its blocks (`pause`), restoring its saved KV
    (`swap*`) or recomputing it.
 
+Asynchronous restores (`preemption.async_restore`, virtual clock; off by default): a
+request admitted with its KV on the host gets its blocks and its seat and its copy-in
+starts, but unless the copy has already ended (a prefetch with lead) it stays out of the
+batch, READY in `restoring`, until the copy-in (and the copy-out of any block it reuses)
+ends; it joins `running` at the start of the first `schedule` after that, in admission
+order. It counts against `max_num_seqs` meanwhile, as a synchronous restore's seat
+would: vLLM does not count a WAITING_FOR_REMOTE_KVS request as running (it parks it in a
+KV-holding queue drained first once loaded), but then a loaded request can be left
+holding blocks without a seat, and the priority trigger would no longer see who waits;
+here only the batch's wait differs from a synchronous restore. A READY request is never
+a victim (it is not running); a restore that falls back (unusable copy) recomputes.
+
 With the vLLM policies and the SPEC fallback off (their default) steps 1 and 2 are vLLM
 0.32's V1 `Scheduler.schedule()` without prefix caching, step for step: `preempt parity
 vllm` drives vLLM's own scheduler beside this one and compares every step.
@@ -63,7 +75,7 @@ from preempt.core.request import Request, RequestState, ScheduledChunk
 from preempt.engine.policies import SchedulingPolicy
 from preempt.engine.priority import remaining_ktokens, time_slice_s
 from preempt.kv.copy_out import CopyOut
-from preempt.kv.record import MODE_CODEC, KVMover, PreemptionRecord
+from preempt.kv.record import MODE_CODEC, KVMover, PreemptionRecord, RestoreResult
 
 
 class SchedulerOutput(NamedTuple):
@@ -105,6 +117,14 @@ class Scheduler:
         self._score_parts: dict[Request, float] = {}  # waiting request -> `_score_part`
         self._counter = itertools.count()
         self.paused: list[Request] = []  # preempted, KV still on the device, oldest first
+        # Async restores: READY requests (admitted, blocks and seat held, copy-in running),
+        # admission order, and when each may join the batch and when it was admitted.
+        self.restoring: list[Request] = []
+        self._restore_ready_s: dict[Request, tuple[float, float]] = {}
+        self.num_async_restores = 0  # admitted to wait out of the batch for their copy-in
+        self.restore_wait_s = 0.0  # their time from admission to joining the batch, summed
+        self._batch_reuses_copy_out = False  # this step's batch allocated into copied-out blocks
+        self._background_reuses = False  # the async restore being admitted did
         self.records: list[PreemptionRecord] = []
         # The save record each request with its KV on the host resumes from (the host copy
         # itself is the mover's); and saves whose stored size a worker has yet to report.
@@ -125,7 +145,19 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.running or self._waiting)
+        return bool(self.running or self._waiting or self.restoring)
+
+    @property
+    def num_seated(self) -> int:
+        """Seats taken (`max_num_seqs`): running requests and READY ones."""
+        return len(self.running) + len(self.restoring)
+
+    @property
+    def next_restore_ready_s(self) -> float | None:
+        """When the first READY request may join the batch (None: none is waiting)."""
+        if not self.restoring:
+            return None
+        return min(ready for ready, _ in self._restore_ready_s.values())
 
     def never_fits(self, request: Request) -> str | None:
         """Why `request` could never run in this pool even alone (None: it can): its prompt
@@ -180,6 +212,9 @@ class Scheduler:
         self.settle_saves()
         self._now = now
         self.copy_out.new_step()
+        self._batch_reuses_copy_out = False
+        if self.restoring:
+            self._join_restored(now)
         first_record = len(self.records)
         budget = self.config.max_num_batched_tokens
         chunks: dict[int, ScheduledChunk] = {}  # id(request) -> chunk, insertion ordered
@@ -222,9 +257,30 @@ class Scheduler:
 
         chunk_list = list(chunks.values())
         num_tokens = sum(chunk.num_new_tokens for chunk in chunk_list)
-        return SchedulerOutput(
-            chunk_list, preempted, self.records[first_record:], num_tokens, self.copy_out.wait_until_s
-        )
+        # Compute waits for copy-outs only where the batch itself reuses their blocks (a
+        # READY request that does waits on its own; without async restores that is every
+        # allocation, i.e. `copy_out.wait_until_s`).
+        wait_until_s = self.copy_out.end_s if self._batch_reuses_copy_out else 0.0
+        return SchedulerOutput(chunk_list, preempted, self.records[first_record:], num_tokens, wait_until_s)
+
+    def _join_restored(self, now: float) -> None:
+        """READY requests whose copy-in has ended join the batch (admission order)."""
+        still = []
+        for request in self.restoring:
+            ready_s, admitted_s = self._restore_ready_s[request]
+            if ready_s <= now:
+                del self._restore_ready_s[request]
+                self.restore_wait_s += now - admitted_s
+                self._seat(request)
+            else:
+                still.append(request)
+        self.restoring = still
+
+    def _seat(self, request: Request) -> None:
+        """Into the batch (admission order), its time slice starting now."""
+        request.state = RequestState.PREEMPTION_FAILED if request.preemption_failed else RequestState.RUNNING
+        request.slice_used_s = 0.0
+        self.running.append(request)
 
     def update_from_output(
         self, output: SchedulerOutput, step_s: float, tokens: Sequence[object], now: float
@@ -262,40 +318,66 @@ class Scheduler:
 
     # ----------------------------------------------------------------- admission
     def _admit_waiting(self, chunks: dict[int, ScheduledChunk], budget: int, now: float) -> None:
-        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self._waiting and budget > 0 and self.num_seated < self.config.max_num_seqs:
             request = self._waiting[0][2]
             if self._held_by_backoff(request, now):
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            fits = self._whole_sequence_fits(request) and self._allocate_for(request, num_new)
+            background = self.preemption.async_restore and request.kv_location == "host"
+            self._background_reuses = False
+            fits = self._whole_sequence_fits(request) and self._allocate_for(request, num_new, background)
             if not fits and self._reclaim_prefetched(request, num_new):
-                fits = self._whole_sequence_fits(request) and self._allocate_for(request, num_new)
+                fits = self._whole_sequence_fits(request) and self._allocate_for(request, num_new, background)
             if not fits:
                 break  # never skip the head
             heapq.heappop(self._waiting)
             del self._score_parts[request]
-            if request.kv_location == "host":
+            if background:
+                request.kv_location = None
+                if self._restore_in_background(request, now):
+                    continue  # READY: no chunk, no token budget until it joins
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            elif request.kv_location == "host":
                 self._restore(request, now)  # may lower num_computed_tokens (fallback, warm-up)
                 num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             elif request.kv_location == "device":
                 self.paused.remove(request)  # zero copy: its blocks never left
             request.kv_location = None
-            request.state = (
-                RequestState.PREEMPTION_FAILED if request.preemption_failed else RequestState.RUNNING
-            )
-            request.slice_used_s = 0.0
-            self.running.append(request)
+            self._seat(request)
             chunks[id(request)] = ScheduledChunk(request, num_new)
             budget -= num_new
+
+    def _restore_in_background(self, request: Request, now: float) -> bool:
+        """Start an async restore of an admitted request (its blocks allocated). True: it
+        waits READY out of the batch; False: nothing to wait for (its copy-in, done ahead,
+        has ended, or the copy was unusable and it recomputes), it joins now."""
+        result = self._restore(request, now, background=True)
+        ready_s = now + result.restore_s if result.ok else now
+        if self._background_reuses:  # its blocks may still be copying out: wait for that too
+            ready_s = max(ready_s, self.copy_out.end_s)
+        if ready_s <= now:
+            if self._background_reuses:  # it computes in this step, in blocks copying out
+                self._batch_reuses_copy_out = True
+            return False
+        self.num_async_restores += 1
+        request.state = RequestState.READY
+        self.restoring.append(request)
+        self._restore_ready_s[request] = (ready_s, now)
+        return True
 
     def _held_by_backoff(self, request: Request, now: float) -> bool:
         """After a preemption failure, requests that never ran wait for the backoff;
         preempted ones may resume (they already hold host or device memory)."""
         return now < self.backoff_until_s and request.state is RequestState.WAITING
 
-    def _restore(self, request: Request, now: float) -> bool:
+    def _restore(self, request: Request, now: float, background: bool = False) -> RestoreResult:
         record = self._saved_records.pop(request)
-        result = self.mover.restore(request, now)
+        # Only async restores pass the flag: a mover that predates it still works.
+        result = (
+            self.mover.restore(request, now, background=True)
+            if background
+            else self.mover.restore(request, now)
+        )
         record.restored = result.ok
         record.warmup_tokens = result.warmup_tokens
         record.restore_s = result.restore_s
@@ -305,7 +387,7 @@ class Scheduler:
             _recompute_from_scratch(request)
         else:  # a lossy restore's last tokens are recomputed at full precision
             request.num_computed_tokens -= result.warmup_tokens
-        return result.ok
+        return result
 
     def settle_saves(self) -> None:
         """Copy the stored sizes the mover's workers have reported since into their
@@ -344,9 +426,10 @@ class Scheduler:
         self._reclaim_paused(num_missing, exclude=request)
         return self.block_pool.can_allocate(num_missing)
 
-    def _allocate_for(self, request: Request, num_new: int) -> bool:
+    def _allocate_for(self, request: Request, num_new: int, background: bool = False) -> bool:
         """Grow the request's block table to cover `num_new` more tokens, if possible,
-        reclaiming paused requests' blocks first."""
+        reclaiming paused requests' blocks first. `background`: for an async restore (not
+        this step's batch: a reuse of copied-out blocks does not make the batch wait)."""
         num_missing = blocks_needed(request.num_computed_tokens + num_new, self.block_size) - len(
             request.block_ids
         )
@@ -357,6 +440,13 @@ class Scheduler:
             if not self.block_pool.can_allocate(num_missing):
                 return False
         self.copy_out.allocating(self.block_pool.num_free - num_missing)
+        # Counted by block numbers, reuse is monotone within a step: once an allocation
+        # dips into copied-out blocks, every later one does too.
+        if self.copy_out.is_reused:
+            if background:
+                self._background_reuses = True
+            else:
+                self._batch_reuses_copy_out = True
         request.block_ids.extend(self.block_pool.allocate(num_missing))
         return True
 
@@ -462,7 +552,7 @@ class Scheduler:
         return None
 
     def _can_admit(self, request: Request) -> bool:
-        if len(self.running) >= self.config.max_num_seqs:
+        if self.num_seated >= self.config.max_num_seqs:
             return False
         num_missing = self._admission_missing_blocks(request)
         reclaimable = sum(len(r.block_ids) for r in self.paused if r is not request)
@@ -551,6 +641,9 @@ class Scheduler:
         """Take a running or waiting request out for good and free its blocks and host copy."""
         if request in self.running:
             self.running.remove(request)
+        elif request in self._restore_ready_s:  # READY: its KV already in its blocks
+            self.restoring.remove(request)
+            del self._restore_ready_s[request]
         else:
             self._waiting = [entry for entry in self._waiting if entry[2] is not request]
             self._score_parts.pop(request, None)

@@ -82,6 +82,12 @@ class EngineView:
         return tuple(self._engine.scheduler.running)
 
     @property
+    def restoring(self) -> tuple[Request, ...]:
+        """READY requests (async restores: admitted, out of the batch until their copy-in
+        ends), in admission order (a snapshot)."""
+        return tuple(self._engine.scheduler.restoring)
+
+    @property
     def num_waiting(self) -> int:
         return self._engine.scheduler.num_waiting
 

@@ -105,8 +105,10 @@ class KVMover(ABC):
         """Save the KV (on failure the host copy is not kept)."""
 
     @abstractmethod
-    def restore(self, request: Request, now: float) -> RestoreResult:
-        """Restore the KV (the host copy is freed either way)."""
+    def restore(self, request: Request, now: float, *, background: bool = False) -> RestoreResult:
+        """Restore the KV (the host copy is freed either way). `background` (virtual
+        clock, `preemption.async_restore`): compute does not wait for this copy-in (the
+        scheduler keeps the request out of the batch until `now + restore_s`)."""
 
     def cancel_prefetch(self, request: Request) -> None:  # noqa: B027 (optional)
         """Forget a restore started before admission (its blocks are freed by the caller;

@@ -186,11 +186,11 @@ class Saver(KVMover):
         return segment
 
     # ----------------------------------------------------------------- restore
-    def restore(self, request: Request, now: float) -> RestoreResult:
+    def restore(self, request: Request, now: float, *, background: bool = False) -> RestoreResult:
         started = time.perf_counter()
         saved = self._saved.pop(request)
         handles = [resolve(segment.handle) for segment in saved.segments]
-        prefetched, predecoded = self.ahead.claim(request)
+        prefetched, predecoded = self.ahead.claim(request, now)
         if prefetched is not None:
             ok, dropped = prefetched.ok, prefetched.dropped
         else:
@@ -214,7 +214,8 @@ class Saver(KVMover):
             else:
                 decoded_s = predecoded.end_s if predecoded is not None else None
                 end = self.timing.restore_end(saved, now, decoded_s)
-            self.timing.restored(end)
+            if not background:  # compute waits for it (Engine._stall reads restore_end_s)
+                self.timing.restored(end)
             restore_s = max(0.0, end - now)
         else:
             restore_s = time.perf_counter() - started

@@ -104,7 +104,12 @@ class RestoresAhead:
         self.predecode_bytes_used = 0
         self.predecode_bytes_wasted = 0  # the request was aborted
         self.num_prefetches = 0
-        self.num_prefetch_hits = 0  # restores that found their KV prefetched
+        # Restores that found work done ahead (a copy-in, else a decode): `hits` where it
+        # had ended by the admission (nothing left to wait for), `late` where it was still
+        # running then (started too late to hide all of it: most of a full pool's copy-ins,
+        # started by the hook right before the admission's step).
+        self.num_prefetch_hits = 0
+        self.num_prefetch_hits_late = 0
         self.num_prefetch_misses = 0  # restores (with prefetch on) that had to start then
         self.prefetch_bytes = 0
         self.prefetch_bytes_used = 0
@@ -128,8 +133,9 @@ class RestoresAhead:
         self.num_predecodes += 1
         self.predecode_bytes += predecoded.nbytes
 
-    def claim(self, request: Request) -> tuple[Prefetched | None, Predecoded | None]:
-        """At the restore: take what was done ahead for `request` (counted used)."""
+    def claim(self, request: Request, now: float) -> tuple[Prefetched | None, Predecoded | None]:
+        """At the restore (at `now`): take what was done ahead for `request` (counted used;
+        a hit if it had ended by `now`, else late)."""
         prefetched = self.prefetched.pop(request, None)
         predecoded = self.predecoded.pop(request, None)
         if predecoded is not None:
@@ -139,11 +145,17 @@ class RestoresAhead:
             self.prefetch_bytes_wasted += prefetched.nbytes
             prefetched = None
         if prefetched is not None:
-            self.num_prefetch_hits += 1
             self.prefetch_bytes_used += prefetched.nbytes
+            self._count_hit(prefetched.end_s, now)
         elif predecoded is not None:
-            self.num_prefetch_hits += 1
+            self._count_hit(predecoded.end_s, now)
         return prefetched, predecoded
+
+    def _count_hit(self, end_s: float, now: float) -> None:
+        if end_s <= now:
+            self.num_prefetch_hits += 1
+        else:
+            self.num_prefetch_hits_late += 1
 
     def cancel(self, request: Request) -> None:
         """Drop a prefetched restore (its blocks are freed by the caller): the copy-in was wasted."""
@@ -162,6 +174,7 @@ class RestoresAhead:
         return {
             "num_prefetches": self.num_prefetches,
             "num_prefetch_hits": self.num_prefetch_hits,
+            "num_prefetch_hits_late": self.num_prefetch_hits_late,
             "num_prefetch_misses": self.num_prefetch_misses,
             "prefetch_bytes": self.prefetch_bytes,
             "prefetch_bytes_used": self.prefetch_bytes_used,
