@@ -13,6 +13,12 @@
    claimed by preemptions and wasted (the request finished, or the copy was evicted),
    `waste_share` = wasted / early-saved bytes; prefetch hits, misses and bytes wasted,
    copy-ins claimed at admission and those of them started with no step of lead.
+   The same arms again with asynchronous restores (`preemption.async_restore`: a restored
+   request waits out of the batch for its copy-in) for `swap` and `swap_zstd`
+   (`virtual_async_restore`); there `stall_hidden` is against the synchronous `none` arm
+   (the stall with no early work and no async restore), `stall_hidden_vs_async_none`
+   against the async `none` arm, and `restore_wait_s` is the request-side wait the batch
+   did not stall on.
 2. Wall clock (tiny model on CPU, swap_zstd): median engine step time while every
    running request is early-saved each step (write-through, the heaviest policy), against
    no early saves, in the same run.
@@ -37,6 +43,10 @@ def bench_early(quick: bool, model: str | None = None) -> dict[str, Any]:
     modes = ("swap", "swap_zstd") if quick else ("swap", "swap_zstd", "swap_mixed")
     horizon = _horizon_of(model) if model else []
     result: dict[str, Any] = {"virtual": {m: _virtual(m, quick, model, horizon) for m in modes}}
+    result["virtual_async_restore"] = {
+        m: _virtual(m, quick, model, horizon, async_restore=True, baseline=result["virtual"][m])
+        for m in ASYNC_MODES
+    }
     result["horizon"] = horizon
     result["wall"] = _wall(num_steps=5 if quick else 20)
     return result
@@ -57,11 +67,23 @@ def _horizon_of(model: str) -> list[str]:
 
 
 ARMS = ("none", "prefetch", "rule", "lookahead", "oracle_log")
+ASYNC_MODES = ("swap", "swap_zstd")
 
 
-def _virtual(mode: str, quick: bool, model: str | None, horizon: list[str] | None = None) -> dict[str, Any]:
+def _virtual(
+    mode: str,
+    quick: bool,
+    model: str | None,
+    horizon: list[str] | None = None,
+    async_restore: bool = False,
+    baseline: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One mode's arms. `async_restore`: with asynchronous restores; `stall_hidden` is then
+    against `baseline`'s `none` arm (the same mode without them)."""
     duration = 60 if quick else 200
     overrides = [f"workload.duration_s={duration}", f"preemption.mode={mode}", *(horizon or [])]
+    if async_restore:
+        overrides.append("preemption.async_restore=true")
     arms = list(ARMS) + (["lstm"] if model else [])
     out: dict[str, Any] = {"workload": f"{_COLLECT.name}, {duration} s of trace", "policies": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -76,10 +98,13 @@ def _virtual(mode: str, quick: bool, model: str | None, horizon: list[str] | Non
             config = load_config(_COLLECT, overrides + extra)
             summary = replay(config, Path(tmp) / arm, progress=False)
             out["policies"][arm] = _row(summary)
-    base = out["policies"]["none"]
+    base = (baseline or out)["policies"]["none"]
+    own = out["policies"]["none"]
     for row in out["policies"].values():
         row["stall_hidden"] = _hidden(row["stall_total_s"], base["stall_total_s"])
         row["save_stall_hidden"] = _hidden(row["stall_save_s"], base["stall_save_s"])
+        if baseline is not None:
+            row["stall_hidden_vs_async_none"] = _hidden(row["stall_total_s"], own["stall_total_s"])
     return out
 
 
@@ -99,15 +124,28 @@ def _row(summary: dict[str, Any]) -> dict[str, Any]:
         "early_wasted_gb": round(summary.get("early_bytes_wasted", 0) / 1e9, 3),
         "waste_share": round(summary["early_bytes_wasted"] / early, 3) if early else None,
         "stall_total_s": round(summary["preemption_stall_s"], 4),
+        # Restores that found their copy-in (or decode) done ahead: ended by the admission
+        # (hits), still running then (late); none done ahead (misses).
         "prefetch_hits": summary.get("num_prefetch_hits"),
+        "prefetch_hits_late": summary.get("num_prefetch_hits_late"),
         "prefetch_misses": summary.get("num_prefetch_misses"),
         "prefetch_gb": round(summary.get("prefetch_bytes", 0) / 1e9, 3),
         "prefetch_wasted_gb": round(summary.get("prefetch_bytes_wasted", 0) / 1e9, 3),
         # Copy-ins claimed at admission, and those started right before it (no lead).
         "prefetch_admitted": summary.get("num_prefetch_admitted"),
         "prefetch_admitted_without_lead": summary.get("num_prefetch_admitted_without_lead"),
+        # Async restores: requests that waited out of the batch for their copy-in, and the
+        # summed wait (their latency includes it; the batch did not stall on it).
+        "num_async_restores": summary.get("num_async_restores"),
+        "restore_wait_s": _rounded(summary.get("preemption_restore_wait_s")),
+        "e2e_p50_s": _rounded(summary.get("e2e_p50_s")),
+        "e2e_p99_s": _rounded(summary.get("e2e_p99_s")),
         "wall_time_s": round(summary["wall_time_s"], 2),
     }
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
 
 
 def _wall(num_steps: int) -> dict[str, Any]:

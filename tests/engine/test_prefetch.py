@@ -14,12 +14,12 @@ from tests.conftest import small_config
 from tests.kv.test_preemption import AGGRESSIVE, _digests, _run, _workload
 
 
-def _config(mode="swap_zstd", num_blocks=48, backend="tiny", **early):
+def _config(mode="swap_zstd", num_blocks=48, backend="tiny", async_restore=False, **early):
     return small_config(
         model={"backend": backend},
         cache={"num_blocks": num_blocks},
         scheduler={"max_num_seqs": 4, "policy": "priority_score"},
-        preemption={"mode": mode, **AGGRESSIVE},
+        preemption={"mode": mode, **AGGRESSIVE, "async_restore": async_restore},
         early_save={"prefetch": True, **early},
     )
 
@@ -37,7 +37,13 @@ def check_accounting(engine):
         ahead.predecode_bytes_used + ahead.predecode_bytes_wasted + ahead.predecode_bytes_held
     )
     waiting = scheduler.waiting_requests()
-    owners = scheduler.running + waiting
+    # READY requests (async restores) hold blocks that cover their computed KV, and a seat.
+    for request in scheduler.restoring:
+        assert request.state is RequestState.READY and request.kv_location is None
+        assert len(request.block_ids) * engine.block_size >= request.num_computed_tokens
+        assert request not in scheduler.running and request not in waiting
+    assert len(scheduler.running) + len(scheduler.restoring) <= scheduler.config.max_num_seqs
+    owners = scheduler.running + waiting + scheduler.restoring
     for request in saver.prefetched_requests:
         assert request in waiting and request.kv_location == "host"
         assert request.block_ids == saver.ahead.prefetched[request].block_ids
@@ -61,7 +67,9 @@ def test_prefetch_changes_no_lossless_output(mode):
     assert all(r.state is RequestState.FINISHED for r in requests)
     assert _digests(requests) == _digests(unpreempted_requests)
     saver = engine.saver
-    assert saver.ahead.num_prefetch_hits > 0, "the workload must prefetch"
+    assert saver.ahead.num_prefetch_hits + saver.ahead.num_prefetch_hits_late > 0, (
+        "the workload must prefetch"
+    )
     assert saver.ahead.prefetch_bytes == saver.ahead.prefetch_bytes_used + saver.ahead.prefetch_bytes_wasted
     assert saver.host_pool.num_used_slots == 0
     saver.host_pool.check()
@@ -75,14 +83,16 @@ def test_prefetch_changes_no_lossless_output(mode):
     host_budget=st.sampled_from([1, 200_000, 10**9]),
     seed=st.integers(0, 3),
     abort_every=st.sampled_from([0, 7]),
+    async_restore=st.booleans(),
 )
 def test_prefetch_accounting_is_exact_after_every_step(
-    num_blocks, depth, share, host_budget, seed, abort_every
+    num_blocks, depth, share, host_budget, seed, abort_every, async_restore
 ):
     config = _config(
         "swap_zstd",
         num_blocks=num_blocks,
         backend="null",
+        async_restore=async_restore,
         prefetch_depth=depth,
         prefetch_block_share=share,
         prefetch_host_budget=host_budget,
@@ -98,6 +108,8 @@ def test_prefetch_accounting_is_exact_after_every_step(
             prefetched = [r for r in waiting if engine.saver.is_prefetched(r)]
             if prefetched:  # an aborted prefetched request: its copy-in is wasted
                 engine.abort_request(prefetched[0], "test")
+            if engine.scheduler.restoring:  # an aborted READY request (async restore)
+                engine.abort_request(engine.scheduler.restoring[-1], "test")
         check_accounting(engine)
 
     engine.run(requests, on_step=on_step)
@@ -147,7 +159,7 @@ def test_prefetch_hides_restore_stall_on_the_virtual_clock():
         engine.run(_workload())
         stalls[prefetch] = engine.stall_restore_s
         if prefetch:
-            assert engine.saver.ahead.num_prefetch_hits > 0
+            assert engine.saver.ahead.num_prefetch_hits + engine.saver.ahead.num_prefetch_hits_late > 0
     assert stalls[False] > 0 and stalls[True] < 0.5 * stalls[False]
 
 
@@ -158,24 +170,30 @@ def test_prefetch_needs_the_virtual_clock_and_a_save_mode():
         small_config(preemption={"mode": "recompute"}, early_save={"prefetch": True})
 
 
+@pytest.mark.parametrize("async_restore", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("mode", ["swap", "swap_zstd"])
-def test_prefetch_counts_admitted_copy_ins_and_those_without_lead(mode, monkeypatch):
+def test_prefetch_counts_admitted_copy_ins_and_those_without_lead(mode, async_restore, monkeypatch):
     """`num_prefetch_admitted` = restores that claimed a copy-in done ahead; `..._without_lead`
-    = those whose copy-in started in the hook right before the admission (no step between)."""
+    = those whose copy-in started in the hook right before the admission (no step between).
+    `num_prefetch_hits` = restores whose copy-in (else decode) done ahead had ended by the
+    admission, `num_prefetch_hits_late` = those where it was still running."""
     from preempt.kv.saver import Saver
 
-    engine = Engine(_config(mode, backend="null"))
-    started, claimed = {}, []
+    engine = Engine(_config(mode, backend="null", async_restore=async_restore))
+    started, claimed, ended = {}, [], []
     prefetch, restore = Saver.prefetch, Saver.restore
 
     def counting_prefetch(saver, request, now):
         started[id(request)] = engine.num_steps
         return prefetch(saver, request, now)
 
-    def counting_restore(saver, request, now):
+    def counting_restore(saver, request, now, **kwargs):
         if saver.is_prefetched(request):
             claimed.append(engine.num_steps == started[id(request)])
-        return restore(saver, request, now)
+            ended.append(saver.ahead.prefetched[request].end_s <= now)
+        elif saver.is_predecoded(request):
+            ended.append(saver.ahead.predecoded[request].end_s <= now)
+        return restore(saver, request, now, **kwargs)
 
     monkeypatch.setattr(Saver, "prefetch", counting_prefetch)
     monkeypatch.setattr(Saver, "restore", counting_restore)
@@ -183,3 +201,9 @@ def test_prefetch_counts_admitted_copy_ins_and_those_without_lead(mode, monkeypa
     stats = engine.stats()
     assert stats["num_prefetch_admitted"] == len(claimed) > 0
     assert stats["num_prefetch_admitted_without_lead"] == sum(claimed)
+    assert stats["num_prefetch_hits"] == sum(ended) and stats["num_prefetch_hits_late"] == len(ended) - sum(
+        ended
+    )
+    assert ended, "the workload must claim work done ahead"
+    if not async_restore:  # here most copy-ins start right before their admission
+        assert stats["num_prefetch_hits_late"] > 0
