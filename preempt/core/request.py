@@ -27,7 +27,8 @@ class RequestState(str, enum.Enum):
     # Taken out of the batch; KV kept, saved or dropped by mode. A preempted request stays
     # PREEMPTED in the waiting queue until it runs again, recompute victims included.
     PREEMPTED = "PREEMPTED"
-    # Reserved (a contract name): KV restored, waiting for a batch slot. Unused today: the
+    # Async restores only (`preemption.async_restore`): admitted, blocks and seat held, its
+    # copy-in running; out of the batch until the copy ends. Otherwise unused: the
     # scheduler restores a request's KV in the step that readmits it.
     READY = "READY"
     PREEMPTION_FAILED = "PREEMPTION_FAILED"  # fallback: runs to completion, never preempted again
