@@ -133,14 +133,16 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
     Arm(
         "pause",
         "rate_limit",
-        {"preemption.mode": "pause"},
-        "docs/design.md §4: zero-copy pause; KV moves only when its blocks are reclaimed",
+        {"preemption.mode": "pause", "preemption.async_restore": True},
+        "docs/design.md §4: zero-copy pause; KV moves only when its blocks are reclaimed (restored "
+        "asynchronously then)",
     ),
     Arm(
         "swap_zstd",
         "rate_limit",
-        {"preemption.mode": "swap_zstd"},
-        "docs/design.md §2: save KV with zstd (level 3) to the host pool (serve_config.json's design)",
+        {"preemption.mode": "swap_zstd", "preemption.async_restore": True},
+        "docs/design.md §2: save KV with zstd (level 3) to the host pool (serve_config.json's design); "
+        "restores asynchronous: a readmitted request waits out of the batch for its copy-in",
     ),
     Arm(
         "swap_zstd_static",
@@ -153,6 +155,13 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
         "swap_zstd",
         {"preemption.mode": "swap"},
         "the design saving raw KV: isolates what zstd costs on the critical path",
+    ),
+    Arm(
+        "swap_raw_sync",
+        "swap_raw",
+        {"preemption.async_restore": False},
+        "swap_raw with synchronous restores (the batch waits for each copy-in, as vLLM V0's swap): "
+        "what asynchronous restores win",
     ),
     Arm(
         "swap_mixed",
