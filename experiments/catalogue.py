@@ -37,6 +37,8 @@ METRICS: dict[str, str] = {
     "preemption_stall_s": "compute time spent waiting for KV saves/restores (s)",
     "preemption_stall_save_s": "... of it waiting for saves' copy-out (s)",
     "preemption_stall_restore_s": "... of it waiting for restores (s)",
+    "preemption_restore_wait_s": "time readmitted requests waited out of the batch for an asynchronous "
+    "copy-in (s; the batch ran meanwhile; 0 with synchronous restores, whose wait is stall)",
     "stall_per_preemption_ms": "preemption_stall_s per preemption (ms)",
     "recomputed_tokens": "tokens of KV dropped by preemptions and computed again",
     "num_saves": "KV saves to the host pool that succeeded",

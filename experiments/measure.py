@@ -87,6 +87,8 @@ def run_metrics(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
         "num_preemption_failed": int(summary["num_preemption_failed"]),
         "num_restore_fallbacks": int(summary.get("num_restore_fallbacks", 0)),
         "preemption_stall_s": float(summary["preemption_stall_s"]),
+        # Async restores (preemption.async_restore): reported only with the switch on.
+        "preemption_restore_wait_s": float(summary.get("preemption_restore_wait_s", 0.0)),
         "stall_per_preemption_ms": (
             summary["preemption_stall_s"] / num_preemptions * 1e3 if num_preemptions else NAN
         ),
