@@ -655,13 +655,18 @@ class Source:
 
 def _copy_plots(source: Source, images_dir: Path, link_base: Path) -> list[tuple[str, str]]:
     # A sweep's per-point plots (CDFs, bars: ~25 a point) stay in its run directory; the
-    # report shows the lines against each axis, with bands.
-    pattern = "sweep_*.png" if source.info.get("grid") else "*.png"
-    plots = sorted((source.path / "plots").glob(pattern))
+    # report shows the lines against its axis, with bands. A grid of several axes has one
+    # such plot per combination of the others (48 for regimes.yaml): those stay too, and
+    # its table (docs/regimes.md) is the summary.
+    grid = source.info.get("grid") or {}
+    axes = [key for key, values in grid.items() if len(values) > 1]
+    pattern = "*.png" if not grid else "sweep_*.png" if len(axes) <= 1 else None
+    plots = sorted((source.path / "plots").glob(pattern)) if pattern else []
     target = images_dir / source.label
     if target.exists():
         shutil.rmtree(target)  # stale plots of an earlier report must not linger
-    target.mkdir(parents=True, exist_ok=True)
+    if plots:
+        target.mkdir(parents=True, exist_ok=True)
     links = []
     for plot in plots:
         shutil.copy2(plot, target / plot.name)
@@ -758,6 +763,8 @@ def render(sources: list[Source], out: Path, command: str) -> str:
         links = _copy_plots(source, images_dir, out.parent)
         if links:
             lines += ["Plots:", ""] + [f"![{stem}]({link})" for stem, link in links] + [""]
+        else:
+            lines += [f"Plots: `{source.path}/plots/` (not copied: one per combination of the grid's axes).", ""]
     return "\n".join(lines)
 
 
