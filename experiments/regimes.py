@@ -59,6 +59,9 @@ def regime_table(out_dir: Path) -> str:
         if row["arm"].startswith("early_") and row["parent"].split("@", 1)[0] in arms
     }
     head += [f"stall {arm} - {parent} (s)" for arm, parent in early.items()]
+    # Async restores take the copy-in out of the batch: the readmitted request waits instead.
+    waiting = [arm for arm in saving if arm in (RAW, "swap_zstd")]
+    head += [f"{arm} restore wait (s)" for arm in waiting]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
     for point, by_arm in _by_point(summary, columns).items():
         cells = [str(v) for v in point]
@@ -68,6 +71,7 @@ def regime_table(out_dir: Path) -> str:
             cells.append(_paired(runs, RAW, RECOMPUTE, point, columns, "goodput_req_s").format())
         for arm, parent in early.items():
             cells.append(_paired(runs, arm, parent, point, columns, "preemption_stall_s").format())
+        cells += [interval_cell(by_arm[arm], "preemption_restore_wait_s") for arm in waiting]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
