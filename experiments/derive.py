@@ -125,7 +125,9 @@ def apply_derived(data: dict[str, Any], key: str, value: Any, out_dir: Path) -> 
         slices = preemption.setdefault("time_slices", {})
         for name in SLICE_KEYS:
             slices[name] = float(slices.get(name, TimeSliceConfig.model_fields[name].default)) * scale
-        minimum = preemption.get("min_time_slice_ms", PreemptionConfig.model_fields["min_time_slice_ms"].default)
+        minimum = preemption.get(
+            "min_time_slice_ms", PreemptionConfig.model_fields["min_time_slice_ms"].default
+        )
         preemption["min_time_slice_ms"] = float(minimum) * scale
     elif key == "derive.sla_mix":
         data.setdefault("workload", {})["sla_mix"] = sla_mix(key, value)
@@ -134,11 +136,13 @@ def apply_derived(data: dict[str, Any], key: str, value: Any, out_dir: Path) -> 
 
 
 def sla_mix(key: str, value: Any) -> dict[int, float]:
-    """"70-20-10" -> {0: 0.7, 1: 0.2, 2: 0.1}."""
+    """ "70-20-10" -> {0: 0.7, 1: 0.2, 2: 0.1}."""
     try:
         shares = [float(part) for part in str(value).split("-")]
     except ValueError:
-        raise ConfigError(f"grid key '{key}': expected percentages like \"70-20-10\", got {value!r}") from None
+        raise ConfigError(
+            f"grid key '{key}': expected percentages like \"70-20-10\", got {value!r}"
+        ) from None
     if any(x < 0 for x in shares) or abs(sum(shares) - 100.0) > 1e-6:
         raise ConfigError(f"grid key '{key}': percentages must be >= 0 and sum to 100, got {value!r}")
     return {level: share / 100.0 for level, share in enumerate(shares)}

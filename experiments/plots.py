@@ -275,7 +275,10 @@ def plot_sweep(points: list[dict[str, Any]], grid: dict[str, list[Any]], plots_d
                 ]
                 written.append(
                     sweep_lines(
-                        rows, x, metrics, plots_dir / f"sweep_{kind}_vs_{x}{suffix}.png",
+                        rows,
+                        x,
+                        metrics,
+                        plots_dir / f"sweep_{kind}_vs_{x}{suffix}.png",
                         f"{label} vs {x} (mean and 95% interval over seeds){suffix.replace('-', ' ')}",
                         categories,
                     )  # fmt: skip

@@ -46,7 +46,6 @@ def output_agreement(run_dir: Path, reference_dir: Path) -> tuple[float, float, 
     return (num_equal / num_common if num_common else NAN), num_exact / num_compared, num_compared
 
 
-
 def score_quality(
     plan: AblationPlan,
     run: ArmRun,

@@ -451,9 +451,10 @@ def _zstd_critical_path(arms: Arms) -> Finding:
         return _missing(arms, "swap_raw", "swap_zstd")
     raw, zstd = rows
     diff = _paired(zstd, raw, lambda x, y: _kv_wait(x) - _kv_wait(y))
+    stall, wait = "preemption_stall_s", "preemption_restore_wait_s"
     measured = (
-        f"stall {_f(_iv(raw, 'preemption_stall_s'))} s + restore wait {_f(_iv(raw, 'preemption_restore_wait_s'))} s "
-        f"(raw) vs {_f(_iv(zstd, 'preemption_stall_s'))} s + {_f(_iv(zstd, 'preemption_restore_wait_s'))} s "
+        f"stall {_f(_iv(raw, stall))} s + restore wait {_f(_iv(raw, wait))} s "
+        f"(raw) vs {_f(_iv(zstd, stall))} s + {_f(_iv(zstd, wait))} s "
         f"(zstd), difference {_f(diff)} s; goodput {_f(_iv(raw, 'goodput_req_s'))} vs "
         f"{_f(_iv(zstd, 'goodput_req_s'))} req/s ({_n(raw)})"
     )
@@ -764,7 +765,10 @@ def render(sources: list[Source], out: Path, command: str) -> str:
         if links:
             lines += ["Plots:", ""] + [f"![{stem}]({link})" for stem, link in links] + [""]
         else:
-            lines += [f"Plots: `{source.path}/plots/` (not copied: one per combination of the grid's axes).", ""]
+            lines += [
+                f"Plots: `{source.path}/plots/` (not copied: one per combination of the grid's axes).",
+                "",
+            ]
     return "\n".join(lines)
 
 
@@ -775,7 +779,9 @@ def _glance(verdicts: list[str]) -> str:
         return "–"
     if len(verdicts) == 1:
         return verdicts[0]
-    counts = {v: verdicts.count(v) for v in (HELD, NOT_HELD, INCONCLUSIVE, IDLE, NOT_MEASURED) if v in verdicts}
+    counts = {
+        v: verdicts.count(v) for v in (HELD, NOT_HELD, INCONCLUSIVE, IDLE, NOT_MEASURED) if v in verdicts
+    }
     return ", ".join(f"{v} {n}/{len(verdicts)}" for v, n in counts.items())
 
 

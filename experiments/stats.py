@@ -182,9 +182,7 @@ def bootstrap_interval(
         return Interval(mean, math.nan, math.nan, n, num_nan, level)
     rng = np.random.default_rng(seed)
     # within-group resamples, one row per bootstrap replicate: (n, R)
-    within = np.stack(
-        [statistic(a[rng.integers(0, len(a), size=(num_resamples, len(a)))]) for a in arrays]
-    )
+    within = np.stack([statistic(a[rng.integers(0, len(a), size=(num_resamples, len(a)))]) for a in arrays])
     stats = within.mean(axis=0)  # (R,)
     alpha = (1.0 - level) / 2.0
     lo, hi = np.quantile(stats, [alpha, 1.0 - alpha])

@@ -27,7 +27,6 @@ def metric_fingerprint(row: dict[str, Any]) -> tuple:
     )
 
 
-
 def note_no_effect(rows: list[dict[str, Any]]) -> None:
     by_run = {row["run"]: row for row in rows}
     for row in rows:
@@ -179,7 +178,6 @@ def results_markdown(
     if notes:
         lines += ["## Notes", ""] + [f"- `{run}`: {note}" for run, note in notes] + [""]
     return "\n".join(lines)
-
 
 
 def interval_cell(row: dict[str, Any], column: str) -> str:

@@ -641,7 +641,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="vLLM's scheduling policy (ours: vllm_fcfs / vllm_priority); default: each workload's own",
     )
     parity_vllm.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override a key of OUR engine only, e.g. scheduler.reserve_full_sequence=false",
     )
     parity_vllm.add_argument("--peer-python", help="the peer virtualenv's python (default .peer/bin/python)")

@@ -209,9 +209,7 @@ def test_no_import_circle():
     edges, _ = build_graph()
     found = cycles(edges)
     described = [
-        " ; ".join(
-            f"{a} -> {b} ({'/'.join(sorted(edges[a][b]))})" for a in scc for b in scc if b in edges[a]
-        )
+        " ; ".join(f"{a} -> {b} ({'/'.join(sorted(edges[a][b]))})" for a in scc for b in scc if b in edges[a])
         for scc in found
     ]
     assert not found, "import circles: " + " | ".join(described)
@@ -230,8 +228,7 @@ def test_the_checks_see_a_circle_and_an_upward_import():
     }
     assert cycles(edges) == [["preempt.core.config", "preempt.engine.policies"]]
     assert layering_violations(edges) == [
-        "preempt.core.config -> preempt.engine.policies (function): "
-        "preempt.engine is not below preempt.core"
+        "preempt.core.config -> preempt.engine.policies (function): preempt.engine is not below preempt.core"
     ]
     assert layering_violations({"experiments.main": {"preempt.cli": {"top"}}}) == []
     assert layering_violations({"preempt.bench.serve": {"predictor.online": {"type"}}}) == [

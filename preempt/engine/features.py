@@ -221,7 +221,9 @@ def engine_features(view: EngineView, feature_set: str = "v1") -> np.ndarray:
         # its checkpoints.)
         arrived = view.upcoming_arrivals(now)
         if arrived:
-            waiting = np.concatenate([waiting, priority_scores(arrived, now, view.config.preemption.priority_weights)])
+            waiting = np.concatenate(
+                [waiting, priority_scores(arrived, now, view.config.preemption.priority_weights)]
+            )
         args = (view.running, waiting, now, view.num_free_blocks, view.num_blocks)
         return scale_free_features(*args, view.block_size, view.max_num_seqs, view.config.preemption)
     args = (view.running, waiting, now, view.num_free_blocks, view.num_blocks)

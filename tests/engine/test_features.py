@@ -31,7 +31,14 @@ def _run_with_features(requests, **sections):
         not_queued = sum(id(r) not in queued for r in waiting)
         scores = [priority_score(r, now, engine.config.preemption.priority_weights) for r in waiting]
         seen.append(
-            (now, engine_features(view, "scale_free"), list(view.running), view.num_free_blocks, scores, not_queued)
+            (
+                now,
+                engine_features(view, "scale_free"),
+                list(view.running),
+                view.num_free_blocks,
+                scores,
+                not_queued,
+            )
         )
 
     engine.run(requests, on_step=on_step)
@@ -101,7 +108,9 @@ def _reference_scale_free(running, waiting_scores, now, free, num_blocks, block_
 def test_the_one_pass_scale_free_features_equal_the_v1_columns_rescaled(strategy):
     rng = np.random.default_rng(3)
     requests = [
-        make_request(i, int(rng.integers(4, 700)), int(rng.integers(2, 60)), arrival_s=0.002 * i, sla_level=i % 3)
+        make_request(
+            i, int(rng.integers(4, 700)), int(rng.integers(2, 60)), arrival_s=0.002 * i, sla_level=i % 3
+        )
         for i in range(40)
     ]
     config = small_config(
@@ -117,7 +126,15 @@ def test_the_one_pass_scale_free_features_equal_the_v1_columns_rescaled(strategy
         view = engine.view
         now = view.now
         waiting = view.waiting_scores(now)
-        args = (view.running, waiting, now, view.num_free_blocks, view.num_blocks, view.block_size, view.max_num_seqs)
+        args = (
+            view.running,
+            waiting,
+            now,
+            view.num_free_blocks,
+            view.num_blocks,
+            view.block_size,
+            view.max_num_seqs,
+        )
         fast = scale_free_features(*args, prefs)
         np.testing.assert_array_equal(fast, _reference_scale_free(*args, prefs))
         nonlocal compared

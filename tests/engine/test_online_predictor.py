@@ -220,18 +220,29 @@ def test_a_checkpoint_for_another_horizon_feature_set_or_stride_is_refused_onlin
     path = str(trained[0])
     assert make_policy(EarlySaveConfig(policy="lstm", checkpoint=path)).feature_set == "v1"  # as trained
     trained_for = "trained for horizon_ms=50, horizon_steps=0, feature_set=v1, every_k_steps=1"
-    for wrong in ({"horizon_ms": 100.0}, {"horizon_steps": 4}, {"feature_set": "scale_free"}, {"every_k_steps": 4}):
+    for wrong in (
+        {"horizon_ms": 100.0},
+        {"horizon_steps": 4},
+        {"feature_set": "scale_free"},
+        {"every_k_steps": 4},
+    ):
         with pytest.raises(ConfigError, match=trained_for):
             make_policy(EarlySaveConfig(policy="lstm", checkpoint=path, **wrong))
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     hparams = checkpoint["hyper_parameters"]
-    hparams.update(horizon_steps=4, feature_set="scale_free", feature_names=list(SCALE_FREE_NAMES), every_k_steps=8)
+    hparams.update(
+        horizon_steps=4, feature_set="scale_free", feature_names=list(SCALE_FREE_NAMES), every_k_steps=8
+    )
     other = tmp_path / "scale_free.ckpt"
     torch.save(checkpoint, other)
-    with pytest.raises(ConfigError, match="feature_set=scale_free, every_k_steps=8, but the engine asks for .*feature_set=v1"):
+    with pytest.raises(
+        ConfigError, match="feature_set=scale_free, every_k_steps=8, but the engine asks for .*feature_set=v1"
+    ):
         make_policy(EarlySaveConfig(policy="lstm", checkpoint=str(other)))
     with pytest.raises(ConfigError, match="every_k_steps=8, but the engine asks for .*every_k_steps=1"):
-        make_policy(EarlySaveConfig(policy="lstm", checkpoint=str(other), horizon_steps=4, feature_set="scale_free"))
+        make_policy(
+            EarlySaveConfig(policy="lstm", checkpoint=str(other), horizon_steps=4, feature_set="scale_free")
+        )
     policy = make_policy(
         EarlySaveConfig(
             policy="lstm", checkpoint=str(other), horizon_steps=4, feature_set="scale_free", every_k_steps=8
@@ -243,5 +254,9 @@ def test_a_checkpoint_for_another_horizon_feature_set_or_stride_is_refused_onlin
     hparams.update(feature_names=old_names, every_k_steps=1)
     stale = tmp_path / "stale.ckpt"
     torch.save(checkpoint, stale)
-    with pytest.raises(ConfigError, match="trained on the features .*free_kv_fraction.* now computes .*headroom"):
-        make_policy(EarlySaveConfig(policy="lstm", checkpoint=str(stale), horizon_steps=4, feature_set="scale_free"))
+    with pytest.raises(
+        ConfigError, match="trained on the features .*free_kv_fraction.* now computes .*headroom"
+    ):
+        make_policy(
+            EarlySaveConfig(policy="lstm", checkpoint=str(stale), horizon_steps=4, feature_set="scale_free")
+        )

@@ -100,4 +100,3 @@ def test_a_longer_stop_that_started_first_wins_over_a_shorter_later_one():
     matcher = StopStringMatcher(["c", "acab"])
     out = matcher.push("ac") + matcher.push("a") + matcher.close()
     assert out == "a" and matcher.matched == "c"
-
