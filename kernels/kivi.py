@@ -339,6 +339,25 @@ def _load_float32(ptrs, mask, SRC_KIND: tl.constexpr):
 
 
 @triton.jit
+def _params16(low, high, levels):
+    """A group's float16 (min, scale) from its float32 min and max, in float16's range
+    (the smallest normal scale at least): `_params`' arithmetic."""
+    scale = tl.math.div_rn(high - low, levels * 1.0)
+    scale16 = tl.minimum(tl.maximum(scale, 0.00006103515625), 65504.0).to(tl.float16)
+    low16 = tl.minimum(tl.maximum(low, -65504.0), 65504.0).to(tl.float16)
+    return low16, scale16
+
+
+@triton.jit
+def _codes(x, low, scale, levels):
+    """round((x - low) / scale) in [0, levels], half to even (adding 2^23, whose ulp is 1,
+    rounds as the reference's torch.round does); `low`, `scale` float32, broadcast to x."""
+    y = tl.math.div_rn(x - low, scale)
+    y = tl.minimum(tl.maximum(y, 0.0), levels * 1.0)
+    return ((y + 8388608.0) - 8388608.0).to(tl.int32)
+
+
+@triton.jit
 def _kivi_keys_kernel(
     src_ptr,  # integer view of (n, 2, T, D), contiguous
     rows_ptr,  # uint8 (n, row_bytes)
@@ -375,15 +394,11 @@ def _kivi_keys_kernel(
         x = _load_float32(src_rows + ch[None, :], mask, SRC_KIND)
         low = tl.min(tl.where(mask, x, float("inf")), axis=0)  # (BLOCK_P,)
         high = tl.max(tl.where(mask, x, float("-inf")), axis=0)
-        scale = tl.math.div_rn(high - low, levels * 1.0)
-        scale16 = tl.minimum(tl.maximum(scale, 0.00006103515625), 65504.0).to(tl.float16)
-        low16 = tl.minimum(tl.maximum(low, -65504.0), 65504.0).to(tl.float16)
+        low16, scale16 = _params16(low, high, levels)
         par = params_ptr + head * (row_bytes // 2) + params_offset + group * 2 * head_dim
         tl.store(par + ch, low16.to(tl.int16, bitcast=True), mask=p_mask)
         tl.store(par + head_dim + ch, scale16.to(tl.int16, bitcast=True), mask=p_mask)
-        y = tl.math.div_rn(x - low16.to(tl.float32)[None, :], scale16.to(tl.float32)[None, :])
-        y = tl.minimum(tl.maximum(y, 0.0), levels * 1.0)
-        q = ((y + 8388608.0) - 8388608.0).to(tl.int32)  # round half to even: ulp is 1 at 2^23
+        q = _codes(x, low16.to(tl.float32)[None, :], scale16.to(tl.float32)[None, :], levels)
         packed = packed | (q << (BITS * i))
     dst = rows_ptr + head * row_bytes + codes_offset + t[:, None] * num_packed + p[None, :]
     tl.store(dst, packed.to(tl.uint8), mask=mask)
@@ -426,18 +441,14 @@ def _kivi_values_kernel(
         x = _load_float32(src_rows + (p * PER_BYTE + i)[None, :], mask, SRC_KIND)
         low = tl.minimum(low, tl.min(tl.where(mask, x, float("inf")), axis=1))
         high = tl.maximum(high, tl.max(tl.where(mask, x, float("-inf")), axis=1))
-    scale = tl.math.div_rn(high - low, levels * 1.0)
-    scale16 = tl.minimum(tl.maximum(scale, 0.00006103515625), 65504.0).to(tl.float16)
-    low16 = tl.minimum(tl.maximum(low, -65504.0), 65504.0).to(tl.float16)
+    low16, scale16 = _params16(low, high, levels)
     par = params_ptr + head * (row_bytes // 2) + params_offset + (t * num_groups + group) * 2
     tl.store(par, low16.to(tl.int16, bitcast=True), mask=t_mask)
     tl.store(par + 1, scale16.to(tl.int16, bitcast=True), mask=t_mask)
     packed = tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.int32)
     for i in tl.static_range(PER_BYTE):
         x = _load_float32(src_rows + (p * PER_BYTE + i)[None, :], mask, SRC_KIND)
-        y = tl.math.div_rn(x - low16.to(tl.float32)[:, None], scale16.to(tl.float32)[:, None])
-        y = tl.minimum(tl.maximum(y, 0.0), levels * 1.0)
-        q = ((y + 8388608.0) - 8388608.0).to(tl.int32)
+        q = _codes(x, low16.to(tl.float32)[:, None], scale16.to(tl.float32)[:, None], levels)
         packed = packed | (q << (BITS * i))
     num_packed = head_dim * BITS // 8
     dst = (
@@ -483,15 +494,11 @@ def _kivi_key_codes_kernel(
     x = _load_float32(src, mask, SRC_KIND)
     low = tl.min(tl.where(mask, x, float("inf")), axis=0)  # (BLOCK_D,)
     high = tl.max(tl.where(mask, x, float("-inf")), axis=0)
-    scale = tl.math.div_rn(high - low, levels * 1.0)
-    scale16 = tl.minimum(tl.maximum(scale, 0.00006103515625), 65504.0).to(tl.float16)
-    low16 = tl.minimum(tl.maximum(low, -65504.0), 65504.0).to(tl.float16)
+    low16, scale16 = _params16(low, high, levels)
     par = params_ptr + head * (row_bytes // 2) + params_offset + group * 2 * head_dim
     tl.store(par + d, low16.to(tl.int16, bitcast=True), mask=d_mask)
     tl.store(par + head_dim + d, scale16.to(tl.int16, bitcast=True), mask=d_mask)
-    y = tl.math.div_rn(x - low16.to(tl.float32)[None, :], scale16.to(tl.float32)[None, :])
-    y = tl.minimum(tl.maximum(y, 0.0), levels * 1.0)
-    q = ((y + 8388608.0) - 8388608.0).to(tl.int32)  # round half to even: ulp is 1 at 2^23
+    q = _codes(x, low16.to(tl.float32)[None, :], scale16.to(tl.float32)[None, :], levels)
     tl.store(codes_ptr + (head * num_mid + t[:, None]) * head_dim + d[None, :], q.to(tl.uint8), mask=mask)
 
 
@@ -527,15 +534,11 @@ def _kivi_value_codes_kernel(
     x = _load_float32(src, mask, SRC_KIND)
     low = tl.min(tl.where(mask, x, float("inf")), axis=1)
     high = tl.max(tl.where(mask, x, float("-inf")), axis=1)
-    scale = tl.math.div_rn(high - low, levels * 1.0)
-    scale16 = tl.minimum(tl.maximum(scale, 0.00006103515625), 65504.0).to(tl.float16)
-    low16 = tl.minimum(tl.maximum(low, -65504.0), 65504.0).to(tl.float16)
+    low16, scale16 = _params16(low, high, levels)
     par = params_ptr + head * (row_bytes // 2) + params_offset + (t * num_groups + group) * 2
     tl.store(par, low16.to(tl.int16, bitcast=True), mask=t_mask)
     tl.store(par + 1, scale16.to(tl.int16, bitcast=True), mask=t_mask)
-    y = tl.math.div_rn(x - low16.to(tl.float32)[:, None], scale16.to(tl.float32)[:, None])
-    y = tl.minimum(tl.maximum(y, 0.0), levels * 1.0)
-    q = ((y + 8388608.0) - 8388608.0).to(tl.int32)
+    q = _codes(x, low16.to(tl.float32)[:, None], scale16.to(tl.float32)[:, None], levels)
     dst = codes_ptr + (head * num_mid + t[:, None]) * head_dim + channel[None, :]
     tl.store(dst, q.to(tl.uint8), mask=mask)
 
