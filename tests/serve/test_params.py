@@ -4,6 +4,7 @@ penalties, continuous usage stats, the chat default max_tokens, unknown fields."
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -96,6 +97,10 @@ def test_completion_logprobs_and_echo(client: openai.OpenAI) -> None:
         # Byte tokens that decode to the same text share a key, so up to 3 entries.
         assert 1 <= len(top) <= 3 and token in top
         assert chosen == pytest.approx(max(top.values()))  # greedy: the chosen token is the top-1
+        # most likely first, and real log-probabilities of distinct outcomes
+        values = list(top.values())
+        assert values == sorted(values, reverse=True) and values[0] == pytest.approx(chosen)
+        assert sum(math.exp(v) for v in values) <= 1 + 1e-6
     streamed_lps = [v for c in chunks for ch in c.choices if ch.logprobs for v in ch.logprobs.token_logprobs]
     assert streamed_lps == lp.token_logprobs
 
