@@ -372,12 +372,7 @@ class Scheduler:
 
     def _restore(self, request: Request, now: float, background: bool = False) -> RestoreResult:
         record = self._saved_records.pop(request)
-        # Only async restores pass the flag: a mover that predates it still works.
-        result = (
-            self.mover.restore(request, now, background=True)
-            if background
-            else self.mover.restore(request, now)
-        )
+        result = self.mover.restore(request, now, background=background)
         record.restored = result.ok
         record.warmup_tokens = result.warmup_tokens
         record.restore_s = result.restore_s

@@ -164,7 +164,7 @@ class _FailingMover(KVMover):
     def save(self, request, codec, now):
         return SaveResult("slot_too_small")
 
-    def restore(self, request, now):
+    def restore(self, request, now, *, background=False):
         raise AssertionError("nothing was saved")
 
     def discard(self, request):

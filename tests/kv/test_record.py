@@ -64,7 +64,7 @@ def test_stored_sizes_come_through_futures_and_only_the_scheduler_writes_them():
             self.stored.append(future)
             return SaveResult(None, bytes_raw=100, save_s=0.5, bytes_stored=future)
 
-        def restore(self, request, now):
+        def restore(self, request, now, *, background=False):
             return RestoreResult(True)
 
         def discard(self, request):
