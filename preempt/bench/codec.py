@@ -26,6 +26,11 @@ on real KV from the model:
   near memory bandwidth) and a 32k-token one (`encode_vs_clone_long`). One thread: on the
   two shared cores these run on, a second intra-op thread speeds clone up more than the
   codec (many small ops), so it would not raise the ratio.
+- The same speed columns at the KV shape of a real served model (`served_model_speed`:
+  Llama-3-8B's 32 layers x 8 KV heads x 128 channels at bfloat16, seeded synthetic KV,
+  2048 and 8192 tokens, i.e. 268 MB and 1.07 GB; quick: 256 tokens). The tiny LM's
+  2048-token KV (8 MB) stays in the CPU caches, a served model's does not: that is the
+  size a real save moves.
 
 Prompts are held-out text (the LM corpus's test split: Python stdlib sources); the
 sensitivity and gate scores that choose the budget plans come from the validation split.
@@ -57,6 +62,12 @@ KIVI_PARAMS = (64, 4, 8)  # (group_size, num_sink, num_recent) of every KIVI pla
 # The classes a budget plan may use (FP16 always): what the sensitivity scan prices.
 BUDGET_CLASSES = ("fp8", "kivi4", "kivi_k5v4", "kivi_k6v4", "kivi_k8v4", "drop")
 UNIFORM_CLASSES = ("fp8_token", "kivi4", "kivi2", "kivi_k5v4", "kivi_k6v4")
+# The KV shape of a real served model (L, KV heads, head_dim): what a save of one of its
+# requests moves (a 2048-token request is 268 MB at 16 bits), unlike the tiny LM's KV,
+# which stays in the CPU caches at that length.
+SERVED_MODEL = ("Llama-3-8B", 32, 8, 128)
+SERVED_DTYPE = torch.bfloat16  # Llama-3's own dtype, as a served cache holds it
+SERVED_CLASSES = ("fp8", "kivi4", "kivi_k5v4", "kivi_k6v4")  # uniform plans timed at that shape
 CPU_THREADS = 1  # torch intra-op threads for everything timed (module doc)
 
 
@@ -109,6 +120,7 @@ def bench_codec(
         result["plans"][name] = row
     if budget_info is not None:
         result["budget"] = {**budget_info, **_budget_summary(result["plans"])}
+    result["served_model_speed"] = _served_model_speed(quick, plans.get("budget_sensitivity"))
     return result
 
 
@@ -360,7 +372,7 @@ def _paired_s(fn, baseline, repeats: int = 5) -> tuple[float, float]:
     return float(np.median(fn_s)), float(np.median(base_s))
 
 
-def _speed(kv: torch.Tensor, plan: HeadPlan) -> dict[str, float]:
+def _speed(kv: torch.Tensor, plan: HeadPlan, repeats: int = 5) -> dict[str, float]:
     """Encode (quantize + pack into blob parts) and decode (blob -> dequantized into paged
     blocks) MB/s of raw KV, each against `torch.clone` of the same tensor timed alongside."""
     codec = MixedCodec(plan)
@@ -378,8 +390,8 @@ def _speed(kv: torch.Tensor, plan: HeadPlan) -> dict[str, float]:
     def decode() -> None:
         restore_blocks(codec.decode_quantized(blob), cache, block_ids)
 
-    encode_s, clone_enc_s = _paired_s(encode, kv.clone)
-    decode_s, clone_dec_s = _paired_s(decode, kv.clone)
+    encode_s, clone_enc_s = _paired_s(encode, kv.clone, repeats)
+    decode_s, clone_dec_s = _paired_s(decode, kv.clone, repeats)
     return {
         "encode_mb_s": round(kv.nbytes / encode_s / MB, 1),
         "decode_mb_s": round(kv.nbytes / decode_s / MB, 1),
@@ -387,3 +399,87 @@ def _speed(kv: torch.Tensor, plan: HeadPlan) -> dict[str, float]:
         "encode_vs_clone": round(clone_enc_s / encode_s, 3),
         "decode_vs_clone": round(clone_dec_s / decode_s, 3),
     }
+
+
+def _served_sizes(quick: bool) -> dict[int, int]:
+    """Request lengths timed at the served model's shape -> medians of how many pairs: 2048
+    tokens (268 MB at 16 bits) and 8192 (1.07 GB: 3 pairs, each encode takes seconds);
+    quick: 256 tokens (34 MB), the section's shape checked, not its speed."""
+    return {256: 2} if quick else {2048: 5, 8192: 3}
+
+
+def _served_model_speed(quick: bool, budget_plan: HeadPlan | None) -> dict[str, Any]:
+    """Encode / decode against `torch.clone` (`_speed`) of seeded synthetic KV at the KV
+    shape of a real served model (`SERVED_MODEL`, `SERVED_DTYPE`): uniform plans of
+    `SERVED_CLASSES`, and the sensitivity budget plan's classes tiled over its heads when
+    there is one (a trained LM). Speed, not quality: the values only need a realistic spread."""
+    name, num_layers, num_heads, head_dim = SERVED_MODEL
+    plans = {
+        label: HeadPlan.from_codes(
+            np.full((num_layers, num_heads), int(HeadClass[label.upper()])), label, KIVI_PARAMS
+        )
+        for label in SERVED_CLASSES
+    }
+    if budget_plan is not None:
+        plans["budget_sensitivity"] = _tile_plan(budget_plan, num_layers, num_heads)
+    result: dict[str, Any] = {
+        "model": name,
+        "num_layers": num_layers,
+        "num_kv_heads": num_heads,
+        "head_dim": head_dim,
+        "kv_dtype": str(SERVED_DTYPE).removeprefix("torch."),
+        "kv_values": _SERVED_VALUES,
+        "budget_placement": "the sensitivity plan's (layer, head) grid tiled over the heads"
+        if budget_plan is not None
+        else "none (the budget plans need a trained LM: --model)",
+        "cpu_threads": torch.get_num_threads(),
+        "sizes": {},
+    }
+    for num_tokens, repeats in _served_sizes(quick).items():
+        kv = _served_kv(num_layers, num_heads, head_dim, num_tokens)
+        rows = {}
+        for label, plan in plans.items():
+            rows[label] = {
+                "classes": _class_counts(plan),
+                "size_vs_fp16": round(size_vs_fp16(plan, num_tokens, head_dim), 4),
+                **_speed(kv, plan, repeats),
+            }
+        result["sizes"][str(num_tokens)] = {
+            "num_tokens": num_tokens,
+            "kv_mb": round(kv.nbytes / MB, 1),
+            "repeats": repeats,
+            "plans": rows,
+        }
+        del kv
+    return result
+
+
+_SERVED_VALUES = (
+    "seeded normal: values N(0, 1); keys N(0, 1) with 4 outlier channels per (layer, head) "
+    "scaled x10 and a per-channel offset N(0, 1) (KIVI's fixed outlier channels in keys)"
+)
+
+
+def _served_kv(num_layers: int, num_heads: int, head_dim: int, num_tokens: int) -> torch.Tensor:
+    """(L, 2, T, H, D) of `SERVED_DTYPE`, as `_SERVED_VALUES` says, generated in place."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    kv = torch.empty(num_layers, 2, num_tokens, num_heads, head_dim, dtype=SERVED_DTYPE)
+    channel_scale = torch.ones(num_layers, num_heads, head_dim)
+    outliers = torch.randint(0, head_dim, (num_layers, num_heads, 4), generator=gen)
+    channel_scale.scatter_(2, outliers, 10.0)
+    offset = torch.randn(num_layers, num_heads, head_dim, generator=gen)
+    for layer in range(num_layers):  # one float32 layer at a time: no full-size float32 copy
+        x = torch.randn(2, num_tokens, num_heads, head_dim, generator=gen)
+        x[0].mul_(channel_scale[layer]).add_(offset[layer])
+        kv[layer].copy_(x)
+    return kv
+
+
+def _tile_plan(plan: HeadPlan, num_layers: int, num_heads: int) -> HeadPlan:
+    """`plan`'s (L, H) class grid repeated over a (num_layers, num_heads) model, cropped
+    where it does not divide: the same class shares (exact when it divides), placed
+    deterministically."""
+    codes = plan.codes()
+    reps = (-(-num_layers // codes.shape[0]), -(-num_heads // codes.shape[1]))
+    tiled = np.tile(codes, reps)[:num_layers, :num_heads]
+    return plan.with_classes(tiled, f"{plan.source}, tiled to {num_layers} x {num_heads} heads")

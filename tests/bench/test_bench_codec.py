@@ -4,6 +4,8 @@ lossy plans report sizes that follow from their plans."""
 
 from __future__ import annotations
 
+import torch
+
 from preempt.bench.codec import bench_codec
 
 
@@ -25,3 +27,43 @@ def test_codec_bench_reports_every_plan_and_lossless_fp16_changes_nothing():
     assert [s["num_tokens"] for s in result["speed_sizes"].values()] == [2048, 4096]
     assert result["cpu_threads"] == 1  # the speed columns say on how many threads
     assert "meaningless" in result["model"]  # an untrained model says so
+    served = result["served_model_speed"]  # the speed columns at a real served model's KV shape
+    assert (served["num_layers"], served["num_kv_heads"], served["head_dim"]) == (32, 8, 128)
+    assert served["kv_dtype"] == "bfloat16" and served["cpu_threads"] == 1
+    assert list(served["sizes"]) == ["256"]  # quick: one small length
+    size = served["sizes"]["256"]
+    assert size["kv_mb"] == round(32 * 2 * 256 * 8 * 128 * 2 / 1e6, 1)
+    assert set(size["plans"]) == {"fp8", "kivi4", "kivi_k5v4", "kivi_k6v4"}  # no budget plan untrained
+    for label, row in size["plans"].items():
+        assert row["classes"] == {label: 256}
+        assert row["encode_mb_s"] > 0 and row["decode_mb_s"] > 0 and row["clone_mb_s"] > 0
+        assert row["encode_vs_clone"] > 0 and row["decode_vs_clone"] > 0
+    assert size["plans"]["kivi4"]["size_vs_fp16"] < size["plans"]["kivi_k6v4"]["size_vs_fp16"] < 0.5
+
+
+def test_budget_plan_tiles_over_a_served_models_heads_with_its_class_shares():
+    import numpy as np
+
+    from kernels.plan import HeadPlan
+    from preempt.bench.codec import _tile_plan
+
+    codes = np.array([[4, 6, 6, 7], [4, 4, 8, 6], [6, 7, 4, 6], [7, 4, 6, 7]])
+    plan = HeadPlan.from_codes(codes, "s", (64, 4, 8))
+    tiled = _tile_plan(plan, 32, 8)
+    assert tiled.codes().shape == (32, 8) and tiled.params() == plan.params()
+    for cls in set(plan.codes().ravel()):
+        assert (tiled.codes() == cls).sum() == 16 * (plan.codes() == cls).sum()  # 8 x 2 copies
+    assert (tiled.codes()[4:8, 4:8] == plan.codes()).all()
+    cropped = _tile_plan(plan, 6, 3)  # not a multiple: the grid cropped
+    assert (cropped.codes()[4:6] == plan.codes()[:2, :3]).all()
+
+
+def test_served_kv_has_outlier_key_channels_and_is_seeded():
+    from preempt.bench.codec import _served_kv
+
+    kv = _served_kv(2, 3, 16, 64)
+    assert kv.shape == (2, 2, 64, 3, 16) and kv.dtype.itemsize == 2
+    assert torch.equal(kv, _served_kv(2, 3, 16, 64))
+    key_spread = kv[:, 0].float().std(dim=1)  # (L, H, D): per channel over tokens
+    value_spread = kv[:, 1].float().std(dim=1)
+    assert key_spread.amax() > 5 * value_spread.amax()  # the x10 channels stand out in keys
