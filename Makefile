@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint bench clean peer parity sweeps results
+.PHONY: setup run test lint bench clean peer parity sweeps results gpu-wheels
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -49,6 +49,16 @@ sweeps: $(STAMP)
 
 results: sweeps
 	$(BIN)/preempt report --quick runs/main/ablate $(foreach s,$(SWEEPS),--sweep runs/$(s)) --out docs/results.md
+
+# Wheels for the GPU machine, which reaches no registry and lacks these (its Python is
+# 3.12 on x86-64; it has torch, triton, numpy, pyyaml, pytest, hypothesis). The versions are
+# this venv's; scripts/gpu_check.sh installs them from .whl/ with --no-index.
+GPU_WHEELS ?= pydantic pydantic_core annotated_types typing_inspection typing_extensions zstandard
+gpu-wheels: $(STAMP)
+	mkdir -p .whl
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl $$($(BIN)/python -c "import importlib.metadata as m, sys; print(' '.join(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" $(GPU_WHEELS))
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

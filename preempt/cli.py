@@ -442,6 +442,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _missing(message: str) -> int:
+    print(f"preempt: error: {message}", file=sys.stderr)
+    return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     from preempt.bench import BENCHMARKS
 
@@ -573,11 +578,18 @@ def build_parser() -> argparse.ArgumentParser:
     importance.add_argument("--num-threads", type=_positive_int, default=1, help="torch threads (default 1)")
     importance.set_defaults(func=cmd_importance)
 
-    from preempt.serve import add_serve_arguments, cmd_serve  # fastapi, uvicorn: ~0.4 s
-
     serve = sub.add_parser("serve", help="HTTP server (OpenAI-compatible), engine on the wall clock")
-    add_serve_arguments(serve)
-    serve.set_defaults(func=cmd_serve)
+    try:
+        from preempt.serve import add_serve_arguments, cmd_serve  # fastapi, uvicorn: ~0.4 s
+    except ImportError as err:
+        # Where the server's packages are missing (the offline GPU machine), every other
+        # command still runs; `serve` says what is missing instead of the CLI failing whole.
+        serve.set_defaults(
+            func=lambda _args, err=err: _missing(f"preempt serve needs {err.name}: {err}"), any_flags=True
+        )
+    else:
+        add_serve_arguments(serve)
+        serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="micro/macro benchmarks; one JSON object on stdout")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
@@ -665,7 +677,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "any_flags", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except (ConfigError, TraceError) as err:  # bad input named by key, file or line

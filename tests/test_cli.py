@@ -128,3 +128,15 @@ def test_bad_input_exits_nonzero_with_one_line(argv, message, capsys, tmp_path, 
     assert exc.value.code != 0
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_cli_runs_without_the_server_packages_and_serve_names_what_is_missing(monkeypatch, capsys):
+    """The offline GPU machine has no fastapi/uvicorn: calibrate and bench must still parse
+    and run there, and `serve` must say what is missing rather than the CLI failing whole."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "preempt.serve", None)  # importing it raises ImportError
+    assert main(["bench", "clock", "--quick", "--json"]) == 0
+    capsys.readouterr()
+    assert main(["serve", "--port", "1"]) == 2
+    assert "preempt serve needs preempt.serve" in capsys.readouterr().err

@@ -24,7 +24,6 @@ import torch
 from preempt.core.config import build_config
 from preempt.core.request import Request
 from preempt.engine.engine import Engine
-from preempt.kv.record import PreemptionRecord
 from preempt.kv.saver import Saver
 
 MB = 1e6
@@ -92,15 +91,14 @@ def _codec_throughput(num_tokens: int, repeats: int, dtype: str) -> dict[str, An
         original_blocks = list(request.block_ids)
         save_times, restore_times, stored = [], [], 0
         for _ in range(repeats):
-            record = PreemptionRecord(0.0, 0, "bench", "save", request.num_computed_tokens)
             started = time.perf_counter()
-            failure = saver.save(request, codec, 0.0, record)
+            saved = saver.save(request, codec, 0.0)
+            assert saved.failure is None, saved.failure
+            stored = saved.bytes_stored.result()  # the blob is stored once this returns
             save_times.append(time.perf_counter() - started)
-            assert failure is None, failure
-            stored = record.bytes_stored
             request.block_ids = pool.allocate(len(original_blocks))  # restore into fresh blocks
             started = time.perf_counter()
-            assert saver.restore(request, 0.0, record)
+            assert saver.restore(request, 0.0).ok
             restore_times.append(time.perf_counter() - started)
             pool.free(request.block_ids)
             request.block_ids = original_blocks
@@ -154,9 +152,8 @@ def _overlap(
             engine.step()
 
     def save_and_wait() -> None:
-        record = PreemptionRecord(0.0, big.request_id, "bench", "save", big.num_computed_tokens)
         big.block_ids = big_blocks
-        assert saver.save(big, "zstd", 0.0, record) is None
+        assert saver.save(big, "zstd", 0.0).failure is None
         saver.discard(big)  # waits for the worker, frees the slot
 
     steps()  # warm up
@@ -164,9 +161,8 @@ def _overlap(
     save_alone = _median_s(save_and_wait, 3)
 
     def combined() -> None:
-        record = PreemptionRecord(0.0, big.request_id, "bench", "save", big.num_computed_tokens)
         big.block_ids = big_blocks
-        assert saver.save(big, "zstd", 0.0, record) is None  # gather here, encode on the worker
+        assert saver.save(big, "zstd", 0.0).failure is None  # gather here, encode on the worker
         steps()
         saver.discard(big)
 

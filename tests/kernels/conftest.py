@@ -66,3 +66,11 @@ def random_cache(
     cache = (torch.randn(shape, generator=gen) * spread).to(dtype)
     cache[0, 0, 0, 0, 0, 0] = -0.0
     return cache.to(device)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that takes the `cuda` fixture is a `gpu` test, marked or not, so that
+    `pytest -m gpu` (the GPU machine's run, scripts/gpu_check.sh) selects all of them."""
+    for item in items:
+        if "cuda" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.gpu)
