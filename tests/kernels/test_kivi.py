@@ -127,15 +127,24 @@ def _gathered(cache, block_ids, num_tokens):
     return gather_blocks_ref(cache, block_ids, num_tokens)
 
 
+@pytest.mark.parametrize("blocks", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "shape, params", [((3, 77, 5, 16), (16, 3, 5)), ((2, 130, 3, 24), (32, 4, 32)), ((2, 9, 2, 8), (8, 4, 4))]
 )
-def test_batched_kivi_equals_the_per_class_reference(dtype, shape, params):
+def test_batched_kivi_equals_the_per_class_reference(monkeypatch, dtype, shape, params, blocks):
     """quantize_kivi_kv (every head of the request at once, per-head levels) writes the
     same bytes as quantize_kivi_ref of each class's heads, for every bit width, short
-    last key groups, outlier channels, a flat group and out-of-range codes included."""
+    last key groups, outlier channels, a flat group and out-of-range codes included.
+    `blocks`: buffers so small that every layer is its own block and the tokens come in
+    several chunks (a served model's request takes that path), and one class's heads in
+    shuffled slot order (its rows of a block are then not consecutive)."""
+    import kernels.kivi as kivi
     from kernels.kivi import KiviClass, quantize_kivi_kv
+
+    if blocks:
+        monkeypatch.setattr(kivi, "_BATCH_ELEMS", 1)  # one key group of tokens per chunk
+        monkeypatch.setattr(kivi, "_SCRATCH_MAX_BYTES", 1)  # one layer per block
 
     num_layers, num_tokens, num_heads, head_dim = shape
     gen = torch.Generator().manual_seed(num_tokens)
@@ -147,7 +156,12 @@ def test_batched_kivi_equals_the_per_class_reference(dtype, shape, params):
     bits = [b for b in bits if head_dim * b[0] % 8 == 0 and head_dim * b[1] % 8 == 0]
     rng = np.random.default_rng(0)
     which = rng.integers(0, len(bits), (num_layers, num_heads))
+    if blocks:
+        which[:, :2] = 0  # two heads of one class in every layer (block)
     classes = [KiviClass(*np.nonzero(which == i), b) for i, b in enumerate(bits) if (which == i).any()]
+    if blocks:
+        order = rng.permutation(len(classes[0].layers))
+        classes[0] = classes[0]._replace(layers=classes[0].layers[order], heads=classes[0].heads[order])
     for c, rows in zip(classes, quantize_kivi_kv(kv, classes, params), strict=True):
         views = [kv[layer, :, :, head] for layer, head in zip(c.layers, c.heads, strict=True)]
         assert_bits_equal(rows, quantize_kivi_ref(views, c.bits, params))
