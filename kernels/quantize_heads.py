@@ -353,8 +353,9 @@ def quantize_fp8_ref(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     scale = amax / 448 per (n, K or V), 1.0 where amax is 0; value = clamp(float32(x) /
     scale, +-448) rounded half-even.
 
-    CPU speed: amax is taken on the source dtype (exact: rounding to float32 is monotonic),
-    then one (T, D) row at a time goes through a reused float32 buffer, so the temporaries
+    CPU speed: amax is taken on the source dtype for float32 / float64 rows and on each
+    row's float32 copy for 16-bit ones (exact either way: rounding to float32 is monotonic),
+    and one (T, D) row at a time goes through a reused float32 buffer, so the temporaries
     stay in cache and no fresh one pays its page faults (2.8x faster than whole-tensor ops
     on one core here)."""
     num_rows = selected.shape[0] * 2
@@ -362,12 +363,21 @@ def quantize_fp8_ref(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     if selected.numel() == 0:
         return out, torch.ones(selected.shape[:2], dtype=torch.float32, device=selected.device)
     rows = selected.reshape(num_rows, -1)
-    amax = torch.maximum(rows.amax(dim=1), -rows.amin(dim=1)).float()  # (rows,)
-    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     out_rows = out.view(num_rows, -1)
     buffer = torch.empty(rows.shape[1], dtype=torch.float32, device=selected.device)
+    # 16-bit rows: the amax of each row's float32 copy, in the loop (the same value: the
+    # conversion is exact, and float32 reductions run ~2.5x faster than 16-bit ones here)
+    in_loop = selected.dtype in (torch.float16, torch.bfloat16)
+    if in_loop:
+        scales = torch.empty(num_rows, dtype=torch.float32, device=selected.device)
+    else:
+        amax = torch.maximum(rows.amax(dim=1), -rows.amin(dim=1)).float()  # (rows,)
+        scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     for row in range(num_rows):
         buffer.copy_(rows[row])
+        if in_loop:
+            amax = torch.maximum(buffer.amax(), buffer.amin().neg_())
+            scales[row] = torch.where(amax > 0, amax / FP8_MAX, 1.0)
         buffer.div_(scales[row]).clamp_(-FP8_MAX, FP8_MAX)
         out_rows[row].copy_(buffer)  # float32 -> E4M3, round half to even
     return out, scales.view(-1, 2)
