@@ -9,6 +9,12 @@ H100 fit carried to the A100 by datasheet ratios (the method that gives the H200
 profile), scored on the A100's measurements. And `published`: end-to-end latencies that
 engines' own benchmarks published (`preempt/calibrate/data/published_e2e.csv`, held out:
 nothing was fitted to them), predicted step by step through the same `CostModel`.
+
+The analytic constants are scored without the profiles' measured operator tables
+(`analytic()`), since with them a measured point is reproduced by construction. The
+tables get their own check (`table_fidelity`): each point predicted from the table with
+that point left out, and from a table of only the token counts `preempt calibrate
+--device cuda` measures, at every other count: what a GPU calibration's table gives.
 """
 
 from __future__ import annotations
@@ -16,10 +22,12 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 from preempt.calibrate import published, vidur
-from preempt.calibrate.fit import FIT_SETS, LINEAR_OPS, derive_device
+from preempt.calibrate.fit import FIT_SETS, LINEAR_OPS, derive_device, op_tables
+from preempt.calibrate.gpu import FULL_GRID
 from preempt.core.cost_model import (
     ELEMENTWISE_OPS,
     MODELS,
@@ -55,6 +63,56 @@ def _cost(model: str, tp: int, device: DeviceProfile) -> CostModel:
     return CostModel(TargetProfile(f"{device.name}-{model}", MODELS[model], tp, device))
 
 
+def analytic(device: DeviceProfile) -> DeviceProfile:
+    """The device's fitted constants alone: no measured operator tables."""
+    return replace(device, op_tables={})
+
+
+def _predicted(cost: CostModel, op: str, num_tokens: int) -> float:
+    return cost.layer_linear_s(num_tokens)[op] if op in LINEAR_OPS else cost.elementwise_s(op, num_tokens)
+
+
+def table_fidelity(device: DeviceProfile, points: list[vidur.OpPoint]) -> dict[str, Any]:
+    """The measured-table clock on token counts its table did not hold. `interleaved`: the
+    counts of each operator series split alternately in two, each half's table predicting
+    the other half (gaps twice the profile's); `calibration_grid`: a table of
+    `FULL_GRID`'s token counts only (what `preempt calibrate --device cuda` measures),
+    predicting every other count."""
+    base = analytic(device)
+    layer_ops = set(LINEAR_OPS) | set(ELEMENTWISE_OPS)
+    mine = [p for p in points if p.op in layer_ops]
+    grid = set(FULL_GRID["tokens"])
+    series: dict[tuple[int, str], list[vidur.OpPoint]] = defaultdict(list)
+    for p in mine:
+        series[(p.tp, p.op)].append(p)
+    out: dict[str, Any] = {}
+    for name in ("interleaved", "calibration_grid"):
+        by_op: dict[str, list[float]] = defaultdict(list)
+        layers: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
+        for (tp, op), pts in sorted(series.items()):
+            pts = sorted(pts, key=lambda p: p.num_tokens)
+            if name == "interleaved":
+                folds = [(pts[0::2], pts[1::2]), (pts[1::2], pts[0::2])]
+            else:
+                folds = [
+                    ([p for p in pts if p.num_tokens in grid], [p for p in pts if p.num_tokens not in grid])
+                ]
+            for table_points, scored in folds:
+                if len(table_points) < 2:
+                    continue
+                cost = _cost(pts[0].model, tp, replace(base, op_tables=op_tables(table_points)))
+                for p in scored:
+                    predicted = _predicted(cost, op, p.num_tokens)
+                    by_op[op].append(predicted / p.measured_s)
+                    acc = layers[(tp, p.num_tokens)]
+                    acc[0] += predicted
+                    acc[1] += p.measured_s
+                    acc[2] += 1
+        full = [v[0] / v[1] for v in layers.values() if v[2] == len(layer_ops)]
+        out[name] = {"layer": summarise(full), "all_points": summarise(x for r in by_op.values() for x in r)}
+    return out
+
+
 def op_fidelity(device: DeviceProfile, points: list[vidur.OpPoint]) -> dict[str, Any]:
     """Per operator and per whole layer, for one (gpu, model) data set."""
     by_op: dict[str, list[float]] = defaultdict(list)
@@ -62,11 +120,7 @@ def op_fidelity(device: DeviceProfile, points: list[vidur.OpPoint]) -> dict[str,
     costs: dict[int, CostModel] = {}
     layer_ops = set(LINEAR_OPS) | set(ELEMENTWISE_OPS)
     for p in points:
-        cost = costs.setdefault(p.tp, _cost(p.model, p.tp, device))
-        if p.op in LINEAR_OPS:
-            predicted = cost.layer_linear_s(p.num_tokens)[p.op]
-        else:
-            predicted = cost.elementwise_s(p.op, p.num_tokens)
+        predicted = _predicted(costs.setdefault(p.tp, _cost(p.model, p.tp, device)), p.op, p.num_tokens)
         by_op[p.op].append(predicted / p.measured_s)
         if p.op in layer_ops:
             acc = layers[(p.tp, p.num_tokens)]
@@ -117,11 +171,7 @@ def layer_table(device: DeviceProfile, points: list[vidur.OpPoint], tp: int = 1)
         if p.tp != tp or p.num_tokens not in wanted or p.op not in layer_ops:
             continue
         cost = cost or _cost(p.model, tp, device)
-        predicted = (
-            cost.layer_linear_s(p.num_tokens)[p.op]
-            if p.op in LINEAR_OPS
-            else cost.elementwise_s(p.op, p.num_tokens)
-        )
+        predicted = _predicted(cost, p.op, p.num_tokens)
         sums[p.num_tokens][0] += predicted
         sums[p.num_tokens][1] += p.measured_s
     return [
@@ -151,13 +201,19 @@ PUBLISHED_OVERHEADS = {
 }
 
 
-def published_fidelity(points: list[published.PublishedPoint] | None = None) -> dict[str, Any]:
+def published_fidelity(
+    points: list[published.PublishedPoint] | None = None, analytic_only: bool = False
+) -> dict[str, Any]:
     """Predicted / measured seconds for each published point: overall, by source, single-
-    vs multi-GPU, with and without the clock's host overhead per step."""
+    vs multi-GPU, with and without the clock's host overhead per step. The clock as it
+    runs (a target with measured op tables uses them), or `analytic_only`."""
     points = published.load_published() if points is None else points
     rows = []
     for p in points:
-        pred = published.predict(p)
+        cost = published.cost_model(p)
+        if analytic_only:
+            cost = CostModel(replace(cost.target, device=analytic(cost.target.device)))
+        pred = published.predict(p, cost)
         rows.append(
             {
                 "id": p.id,
@@ -191,6 +247,9 @@ def published_fidelity(points: list[published.PublishedPoint] | None = None) -> 
     return {
         "data": "preempt/calibrate/data/published_e2e.csv (sources: its README)",
         "held_out": True,
+        "clock": "constants only"
+        if analytic_only
+        else "as run: measured op tables where the target has them",
         "overheads": PUBLISHED_OVERHEADS,
         "all": group(lambda r: True),
         "single_gpu": group(lambda r: r["tp"] == 1),
@@ -203,7 +262,7 @@ def published_fidelity(points: list[published.PublishedPoint] | None = None) -> 
 def bench_clock(quick: bool = False) -> dict[str, Any]:
     """Fidelity of the bundled device profiles (quick: the same; it takes seconds)."""
     ops, attention, all_reduce = vidur.load_ops(), vidur.load_attention(), vidur.load_all_reduce()
-    devices = {gpu: load_device(gpu) for gpu in ("h100", "a100")}
+    devices = {gpu: analytic(load_device(gpu)) for gpu in ("h100", "a100")}
     datasets = []
     for gpu, model in sorted({(p.gpu, p.model) for p in ops}):
         points = [p for p in ops if p.gpu == gpu and p.model == model]
@@ -213,6 +272,7 @@ def bench_clock(quick: bool = False) -> dict[str, Any]:
                 "model": model,
                 "used_in_fit": model in FIT_SETS[gpu],
                 **op_fidelity(devices[gpu], points),
+                "measured_table": table_fidelity(devices[gpu], points),
             }
         )
     transfer = derive_device(
@@ -244,4 +304,9 @@ def bench_clock(quick: bool = False) -> dict[str, Any]:
             "attention_a100_from_h100": "n/a (H100 attention is itself carried from the A100)",
         },
         "published": published_fidelity(),
+        "published_analytic": {
+            k: v
+            for k, v in published_fidelity(analytic_only=True).items()
+            if k not in ("points", "overheads")
+        },
     }

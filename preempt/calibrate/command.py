@@ -5,6 +5,7 @@ measure this GPU; writes device profiles (`{"kind": "device", "device": {...}}`)
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,12 @@ from preempt.core.cost_model import DeviceProfile, ProfileError, load_device
 
 def write_profile(path: Path, device: DeviceProfile, **extra: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"kind": "device", "device": device.to_dict(), **extra}, indent=1) + "\n")
+    text = json.dumps({"kind": "device", "device": device.to_dict(), **extra}, indent=1)
+    # a list of plain numbers on one line: the op tables are thousands of them
+    text = re.sub(
+        r"\[\s*([-+0-9.eE]+(?:,\s*[-+0-9.eE]+)*)\s*\]", lambda m: "[" + re.sub(r"\s+", " ", m[1]) + "]", text
+    )
+    path.write_text(text + "\n")
 
 
 def calibrate_vidur(out_dir: Path) -> list[Path]:

@@ -11,17 +11,31 @@ Which data fits what (`FIT_SETS`; the rest is held out and reported by `preempt 
 - A100: linear + elementwise from Llama-3-8B at TP 1/2/4/8; attention from the A100
   attention file (Llama-70B shape over 2 GPUs); all-reduce from A100 DGX.
 Held out: H100 Llama-2-70B, A100 Llama-3-70B and Llama-2-7B.
+
+Beside the constants, every measured per-token operator time goes into the profile's
+`op_tables` (all models and GPU counts, the held-out ones too: tables are measurements, not
+fitted), which a target of that model and GPU count charges as Vidur does; the held-out
+check of the constants (`preempt bench clock`) runs without them.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 
 import numpy as np
 
 from preempt.calibrate.vidur import AllReducePoint, AttnPoint, OpPoint
-from preempt.core.cost_model import ELEMENTWISE_OPS, MODELS, CostModel, DeviceProfile, TargetProfile
+from preempt.core.cost_model import (
+    ELEMENTWISE_OPS,
+    MODELS,
+    TABLE_OPS,
+    CostModel,
+    DeviceProfile,
+    TargetProfile,
+)
 
 LINEAR_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
 FIT_SETS = {"h100": ("llama2-7b",), "a100": ("llama3-8b",)}
@@ -326,6 +340,21 @@ def fit_device(
     return DeviceProfile(name=gpu, sources=sources, **values)  # type: ignore[arg-type]
 
 
+def op_tables(points: Iterable[OpPoint]) -> dict[str, dict[str, tuple[tuple[int, ...], tuple[float, ...]]]]:
+    """Measured per-token operator times as `DeviceProfile.op_tables` ("model/tpN" -> op ->
+    (token counts, seconds), 4 significant digits: the profiles' own precision)."""
+    series: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
+    for p in points:
+        if p.op in TABLE_OPS:
+            series[(f"{p.model}/tp{p.tp}", p.op)][p.num_tokens] = p.measured_s
+    out: dict[str, dict[str, tuple[tuple[int, ...], tuple[float, ...]]]] = {}
+    for (key, op), by_tokens in sorted(series.items()):
+        if len(by_tokens) >= 2:
+            tokens = tuple(sorted(by_tokens))
+            out.setdefault(key, {})[op] = (tokens, tuple(float(f"{by_tokens[t]:.4g}") for t in tokens))
+    return out
+
+
 def derive_device(base: DeviceProfile, name: str, base_gpu: str, compute_ratio: float = 1.0) -> DeviceProfile:
     """`base` carried to GPU `name`: every bandwidth term scaled by the datasheet HBM
     ratio, FLOP/s terms by `compute_ratio`, floors and exponents kept."""
@@ -349,6 +378,7 @@ def derive_device(base: DeviceProfile, name: str, base_gpu: str, compute_ratio: 
         else:
             sources[key] = f"kept: same compute die as {base.name}; was {base.sources.get(key, '')}"
     data["name"] = name
+    data["op_tables"] = {}  # measured on the base GPU: not this one's times
     data["mem_total_bytes"] = float(MEM_TOTAL.get(name, base.mem_total_bytes))
     sources["mem_total_bytes"] = (
         f"nvidia-smi memory.total of {name.upper()} ({data['mem_total_bytes'] / 2**20:.0f} MiB)"
@@ -385,6 +415,14 @@ def fit_vidur() -> dict[str, DeviceProfile]:
     }
     h100 = DeviceProfile.from_dict(data, where="h100")
     h200 = derive_device(h100, "h200", "h100")
+    h100, a100 = (
+        replace(
+            dev,
+            op_tables=op_tables(p for p in ops if p.gpu == dev.name),
+            sources={**dev.sources, "op_tables": f"measured: {VIDUR} {dev.name}, every model and TP"},
+        )
+        for dev in (h100, a100)
+    )
     return {"a100": a100, "h100": h100, "h200": h200}
 
 
@@ -484,4 +522,26 @@ def fit_measurements(data: dict, base: DeviceProfile, name: str | None = None) -
     sources["mem_total_bytes"] = (
         f"torch.cuda.mem_get_info total on {data['device']}" if memory else f"kept from {base.name} (no CUDA)"
     )
+    model = _model_named(shape)
+    if model is not None:  # the measured stack is a known model's shape: its op times too
+        measured = [OpPoint("gpu", model, 1, op, t, sec) for op, t, _, _, sec in data["linear"]]
+        measured += [OpPoint("gpu", model, 1, op, t, sec) for op, t, sec in data["elementwise"]]
+        measured += [p._replace(op="post_attention_layernorm") for p in measured if p.op == "input_layernorm"]
+        values["op_tables"] = op_tables(measured)
+        sources["op_tables"] = f"{where}: {model} at TP 1, the GEMMs and elementwise kernels"
     return DeviceProfile(name=name or data["device"], sources=sources, **values)  # type: ignore[arg-type]
+
+
+def _model_named(shape: dict) -> str | None:
+    """The bundled model whose shape the measurement used, if any (`--tiny`'s is none)."""
+    for name, m in MODELS.items():
+        mlp = (2 if m.is_gated_mlp else 1) * m.intermediate_size
+        if (m.hidden_size, m.num_q_heads, m.num_kv_heads, m.head_dim, m.vocab_size) == (
+            shape["hidden"],
+            shape["q_heads"],
+            shape["kv_heads"],
+            shape["head_dim"],
+            shape["vocab"],
+        ) and mlp == 2 * shape["intermediate"]:
+            return name
+    return None

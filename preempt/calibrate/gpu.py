@@ -1,13 +1,14 @@
 """`preempt calibrate --device cuda`: measure the cost model's operators on this GPU.
 
 Owns: the measurement protocol. A random-weight Llama-3-8B-shaped stack in bf16 (no
-download): the four GEMMs of a layer over 24 token counts (1..8192; CUDA graphs up to
+download): the four GEMMs of a layer over 164 token counts (1..8192; CUDA graphs up to
 256 tokens, where launch overhead would otherwise be measured instead of the kernel),
 the LM head, the elementwise kernels, attention decode (batch x context) and prefill
 (chunk x prior context) through SDPA, pinned device->host / host->device / both-ways
 copies from 64 KB to 256 MB, and the memory left for KV. Imports torch and the standard
 library only (the GPU machine may lack the rest); `fit_measurements` (numpy) turns the
-result into a device profile, here or later with `preempt calibrate --from FILE`.
+result into a device profile (constants + measured op tables), here or later with
+`preempt calibrate --from FILE`.
 Budget: under 6 minutes on one H200 (each point is the median of a few timed runs).
 `--tiny`: a toy shape and few points, so the code path runs on CPU in seconds.
 """
@@ -26,33 +27,22 @@ import torch.nn.functional as F
 LLAMA3_8B = dict(hidden=4096, q_heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256)
 TINY = dict(hidden=256, q_heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=1024)
 
+# Token counts for the GEMMs and elementwise kernels: nearly as dense as Vidur's profiles
+# (every 16 tokens to 1024, then 32/64/128 apart), because cuBLAS's tile choices make the
+# times step between counts and the profile's op tables interpolate between them;
+# `preempt bench clock` (`calibration_grid`) scores this grid on Vidur's points.
+GRID_TOKENS = [
+    1,
+    2,
+    4,
+    8,
+    *range(16, 1025, 16),
+    *range(1056, 2049, 32),
+    *range(2112, 4097, 64),
+    *range(4224, 8193, 128),
+]
 FULL_GRID = dict(
-    tokens=[
-        1,
-        2,
-        4,
-        8,
-        16,
-        24,
-        32,
-        48,
-        64,
-        96,
-        128,
-        192,
-        256,
-        384,
-        512,
-        768,
-        1024,
-        1536,
-        2048,
-        3072,
-        4096,
-        5120,
-        6144,
-        8192,
-    ],
+    tokens=GRID_TOKENS,
     lm_head_tokens=[1, 8, 32, 64, 128, 256],
     decode_batch=[1, 4, 16, 64, 256],
     decode_ctx=[128, 512, 2048, 8192],

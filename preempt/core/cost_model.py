@@ -20,6 +20,9 @@ One step, per GPU (tensor parallelism shards heads and the MLP over `num_gpus`):
                                    / flops_per_s; p)
     all_reduce(n)    = latency(tp) + n / bytes_per_s(tp), twice a layer (after O and down)
 The LM head runs only for sampled positions (one per scheduled sequence), as engines do.
+Where the device profile holds measured times of an operator for the target's model and
+GPU count (`op_tables`, as Vidur predicts from its profiles), that operator costs its
+formula time x (measured / formula), interpolated in log(tokens) between measured counts.
 Copies to and from the host share one duplex link: `one_way` bytes/s when one direction
 is busy, `both_ways` bytes/s in total when both are, plus a per-copy latency.
 KV capacity follows vLLM: total device memory x gpu_memory_utilization, less weights and
@@ -31,6 +34,7 @@ concept (a target's step time): each part is read only through the others.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from collections.abc import Iterator, Mapping
@@ -133,12 +137,24 @@ class DeviceProfile:
     copy_both_ways_bytes_per_s: float  # both directions busy: the two together
     copy_latency_s: float  # per copy (small blocks are latency-bound)
     mem_total_bytes: float  # what the device reports as its total memory
+    # Measured operator times, as Vidur's profiles are used: "model/tpN" -> op -> (token
+    # counts ascending, seconds). Optional; a target of that model and GPU count then
+    # charges each tabled op its analytic time x (measured / analytic), the ratio
+    # interpolated in log(tokens) between measured counts and held at the ends, so the
+    # fitted formula carries the shape between and beyond the measurements.
+    op_tables: dict[str, dict[str, tuple[tuple[int, ...], tuple[float, ...]]]] = field(
+        default_factory=dict, compare=False
+    )
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["elementwise"] = {op: list(v) for op, v in self.elementwise.items()}
         out["all_reduce"] = {str(n): list(v) for n, v in self.all_reduce.items()}
+        out["op_tables"] = {
+            key: {op: [list(t), list(sec)] for op, (t, sec) in ops.items()}
+            for key, ops in self.op_tables.items()
+        }
         return out
 
     @classmethod
@@ -149,6 +165,9 @@ class DeviceProfile:
         values: dict[str, Any] = {}
         for f in fields(cls):
             if f.name == "sources":
+                continue
+            if f.name == "op_tables":
+                values[f.name] = _op_tables(data.get(f.name, {}), f"{where}.op_tables")
                 continue
             if f.name not in data:
                 raise ProfileError(f"{where}: missing field '{f.name}'")
@@ -219,6 +238,39 @@ def _elementwise(raw: Any, key: str) -> tuple[float, float, float, float]:
     if exponent < 1:
         raise ProfileError(f"{key}: exponent must be >= 1, got {exponent!r}")
     return floor, rate, row, exponent
+
+
+TABLE_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj", *ELEMENTWISE_OPS, "emb")
+
+
+def _op_tables(raw: Any, where: str) -> dict[str, dict[str, tuple[tuple[int, ...], tuple[float, ...]]]]:
+    if not isinstance(raw, dict):
+        raise ProfileError(f"{where}: expected an object {{'model/tpN': {{op: [tokens, seconds]}}}}")
+    out: dict[str, dict[str, tuple[tuple[int, ...], tuple[float, ...]]]] = {}
+    for key, ops in raw.items():
+        model, _, tp = str(key).partition("/tp")
+        if not model or not tp.isdigit() or int(tp) < 1:
+            raise ProfileError(f"{where}: key {key!r}: expected 'model/tpN', e.g. 'llama3-8b/tp1'")
+        if not isinstance(ops, dict):
+            raise ProfileError(f"{where}.{key}: expected an object op -> [tokens, seconds]")
+        out[str(key)] = {}
+        for op, pair in ops.items():
+            at = f"{where}.{key}.{op}"
+            if op not in TABLE_OPS:
+                raise ProfileError(f"{at}: unknown operator; tables take {list(TABLE_OPS)}")
+            if not isinstance(pair, list | tuple) or len(pair) != 2:
+                raise ProfileError(f"{at}: expected [token counts, seconds]")
+            tokens, seconds = pair
+            if not isinstance(tokens, list | tuple) or not isinstance(seconds, list | tuple):
+                raise ProfileError(f"{at}: expected [token counts, seconds]")
+            if len(tokens) != len(seconds) or len(tokens) < 2:
+                raise ProfileError(f"{at}: token counts and seconds differ in length or have < 2 points")
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tokens) or any(
+                b <= a for a, b in zip(tokens, tokens[1:], strict=False)
+            ):
+                raise ProfileError(f"{at}: token counts must be positive integers, strictly ascending")
+            out[str(key)][op] = (tuple(tokens), tuple(_number(x, at) for x in seconds))
+    return out
 
 
 def _int_key(raw: Any, where: str) -> int:
@@ -472,6 +524,40 @@ class CostModel:
         self._allreduce_bytes_per_token = h * b
         if tp > 1 and tp not in dev.all_reduce:
             raise ProfileError(f"device {dev.name}: no all-reduce latencies for {tp} GPUs")
+        self.table_key = f"{m.name}/tp{tp}"
+        # op -> (log token counts, log(measured / analytic)) at the measured counts
+        self._corrections: dict[str, tuple[list[float], list[float]]] = {}
+        for op, (tokens, seconds) in dev.op_tables.get(self.table_key, {}).items():
+            analytic = [self._analytic_s(op, t) for t in tokens]
+            self._corrections[op] = (
+                [math.log(t) for t in tokens],
+                [math.log(sec / a) for sec, a in zip(seconds, analytic, strict=True)],
+            )
+
+    @property
+    def measured_ops(self) -> tuple[str, ...]:
+        """The operators this target charges from measured tables (none: all analytic)."""
+        return tuple(self._corrections)
+
+    def _correction(self, op: str, num_tokens: int) -> float:
+        table = self._corrections.get(op)
+        if table is None or num_tokens < 1:
+            return 1.0
+        xs, ys = table
+        x = math.log(num_tokens)
+        i = bisect.bisect_right(xs, x)
+        if i == 0:
+            return math.exp(ys[0])
+        if i == len(xs):
+            return math.exp(ys[-1])
+        w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return math.exp(ys[i - 1] + w * (ys[i] - ys[i - 1]))
+
+    def _analytic_s(self, op: str, num_tokens: int) -> float:
+        for name, k, n in self._layer_gemms:
+            if name == op:
+                return self.linear_s(num_tokens, k, n)
+        return self._elementwise_analytic_s(op, num_tokens)
 
     # ------------------------------------------------------------ operators
     def linear_s(self, num_tokens: int, k: int, n: int) -> float:
@@ -481,6 +567,9 @@ class CostModel:
         return d.linear_floor_s + smooth_max(flops_s, bytes_s, d.linear_exponent)
 
     def elementwise_s(self, op: str, num_tokens: int) -> float:
+        return self._elementwise_analytic_s(op, num_tokens) * self._correction(op, num_tokens)
+
+    def _elementwise_analytic_s(self, op: str, num_tokens: int) -> float:
         floor, rate, row_s_per_byte, exponent = self._dev.elementwise[op]
         per_token = self._elementwise_bytes[op] if op != "emb" else 2 * self._allreduce_bytes_per_token
         return smooth_max(floor + per_token * row_s_per_byte, num_tokens * per_token / rate, exponent)
@@ -508,7 +597,10 @@ class CostModel:
         return latency + num_bytes / rate
 
     def layer_linear_s(self, num_tokens: int) -> dict[str, float]:
-        return {op: self.linear_s(num_tokens, k, n) for op, k, n in self._layer_gemms}
+        return {
+            op: self.linear_s(num_tokens, k, n) * self._correction(op, num_tokens)
+            for op, k, n in self._layer_gemms
+        }
 
     def op_times(self, shape: StepShape) -> OpTimes:
         t = shape.num_tokens

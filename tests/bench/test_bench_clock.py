@@ -54,3 +54,32 @@ def test_published_section_covers_every_bundled_point():
     out = published_fidelity()
     assert out["all"]["with_host_overhead"]["n"] == len(published.load_published())
     assert set(out["by_source"]) == {p.source.split(" ")[0] for p in published.load_published()}
+
+
+def test_the_constants_are_scored_without_tables_and_the_tables_on_counts_they_lack():
+    from preempt.bench.clock import (
+        ELEMENTWISE_OPS,
+        LINEAR_OPS,
+        _cost,
+        _predicted,
+        analytic,
+        op_fidelity,
+        table_fidelity,
+    )
+    from preempt.calibrate import vidur
+    from preempt.core.cost_model import load_device
+
+    device = load_device("h100")  # with Vidur's measured tables for llama2-7b
+    formula = _cost("llama2-7b", 1, analytic(device))
+    # measured = 1.5x the formula everywhere: a table recovers that exactly between its
+    # counts, while the constants alone are 1.5x off
+    points = [
+        vidur.OpPoint("h100", "llama2-7b", 1, op, t, 1.5 * _predicted(formula, op, t))
+        for op in (*LINEAR_OPS, *ELEMENTWISE_OPS)
+        for t in (1, 8, 16, 24, 40, 64, 128, 200, 512, 1024, 1040, 4096)  # some off the calibration grid
+    ]
+    assert op_fidelity(analytic(device), points)["layer"]["rms_log"] == pytest.approx(math.log(1.5), abs=1e-4)
+    tables = table_fidelity(device, points)
+    for split in ("interleaved", "calibration_grid"):
+        assert tables[split]["all_points"]["n"] > 0
+        assert tables[split]["all_points"]["rms_log"] == pytest.approx(0.0, abs=1e-4)

@@ -25,6 +25,7 @@ def _known_device():
     )
     data.update(attn_kv_bytes_per_s=2.0e12, attn_flops_per_s=2.5e14, attn_exponent=2.5, attn_floor_s=1.8e-5)
     data.update(attn_per_row_head_s=2e-9, attn_masked_share=1.0)
+    data["op_tables"] = {}  # the formula alone generates the synthetic points
     return type(load_device("h100")).from_dict(data)
 
 
@@ -85,9 +86,87 @@ def test_bundled_profiles_are_the_fit_of_the_bundled_data():
         assert bundled.linear_flops_per_s == pytest.approx(device.linear_flops_per_s, rel=1e-9)
         assert bundled.attn_floor_s == pytest.approx(device.attn_floor_s, rel=1e-9)
         assert bundled.all_reduce.keys() == device.all_reduce.keys()
+        assert bundled.op_tables == device.op_tables
     h100, h200 = load_device("h100"), load_device("h200")
     assert h200.linear_flops_per_s == h100.linear_flops_per_s  # same compute die
     assert h200.linear_bytes_per_s == pytest.approx(h100.linear_bytes_per_s * 4.8 / 3.35)
+    # Measured tables belong to the GPU that was measured: the H200 is derived, so none.
+    assert h200.op_tables == {} and "llama2-7b/tp4" in h100.op_tables
+    ops = [
+        p for p in vidur.load_ops() if (p.gpu, p.model, p.tp, p.op) == ("h100", "llama2-7b", 4, "mlp_up_proj")
+    ]
+    tokens, seconds = h100.op_tables["llama2-7b/tp4"]["mlp_up_proj"]
+    assert tokens == tuple(sorted(p.num_tokens for p in ops))
+    assert seconds == pytest.approx([p.measured_s for p in sorted(ops, key=lambda p: p.num_tokens)], rel=1e-3)
+
+
+def test_a_gpu_calibration_of_a_known_model_shape_writes_its_op_tables():
+    from preempt.calibrate.gpu import LLAMA3_8B, TINY
+
+    assert fit._model_named(LLAMA3_8B) == "llama3-8b" and fit._model_named(TINY) is None
+    # a synthetic measurement at Llama-3-8B's shape: the formula's own times, doubled
+    device = load_device("h200")
+    cost = CostModel(TargetProfile("x", MODELS["llama3-8b"], 1, device))
+    tokens = (1, 16, 256, 4096)
+    data = {
+        "device": "synthetic",
+        "dtype": "bfloat16",
+        "shape": LLAMA3_8B,
+        "linear": [
+            [op, t, k, n, 2 * cost.linear_s(t, k, n)] for op, k, n in cost._layer_gemms for t in tokens
+        ],
+        "lm_head": [[t, 4096, 128256, cost.linear_s(t, 4096, 128256)] for t in (1, 64)],
+        "elementwise": [
+            [op, t, 2 * cost.elementwise_s(op, t)]
+            for op in ("input_layernorm", "mlp_act", "add", "attn_rope")
+            for t in tokens
+        ],
+        "attention": [
+            {
+                "is_prefill": False,
+                "batch_size": b,
+                "kv_cache_size": c,
+                "prefill_chunk_size": 0,
+                "seconds": 1e-5 * b * c / 128,
+            }
+            for b in (1, 16)
+            for c in (128, 2048)
+        ]
+        + [
+            {
+                "is_prefill": True,
+                "batch_size": 1,
+                "kv_cache_size": 0,
+                "prefill_chunk_size": c,
+                "seconds": 1e-5 * c / 16,
+            }
+            for c in (128, 2048)
+        ],
+        "copies": [
+            {"bytes": b, "d2h_s": 1e-5 + b / 5e10, "h2d_s": 1e-5 + b / 5e10, "both_s": 1e-5 + b / 4e10}
+            for b in (2**16, 2**24)
+        ],
+        "memory": None,
+    }
+    measured = fit.fit_measurements(data, device, name="m")
+    assert set(measured.op_tables) == {"llama3-8b/tp1"}
+    assert set(measured.op_tables["llama3-8b/tp1"]) == {
+        "attn_pre_proj",
+        "attn_post_proj",
+        "mlp_up_proj",
+        "mlp_down_proj",
+        "input_layernorm",
+        "post_attention_layernorm",
+        "mlp_act",
+        "add",
+        "attn_rope",
+    }
+    tabled = CostModel(TargetProfile("x", MODELS["llama3-8b"], 1, measured))
+    for t in tokens:  # the measured times come back at the measured counts
+        assert tabled.layer_linear_s(t)["mlp_up_proj"] == pytest.approx(
+            2 * cost.layer_linear_s(t)["mlp_up_proj"], rel=1e-3
+        )
+        assert tabled.elementwise_s("add", t) == pytest.approx(2 * cost.elementwise_s("add", t), rel=1e-3)
 
 
 def test_a_profile_missing_a_field_is_refused_by_name(tmp_path):
@@ -143,6 +222,7 @@ def test_calibrate_device_runs_end_to_end_with_tiny(tmp_path, capsys):
     assert main(["calibrate", "--device", "cuda", "--tiny", "--out", str(out)]) == 0
     written = json.loads(out.read_text())
     assert written["kind"] == "device" and written["measurements"]["linear"]
+    assert written["device"]["op_tables"] == {}  # the toy shape is no bundled model's
     target = load_target(out)
     assert target.device.sources["linear_flops_per_s"].startswith("fit: measured")
     assert CostModel(target).step_time_s(StepShape(4, 100, 100, 4)) > 0

@@ -1,10 +1,15 @@
+import math
+import re
+
 import pytest
 
 from preempt.core.clock import VirtualClock, WallClock
 from preempt.core.cost_model import (
+    MODELS,
     TARGETS,
     CostModel,
     DeviceProfile,
+    ProfileError,
     StepShape,
     TargetProfile,
     get_target,
@@ -129,3 +134,71 @@ def test_attention_charges_query_rows_and_the_kernels_share_of_masked_pairs():
     )
     decode = StepShape(8, 8 * 1000, 8 * 1000, 8)
     assert attention(decode, attn_per_row_head_s=more) == attention(decode)
+
+
+# ------------------------------------------------------------ measured op tables
+def _tabled(tokens, seconds, op="mlp_up_proj"):
+    """Llama-3-8B on one H200 with one measured table; the formula alone is TARGETS'."""
+    data = get_target("h200-llama3-8b").device.to_dict()
+    data["op_tables"] = {"llama3-8b/tp1": {op: [tokens, seconds]}}
+    return CostModel(TargetProfile("t", MODELS["llama3-8b"], 1, DeviceProfile.from_dict(data)))
+
+
+def test_a_measured_table_is_reproduced_at_its_counts_and_interpolated_between():
+    plain = CostModel(get_target("h200-llama3-8b"))
+    up = {t: plain.layer_linear_s(t)["mlp_up_proj"] for t in (1, 64, 256, 1024, 8192)}
+    # measured: 1.2x the formula at 64, 0.8x at 1024
+    tabled = _tabled([64, 1024], [1.2 * up[64], 0.8 * up[1024]])
+    assert tabled.measured_ops == ("mlp_up_proj",)
+    assert tabled.layer_linear_s(64)["mlp_up_proj"] == pytest.approx(1.2 * up[64])
+    assert tabled.layer_linear_s(1024)["mlp_up_proj"] == pytest.approx(0.8 * up[1024])
+    # halfway in log(tokens): the geometric mean of the two corrections
+    assert tabled.layer_linear_s(256)["mlp_up_proj"] == pytest.approx(math.sqrt(1.2 * 0.8) * up[256])
+    # beyond the table: the end's correction times the formula's own trend
+    assert tabled.layer_linear_s(8192)["mlp_up_proj"] == pytest.approx(0.8 * up[8192])
+    assert tabled.layer_linear_s(1)["mlp_up_proj"] == pytest.approx(1.2 * up[1])
+    # other operators, and other models or GPU counts, stay on the formula
+    assert tabled.layer_linear_s(256)["mlp_down_proj"] == plain.layer_linear_s(256)["mlp_down_proj"]
+    other = CostModel(TargetProfile("t", MODELS["llama3-70b"], 1, tabled.target.device))
+    assert other.measured_ops == ()
+
+
+def test_measured_tables_change_the_step_time_only_through_their_ops():
+    plain = CostModel(get_target("h200-llama3-8b"))
+    a = plain.elementwise_s("add", 128)
+    tabled = _tabled([16, 512], [2 * plain.elementwise_s("add", t) for t in (16, 512)], "add")
+    shape = StepShape(128, 128 * 500, 128 * 500, 128)
+    layers = get_target("h200-llama3-8b").model.num_layers
+    assert tabled.elementwise_s("add", 128) == pytest.approx(2 * a)
+    assert tabled.step_time_s(shape) - plain.step_time_s(shape) == pytest.approx(layers * a)
+
+
+@pytest.mark.parametrize(
+    "tables, message",
+    [
+        ({"llama3-8b": {}}, "expected 'model/tpN'"),
+        ({"llama3-8b/tp1": {"softmax": [[1, 2], [1e-5, 1e-5]]}}, "softmax: unknown operator"),
+        ({"llama3-8b/tp1": {"add": [[2, 1], [1e-5, 1e-5]]}}, "strictly ascending"),
+        ({"llama3-8b/tp1": {"add": [[1, 2, 3], [1e-5, 1e-5]]}}, "differ in length"),
+        ({"llama3-8b/tp1": {"add": [[1, 2], [1e-5, -1.0]]}}, "must be > 0"),
+        ({"llama3-8b/tp1": {"add": [1, 2]}}, "expected [token counts, seconds]"),
+    ],
+)
+def test_a_malformed_op_table_is_refused_naming_it(tables, message):
+    data = get_target("h200-llama3-8b").device.to_dict()
+    data["op_tables"] = tables
+    with pytest.raises(ProfileError, match=re.escape(message)):
+        DeviceProfile.from_dict(data, where="p.json: device")
+
+
+def test_a_profile_without_op_tables_still_loads_and_round_trips_with_them():
+    data = get_target("h200-llama3-8b").device.to_dict()
+    del data["op_tables"]  # profiles written before the tables
+    assert DeviceProfile.from_dict(data).op_tables == {}
+    data["op_tables"] = {"llama3-8b/tp1": {"add": [[1, 8], [2e-6, 3e-6]]}}
+    device = DeviceProfile.from_dict(data)
+    assert (
+        DeviceProfile.from_dict(device.to_dict()).op_tables
+        == device.op_tables
+        == {"llama3-8b/tp1": {"add": ((1, 8), (2e-6, 3e-6))}}
+    )
