@@ -713,9 +713,11 @@ def quantize_kivi_kv(
     """kv (L, 2, T, H, D) with contiguous (H, D) rows -> per class its (n, layout.nbytes)
     rows, the same bytes as `quantize_kivi_ref` of that class's heads (tested), computed
     for every head of the request at once: the float passes (min, max, subtract, divide,
-    clamp, round) run on (L, t, H, D) chunks of all heads whatever their class, and codes
-    are packed once per bit width, so a 2048-token request is about a hundred torch calls
-    instead of a few dozen per head and class.
+    clamp, round) run on (l, t, H, D) chunks of all heads whatever their class, and codes
+    are packed once per bit width and layer block (`l` layers: the whole request for the
+    tiny LM, one or two layers for a served model's 2048-token request), so a 2048-token
+    request of the tiny LM is about a hundred torch calls instead of a few dozen per head
+    and class.
 
     What differs per head is only the number of levels. The group scales divide by a
     per-head levels tensor (true division either way: same bits as the scalar), and codes
