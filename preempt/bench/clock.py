@@ -26,7 +26,7 @@ from dataclasses import replace
 from typing import Any
 
 from preempt.calibrate import published, vidur
-from preempt.calibrate.fit import FIT_SETS, LINEAR_OPS, derive_device, op_tables
+from preempt.calibrate.fit import FIT_SETS, LINEAR_OPS, PROFILED_MASKED_SHARE, derive_device, op_tables
 from preempt.calibrate.gpu import FULL_GRID
 from preempt.core.cost_model import (
     ELEMENTWISE_OPS,
@@ -139,7 +139,9 @@ def op_fidelity(device: DeviceProfile, points: list[vidur.OpPoint]) -> dict[str,
 
 
 def attention_fidelity(device: DeviceProfile, points: list[vidur.AttnPoint]) -> dict[str, Any]:
-    cost = _cost("llama3-70b", 2, device)  # the attention file's shape: 64 q / 8 kv heads, TP 2
+    # the attention file's shape (64 q / 8 kv heads, TP 2) and its kernel, which computes
+    # the masked pairs inside a chunk (the served kernel the profile states does not)
+    cost = _cost("llama3-70b", 2, replace(device, attn_masked_share=PROFILED_MASKED_SHARE))
     decode, prefill = [], []
     for p in points:
         ratio = (

@@ -415,6 +415,18 @@ def fit_vidur() -> dict[str, DeviceProfile]:
     }
     h100 = DeviceProfile.from_dict(data, where="h100")
     h200 = derive_device(h100, "h200", "h100")
+    # The A100 serves with the same kernels: its pairs rate was fitted per computed pair of
+    # the profiled kernel (share 1, which `preempt bench clock` keeps for its attention
+    # check), and the served kernel computes the causal pairs only.
+    a100 = replace(
+        a100,
+        attn_masked_share=0.0,
+        sources={
+            **a100.sources,
+            "attn_masked_share": "assumption: FlashAttention-2+ skips fully masked tiles; the profiled "
+            f"kernel computed them (share {PROFILED_MASKED_SHARE:g} in the fit of attn_flops_per_s)",
+        },
+    )
     h100, a100 = (
         replace(
             dev,
@@ -489,8 +501,10 @@ def fit_measurements(data: dict, base: DeviceProfile, name: str | None = None) -
         )
         for p in data["attention"]
     ]
-    # SDPA with an explicit causal mask (gpu.py) computes every pair: masked share 1
-    kv, attn_flops, rows, measured = attention_features(attn, masked_share=1.0)
+    # SDPA with lower-right causal masking (gpu.py) skips the masked tiles, as served
+    # kernels do: share 0; with an explicit mask (older measurements) it computes them all
+    share = 0.0 if data.get("prefill_mask") == "causal_lower_right" else 1.0
+    kv, attn_flops, rows, measured = attention_features(attn, masked_share=share)
     kv = kv * b / 2  # attention_features counts 2-byte KV
     x0 = [
         math.log(float(kv.max() / measured.max())),
@@ -500,10 +514,14 @@ def fit_measurements(data: dict, base: DeviceProfile, name: str | None = None) -
         math.log(float(measured.min()) / 1e4),  # per row and head: ~1e-4 of a call
     ]
     q = levenberg_marquardt(lambda p: np.log(attention_predict(p, kv, attn_flops, rows) / measured), x0)
-    values.update({**_attention_params(q), "attn_masked_share": 1.0})
+    values.update({**_attention_params(q), "attn_masked_share": share})
     for key in ATTN_KEYS:
         sources[key] = f"fit: {where}, SDPA decode + prefill"
-    sources["attn_masked_share"] = f"fixed: {where}: SDPA with an explicit mask computes every pair"
+    sources["attn_masked_share"] = (
+        f"fixed: {where}: SDPA with lower-right causal masking skips masked tiles"
+        if share == 0.0
+        else f"fixed: {where}: SDPA with an explicit mask computes every pair"
+    )
     copies = data["copies"]
     sizes = np.array([c["bytes"] for c in copies] * 2, dtype=float)
     one_way = np.array([c["d2h_s"] for c in copies] + [c["h2d_s"] for c in copies])

@@ -181,6 +181,7 @@ def prefill_shape(batch: int, input_len: int) -> StepShape:
         sum_attn_ctx=batch * input_len * (input_len + 1) // 2,
         sum_kv_read=batch * input_len,
         num_seqs=batch,
+        sum_masked_ctx=batch * input_len * (input_len - 1) // 2,
     )
 
 

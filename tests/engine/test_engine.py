@@ -6,8 +6,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from preempt.core.request import RequestState
+from preempt.core.request import RequestState, ScheduledChunk
 from preempt.engine.engine import Engine
+from preempt.engine.scheduler import SchedulerOutput
 from preempt.engine.step import StepOutput
 from preempt.model.tiny import generate_naive
 from tests.conftest import make_request, small_config
@@ -145,3 +146,15 @@ def test_invariants_under_random_load(lengths, num_blocks, max_num_seqs, budget,
     assert engine.block_pool.num_free == num_blocks
     if engine.saver is not None:
         assert engine.saver.host_pool.num_used_slots == 0
+
+
+def test_step_shape_counts_the_causal_pairs_and_the_masked_ones_inside_each_chunk():
+    prefill, decode = make_request(0, 100, 4), make_request(1, 50, 4)
+    prefill.num_computed_tokens = 40  # a chunk of 24 after 40 computed tokens
+    decode.num_computed_tokens = 50  # one new token
+    out = SchedulerOutput([ScheduledChunk(prefill, 24), ScheduledChunk(decode, 1)], [], [], 25, 0.0)
+    shape = Engine._step_shape(out)
+    assert shape.num_tokens == 25 and shape.num_seqs == 2
+    assert shape.sum_attn_ctx == sum(p + 1 for p in range(40, 64)) + 51
+    assert shape.sum_kv_read == 64 + 51
+    assert shape.sum_masked_ctx == 24 * 23 // 2  # a decode masks nothing
