@@ -23,7 +23,7 @@ import pytorch_lightning as pl
 import torch
 
 from predictor.data import PreemptionDataModule, SplitConfig
-from predictor.evaluate import evaluate_scores, jsonable
+from predictor.evaluate import MAX_WASTE_SHARE, evaluate_scores, jsonable
 from predictor.model import PreemptionLSTM
 from preempt.obs.tracking import make_logger, quiet_lightning, resolve_wandb_mode
 
@@ -56,10 +56,14 @@ class TrainConfig:
     val_fraction: float = 0.15
     test_fraction: float = 0.15
     wandb: str | None = None
-    threshold_rule: str = "expected_value"
-    """How the operating threshold is chosen on val: `expected_value` (stall avoided vs
-    copy time wasted at the deployment's copy rate; predictor.evaluate) or `f1`."""
     """online | offline | disabled; None: online if WANDB_API_KEY is set, else offline."""
+    threshold_rule: str = "waste_capped"
+    """How the operating threshold is chosen on val (predictor.evaluate): `waste_capped`
+    (the most save stall avoided with at most `max_waste_share` of the early-copied bytes
+    wasted), `expected_value` (stall avoided minus the copy time of wasted bytes, which
+    overcharges waste: see predictor.evaluate.WASTE_WEIGHT) or `f1`."""
+    max_waste_share: float = MAX_WASTE_SHARE
+    """`waste_capped`: the cap on val's share of early bytes wasted."""
     wandb_project: str = "preempt-predictor"
     limit_train_batches: int | float | None = None
     """Cap on train batches per epoch (smoke tests)."""
@@ -166,10 +170,11 @@ def train(data: str | Path, out_dir: str | Path, config: TrainConfig | None = No
     val_scores = best.predict_rows(datamodule.loader("val"), rows["val"])
     test_scores = best.predict_rows(datamodule.loader("test"), rows["test"])
     rule = config.threshold_rule
-    if rule == "expected_value" and table.num_tokens is None:
+    if rule != "f1" and table.num_tokens is None:
         rule = "f1"  # an older dataset without the bytes per row: F1 it is (metrics say so)
-    test = evaluate_scores(table, rows["val"], rows["test"], val_scores, test_scores, rule)
-    val = evaluate_scores(table, rows["val"], rows["val"], val_scores, val_scores, rule)
+    cap = config.max_waste_share
+    test = evaluate_scores(table, rows["val"], rows["test"], val_scores, test_scores, rule, cap)
+    val = evaluate_scores(table, rows["val"], rows["val"], val_scores, val_scores, rule, cap)
     val.pop("threshold_curve", None)  # the same curve as test's (both chosen on val)
     _store_threshold(checkpoint_path, test["threshold"])
 

@@ -30,11 +30,17 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from preempt.core.config import build_config, load_config
+from preempt.core.config import EngineConfig, build_config, load_config
+from preempt.core.workload import build_workload
 from preempt.engine.engine import Engine
-from preempt.replay import replay
+from preempt.engine.step import StepOutput
+from preempt.obs.results import summarize, write_preemptions_parquet
+
+if TYPE_CHECKING:
+    from preempt.kv.record import PreemptionRecord
+    from preempt.kv.segment import Segment
 
 _COLLECT = Path(__file__).resolve().parents[2] / "experiments" / "configs" / "collect.yaml"
 
@@ -96,8 +102,8 @@ def _virtual(
             if arm == "lstm":
                 extra.append(f"early_save.checkpoint={model}")
             config = load_config(_COLLECT, overrides + extra)
-            summary = replay(config, Path(tmp) / arm, progress=False)
-            out["policies"][arm] = _row(summary)
+            summary, causes = replay_measured(config, Path(tmp) / arm)
+            out["policies"][arm] = {**_row(summary), **causes}
     base = (baseline or out)["policies"]["none"]
     own = out["policies"]["none"]
     for row in out["policies"].values():
@@ -106,6 +112,189 @@ def _virtual(
         if baseline is not None:
             row["stall_hidden_vs_async_none"] = _hidden(row["stall_total_s"], own["stall_total_s"])
     return out
+
+
+SAVE_STALL_CAUSES = ("unwarned", "refused", "late", "queued", "partial", "other")
+"""Why compute waited for a victim's copy-out (`SaveStallCauses`), in the order checked:
+- `late`, `queued`: the step waited for an early copy still running at the preemption.
+  `late` is the part that even an idle link could not have hidden (the first byte was
+  warned about less than the copy's own duration at the link rate before the
+  preemption); `queued` the rest (the copy waited behind others on the link, or shared
+  it with a copy-in).
+- `partial`: it waited for the tail of a victim with early copies (blocks written
+  since its last early copy, the partial last block; queued behind other demand saves).
+- `refused`: the tail of a victim the policy did pick this epoch, but whose early save
+  the saver refused (speculation budget, in-flight bound, no spare host slot).
+- `unwarned`: the tail of a victim the policy never picked since it last ran.
+- `other`: none of this step's victims is the one waited for (an older save's copy)."""
+
+
+class SaveStallCauses:
+    """A probe run after every engine step (`Engine.run(on_step=...)`): splits the
+    save-side stall (`preemption_stall_save_s`) by `SAVE_STALL_CAUSES`, so the parts add
+    up to it, and counts what each saved preemption had been warned of. Reads the engine
+    and changes nothing (its early copies through `EarlyCopies.held`)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.stall_s = dict.fromkeys(SAVE_STALL_CAUSES, 0.0)
+        self.num_stalls = dict.fromkeys(SAVE_STALL_CAUSES, 0)
+        self.num_saves = 0  # preemptions that saved KV (action save)
+        self.num_saves_warned = 0  # ... with early copies to claim
+        self.num_saves_refused = 0  # ... picked by the policy, but nothing copied early
+        self.warned_lead_s = 0.0  # summed over warned saves: preemption - first pick
+        self.num_saves_picked = 0  # saves whose victim the policy picked (warned or refused)
+        self.early_share_sum = 0.0  # summed over saves: early bytes / (early + tail) bytes
+        self.wasted_finished_bytes = 0  # early copies of requests that then finished
+        self.wasted_evicted_bytes = 0  # ... freed while their request still ran (evicted)
+        self._save_stall_seen = 0.0
+        # request id -> its unclaimed early copies, each with the time it was issued
+        self._issued: dict[int, list[tuple[Segment, float]]] = {}
+        self._picked: dict[int, float] = {}  # request id -> first pick since it last ran
+        self._chosen_step_seen = -1
+
+    def __call__(self, output: StepOutput) -> None:
+        engine = self.engine
+        now = engine.clock.now()
+        save_stall = engine.stall_s - engine.stall_restore_s
+        stall = save_stall - self._save_stall_seen
+        self._save_stall_seen = save_stall
+        records = output.scheduled.records
+        saves = [r for r in records if r.is_preemption and r.action == "save"]
+        if stall > 0:
+            self._attribute(stall, output.scheduled.copy_out_wait_until_s, saves)
+        for record in saves:
+            self._count_save(record)
+        for record in records:
+            if record.is_preemption:
+                self._issued.pop(record.request_id, None)
+                self._picked.pop(record.request_id, None)
+        for request in output.finished:
+            for segment, _ in self._issued.pop(request.request_id, ()):
+                self.wasted_finished_bytes += segment.nbytes_raw
+            self._picked.pop(request.request_id, None)
+        if engine.saver is not None:
+            self._note_early_copies(engine.saver.early.held(), now)
+        saver_hook = engine.early_saver
+        if saver_hook is not None and saver_hook.chosen_step > self._chosen_step_seen:
+            self._chosen_step_seen = saver_hook.chosen_step
+            for rid in saver_hook.chosen_ids:
+                self._picked.setdefault(rid, now)
+
+    def _note_early_copies(self, held: Any, now: float) -> None:
+        """Early copies issued since the last step (by the hook, at `now`); those gone
+        from a request neither preempted nor finished were evicted (for a demand save's
+        host slot, or an abort)."""
+        held_ids = {request.request_id: segments for request, segments in held.items()}
+        for rid in [rid for rid in self._issued if rid not in held_ids]:
+            for segment, _ in self._issued.pop(rid):
+                self.wasted_evicted_bytes += segment.nbytes_raw
+        for request, segments in held.items():
+            known = self._issued.get(request.request_id)
+            if known and len(known) <= len(segments) and segments[len(known) - 1] is known[-1][0]:
+                known.extend((segment, now) for segment in segments[len(known) :])
+            elif segments or known:  # new, or evicted (and copied again)
+                issued_at = {id(segment): t for segment, t in (known or ())}
+                self.wasted_evicted_bytes += sum(
+                    segment.nbytes_raw
+                    for segment, _ in (known or ())
+                    if not any(segment is s for s in segments)
+                )
+                self._issued[request.request_id] = [
+                    (segment, issued_at.get(id(segment), now)) for segment in segments
+                ]
+
+    def _attribute(self, stall: float, wait_end_s: float, saves: list[PreemptionRecord]) -> None:
+        engine = self.engine
+        start_s = wait_end_s - stall  # the save stall is the copy-out wait's last `stall` s
+        latest: tuple[float, Segment, float] | None = None
+        for record in saves:
+            for segment, issued_s in self._issued.get(record.request_id, ()):
+                if latest is None or segment.copy_end_s > latest[0]:
+                    latest = (segment.copy_end_s, segment, issued_s)
+        if latest is not None and latest[0] >= wait_end_s - 1e-9:
+            _, segment, issued_s = latest
+            device_s, copy_bytes = engine.saver.timing.device_side(segment.num_tokens, segment.codec)
+            alone_s = device_s + engine.cost_model.copy_time_s(copy_bytes)
+            late = min(stall, max(0.0, issued_s + alone_s - start_s))
+            self._add("late", late)
+            self._add("queued", stall - late)
+            return
+        tails = [record for record in saves if record.bytes_raw > 0]
+        if not tails:
+            self._add("other", stall)
+            return
+        victim = tails[-1].request_id  # demand copies queue in order: the last ends last
+        if self._issued.get(victim):
+            self._add("partial", stall)
+        elif victim in self._picked:
+            self._add("refused", stall)
+        else:
+            self._add("unwarned", stall)
+
+    def _add(self, cause: str, seconds: float) -> None:
+        if seconds > 0:
+            self.stall_s[cause] += seconds
+            self.num_stalls[cause] += 1
+
+    def _count_save(self, record: PreemptionRecord) -> None:
+        self.num_saves += 1
+        picked_s = self._picked.get(record.request_id)
+        if picked_s is not None:
+            self.num_saves_picked += 1
+        if record.bytes_early:
+            self.num_saves_warned += 1
+            if picked_s is not None:
+                self.warned_lead_s += record.time_s - picked_s
+        elif picked_s is not None:
+            self.num_saves_refused += 1
+        total = record.bytes_early + record.bytes_raw
+        self.early_share_sum += record.bytes_early / total if total else 0.0
+
+    def stats(self) -> dict[str, Any]:
+        engine = self.engine
+        hook = engine.early_saver
+        return {
+            "stall_save_by_cause_s": {k: round(v, 4) for k, v in self.stall_s.items()},
+            "num_save_stalls_by_cause": dict(self.num_stalls),
+            "num_saves": self.num_saves,
+            "num_saves_warned": self.num_saves_warned,
+            "num_saves_refused": self.num_saves_refused,
+            "mean_warned_lead_s": round(self.warned_lead_s / self.num_saves_warned, 4)
+            if self.num_saves_warned
+            else None,
+            "mean_early_share_of_saves": round(self.early_share_sum / self.num_saves, 3)
+            if self.num_saves
+            else None,
+            "early_save_refused": hook.num_refused if hook is not None else 0,
+            "early_wasted_finished_gb": round(self.wasted_finished_bytes / 1e9, 3),
+            "early_wasted_evicted_gb": round(self.wasted_evicted_bytes / 1e9, 3),
+        }
+
+
+def replay_measured(config: EngineConfig, out_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One replay as `preempt.replay.replay` runs it, with `SaveStallCauses` watching
+    every step: (summary, the probe's counters). Writes only preemptions.parquet (the
+    `oracle_log` arm reads the `prefetch` arm's)."""
+    started = time.perf_counter()
+    engine = Engine(config)
+    requests = build_workload(config.workload, seed=config.seed, vocab_size=engine.runner.vocab_size)
+    probe = SaveStallCauses(engine)
+    try:
+        engine.run(requests, on_step=probe)
+    finally:
+        engine.close()
+    summary = summarize(
+        requests,
+        sim_time_s=engine.clock.now(),
+        wall_time_s=time.perf_counter() - started,
+        config=config.model_dump(mode="json"),
+        slo=config.slo,
+        extra=engine.stats(),
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_preemptions_parquet(engine.scheduler.records, out_dir / "preemptions.parquet")
+    return summary, probe.stats()
 
 
 def _hidden(stall: float, base: float) -> float | None:

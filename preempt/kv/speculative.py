@@ -12,7 +12,9 @@ preempt.engine.early_save and preempt.engine.prefetch decide whom to copy.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -62,6 +64,11 @@ class EarlyCopies:
             if wasted:
                 self.early_bytes_wasted += segment.nbytes_raw
             segment.speculative = False
+
+    def held(self) -> Mapping[Request, Sequence[Segment]]:
+        """Read-only: each request's unclaimed early segments, oldest first (for a probe
+        that measures them, preempt.bench.early; only this class changes them)."""
+        return MappingProxyType(self._segments)
 
     def evictable(self) -> list[list[Segment]]:
         """Every request's unclaimed early segments (to free them for a demand save)."""

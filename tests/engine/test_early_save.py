@@ -228,3 +228,25 @@ def test_a_victims_blocks_wait_only_for_its_own_copies():
     early, early_stall = run("always")
     assert early.bytes_raw == 0 and early.bytes_early == plain.bytes_raw  # all copied ahead
     assert early_stall < plain_stall
+
+
+def test_refusals_count_picks_with_new_blocks_the_saver_turned_down():
+    # One request alone, picked every step: a step with no new full block is "nothing
+    # new", never a refusal; under a 2-block budget, four requests are refused.
+    alone = Engine(small_config(preemption={"mode": "swap"}, early_save={"policy": "always"}))
+    request = make_request(0, 30, 40)
+    alone.add_request(request)
+    while not request.state.is_final:
+        alone.step()
+    assert alone.early_saver.num_selected > alone.saver.early.num_early_saves > 0
+    assert alone.early_saver.num_refused == 0
+    tight = Engine(
+        small_config(preemption={"mode": "swap"}, early_save={"policy": "always", "host_budget": 20000})
+    )
+    requests = [make_request(i, 30, 40) for i in range(4)]
+    for r in requests:
+        tight.add_request(r)
+    while any(not r.state.is_final for r in requests):
+        tight.step()
+    assert tight.early_saver.num_refused > 0
+    assert "early_save_refused" not in tight.stats()  # the golden runs' summaries stay as they are

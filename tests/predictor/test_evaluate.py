@@ -102,3 +102,75 @@ def test_expected_value_threshold_weighs_stall_avoided_against_bytes_wasted():
     assert metrics["threshold_curve"] == expected_value_curve(table, rows, scores)
     assert 0.3 < metrics["threshold"] <= 0.9
     assert metrics["precision"] == 1.0 and metrics["recall"] > 0
+
+
+def test_waste_capped_threshold_on_a_hand_made_curve():
+    from predictor.evaluate import best_waste_capped_threshold
+
+    def point(threshold, avoided, share):
+        return {"threshold": threshold, "stall_avoided_s": avoided, "waste_share": share}
+
+    curve = [point(0.3, 0.06, 0.25), point(0.5, 0.05, 0.4), point(0.7, 0.03, 0.2), point(0.9, 0.01, 0.0)]
+    # Walking down from 0.9: 0.7 is the last within 30%; 0.5 is over, so 0.3 (back under
+    # the cap by chance) is never reached.
+    assert best_waste_capped_threshold(curve, 0.3) == 0.7
+    assert best_waste_capped_threshold(curve, 0.5) == 0.3
+    assert best_waste_capped_threshold(curve, 0.1) == 0.9
+    # Ties go to the stricter threshold; nothing avoided: never warn.
+    assert best_waste_capped_threshold([point(0.4, 0.02, 0.0), point(0.8, 0.02, 0.0)], 0.3) == 0.8
+    assert best_waste_capped_threshold([point(0.5, 0.0, 0.0)], 0.3) == math.inf
+
+
+def test_waste_capped_warns_where_the_expected_value_charges_waste_as_stall():
+    from predictor.data import FeatureTable
+    from predictor.evaluate import best_expected_value_threshold, evaluate_scores, expected_value_curve
+
+    # Request 0: preempted at 1.0 (rows 0.90, 0.95; 0.1 s of copy, warned 0.1 s ahead).
+    # Request 1: finishes, 4000 tokens (0.4 s of copy in vain) at scores 0.3 / 0.2.
+    # Request 3: preempted 0.02 s after its row (score 0.6): avoids 0.02 s.
+    # At score 0.5, request 4 (preempted 0.03 s after) avoids 0.03 s, and request 2
+    # (finishes, 500 tokens: 0.0496 s of copy) is warned in vain.
+    table = FeatureTable(
+        features=np.zeros((7, 8), np.float32),
+        label=np.array([1, 1, 0, 0, 1, 0, 1]),
+        time_to_preemption_s=np.array([0.10, 0.05, np.inf, np.inf, 0.02, np.inf, 0.03]),
+        group=np.array([0, 0, 1, 1, 3, 2, 4]),
+        seed=np.zeros(7, np.int64),
+        step=np.array([1, 2, 1, 2, 1, 1, 1]),
+        t_s=np.array([0.90, 0.95, 0.90, 0.95, 0.98, 0.95, 0.97]),
+        meta={},
+        num_tokens=np.array([1000, 1000, 4000, 4000, 1000, 500, 1000]),
+        source=np.zeros(7, np.int64),
+        kv_bytes_per_token=np.full(7, 1e6),
+        copy_bytes_per_s=np.full(7, 1e10),
+        block_size=np.full(7, 16),
+    )
+    rows = np.arange(7)
+    scores = np.array([0.9, 0.8, 0.3, 0.2, 0.6, 0.5, 0.5])
+    curve = expected_value_curve(table, rows, scores, num_points=30)
+    at_half = min((p for p in curve if 0.3 < p["threshold"] <= 0.5), key=lambda p: -p["threshold"])
+    assert at_half["stall_avoided_s"] == pytest.approx(0.0992 + 0.02 + 0.03)
+    assert at_half["wasted_copy_s"] == pytest.approx(0.0496)
+    assert at_half["waste_share"] == pytest.approx(0.496 / (3 * 0.992 + 0.496))
+    low = min(curve, key=lambda p: p["threshold"])
+    assert low["waste_share"] == pytest.approx((4.0 + 0.496) / (4.0 + 0.496 + 3 * 0.992))
+    # Expected value: request 2's copy time outweighs request 4's 0.03 s: stops at 0.6.
+    assert 0.5 < best_expected_value_threshold(curve) <= 0.6
+    # Waste capped at 30%: 14% wasted at 0.5 is allowed, 60% at 0.3 is not.
+    metrics = evaluate_scores(table, rows, rows, scores, scores, rule="waste_capped", max_waste_share=0.3)
+    assert 0.3 < metrics["threshold"] <= 0.5
+    assert metrics["recall"] == 1.0 and metrics["max_waste_share"] == 0.3
+    # At a 10% cap request 2's bytes are too many: back to 0.6.
+    strict = evaluate_scores(table, rows, rows, scores, scores, rule="waste_capped", max_waste_share=0.1)
+    assert 0.5 < strict["threshold"] <= 0.6
+
+
+def test_per_source_keys_stay_apart_when_datasets_share_a_trace():
+    from predictor.evaluate import source_names
+
+    assert source_names(["azure-conv", "azure-code"]) == ["azure-conv", "azure-code"]
+    assert source_names(["azure-conv", "azure-conv", "azure-code"]) == [
+        "azure-conv#1",
+        "azure-conv#2",
+        "azure-code",
+    ]

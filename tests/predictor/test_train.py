@@ -176,22 +176,32 @@ def test_two_process_ddp_training_writes_one_checkpoint(data_path, tmp_path):
     ] == "test"
 
 
-def test_threshold_by_expected_value_on_a_mix(tmp_path):
-    """Two datasets trained as one mix: the operating threshold comes from the expected
-    value on val, the curve it was picked from is in metrics.json and the checkpoint holds
-    that threshold; evaluating the mix reports each source at the same threshold."""
+@pytest.mark.parametrize("rule", ["waste_capped", "expected_value"])
+def test_threshold_on_val_of_a_mix(tmp_path, rule):
+    """Two datasets trained as one mix: the operating threshold comes from the val curve
+    by the rule (the default: waste capped), the curve it was picked from is in
+    metrics.json and the checkpoint holds that threshold."""
+    from predictor.evaluate import best_expected_value_threshold, best_waste_capped_threshold
     from preempt.engine.online_predictor import load_checkpoint
 
     first = synthetic_dataset(tmp_path / "a", num_requests=60, seed=1, with_tokens=True)
     second = synthetic_dataset(tmp_path / "b", num_requests=60, seed=1, with_tokens=True)
     mix = f"{first},{second}"
-    config = TrainConfig(max_epochs=1, batch_size=256, seq_len=4, wandb="disabled", progress=False)
+    assert TrainConfig.threshold_rule == "waste_capped"
+    config = TrainConfig(
+        max_epochs=1, batch_size=256, seq_len=4, wandb="disabled", progress=False, threshold_rule=rule
+    )
     metrics = train(mix, tmp_path / "out", config)
-    assert metrics["threshold_rule"] == "expected_value"
+    assert metrics["threshold_rule"] == rule
     curve = metrics["threshold_curve"]
-    assert len(curve) > 5 and {"precision", "recall", "expected_value_s", "wasted_gb"} <= set(curve[0])
-    best = max(curve, key=lambda point: point["expected_value_s"])
-    expected = best["threshold"] if best["expected_value_s"] > 0 else None  # inf is written as null
+    assert len(curve) > 5 and {"precision", "recall", "expected_value_s", "wasted_gb", "waste_share"} <= set(
+        curve[0]
+    )
+    if rule == "waste_capped":
+        chosen = best_waste_capped_threshold(curve, TrainConfig.max_waste_share)
+    else:
+        chosen = best_expected_value_threshold(curve)
+    expected = chosen if math.isfinite(chosen) else None  # inf is written as null
     assert metrics["threshold"] == expected
     _, hparams = load_checkpoint(tmp_path / "out" / "predictor.ckpt")
     assert hparams["threshold"] == (expected if expected is not None else math.inf)
