@@ -19,9 +19,16 @@
    (the stall with no early work and no async restore), `stall_hidden_vs_async_none`
    against the async `none` arm, and `restore_wait_s` is the request-side wait the batch
    did not stall on.
+   Every arm's save stall is also split by cause (`stall_save_by_cause_s`, the parts add
+   up to `stall_save_s`: victims never warned, warned but refused by the saver, warned
+   too late for the copy, copies queued on the link, tails written since the warning;
+   `SAVE_STALL_CAUSES`), with how many saves were warned and how far ahead.
 2. Wall clock (tiny model on CPU, swap_zstd): median engine step time while every
    running request is early-saved each step (write-through, the heaviest policy), against
    no early saves, in the same run.
+
+`python -m preempt.bench.early --mode swap --arm lstm --model CKPT` runs one arm of part 1
+alone (async restores on unless `--sync-restore`) and prints its row.
 """
 
 from __future__ import annotations
@@ -297,6 +304,30 @@ def replay_measured(config: EngineConfig, out_dir: Path) -> tuple[dict[str, Any]
     return summary, probe.stats()
 
 
+def one_arm(
+    mode: str, arm: str, model: str | None, async_restore: bool = True, quick: bool = False
+) -> dict[str, Any]:
+    """One arm of the virtual-clock part alone (`python -m preempt.bench.early`): its row
+    with the save-stall split, without the `none` baseline (so no `stall_hidden`). Arms
+    as in `bench_early`, except `oracle_log` (it needs the `prefetch` arm's run)."""
+    if arm not in ARMS + ("lstm",) or arm == "oracle_log":
+        raise ValueError(f"arm must be one of none, prefetch, rule, lookahead, lstm; got '{arm}'")
+    if arm == "lstm" and not model:
+        raise ValueError("the lstm arm needs --model (a predictor checkpoint)")
+    overrides = [
+        f"workload.duration_s={60 if quick else 200}",
+        f"preemption.mode={mode}",
+        *(_horizon_of(model) if model else []),
+        *(["preemption.async_restore=true"] if async_restore else []),
+        *([] if arm == "none" else ["early_save.prefetch=true"]),
+        f"early_save.policy={'none' if arm in ('none', 'prefetch') else arm}",
+        *([f"early_save.checkpoint={model}"] if arm == "lstm" else []),
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        summary, causes = replay_measured(load_config(_COLLECT, overrides), Path(tmp))
+    return {"mode": mode, "arm": arm, "async_restore": async_restore, **_row(summary), **causes}
+
+
 def _hidden(stall: float, base: float) -> float | None:
     return round(1 - stall / base, 3) if base > 0 else None
 
@@ -372,3 +403,20 @@ def _wall(num_steps: int) -> dict[str, Any]:
             times["always"]["step_ms_median"] / times["none"]["step_ms_median"], 3
         ),
     }
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(
+        description="One arm of `preempt bench early`, with its save-stall split"
+    )
+    parser.add_argument("--mode", default="swap")
+    parser.add_argument("--arm", default="lstm")
+    parser.add_argument("--model", help="predictor checkpoint (the lstm arm; every arm takes its horizon)")
+    parser.add_argument("--sync-restore", action="store_true", help="without async restores")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    row = one_arm(args.mode, args.arm, args.model, not args.sync_restore, args.quick)
+    print(json.dumps(row, indent=2))

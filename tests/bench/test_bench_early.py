@@ -56,3 +56,15 @@ def test_write_through_leaves_no_victim_unwarned():
     _, tight = _measured("always", host_budget=8192)
     assert tight.num_saves_refused > 0 and tight.stall_s["unwarned"] == 0
     assert tight.stall_s["refused"] > 0
+
+
+def test_one_arm_reports_its_row_with_the_split():
+    from preempt.bench.early import one_arm
+
+    row = one_arm("swap", "rule", None, quick=True)
+    assert row["arm"] == "rule" and row["num_preemptions"] > 0
+    assert sum(row["stall_save_by_cause_s"].values()) == pytest.approx(row["stall_save_s"], abs=1e-3)
+    with pytest.raises(ValueError, match="arm must be"):
+        one_arm("swap", "oracle_log", None)
+    with pytest.raises(ValueError, match="needs --model"):
+        one_arm("swap", "lstm", None)
