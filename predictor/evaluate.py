@@ -102,7 +102,7 @@ def expected_value_curve(
     # Positives are ~1% of rows: quantiles dense towards the top, where thresholds live.
     # 160 points: with 40, neighbours near a 30% waste cap lay ~7 points of waste share
     # apart (runs/pred15b/lstm-deploy: 23.9% and 30.5%), so `waste_capped` stopped well
-    # short of its cap; 160 and 320 points pick the same threshold there.
+    # short of its cap (docs/predictor.md).
     quantiles = np.r_[np.linspace(0.0, 0.9, 10), 1.0 - np.geomspace(0.1, 1e-5, max(2, num_points - 10)), 1.0]
     candidates = np.unique(np.quantile(scores, quantiles)) if len(scores) else []
     curve = []
