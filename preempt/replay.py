@@ -20,6 +20,19 @@ from preempt.engine.step import EngineView, StepOutput
 from preempt.obs.results import summarize, write_preemptions_parquet, write_requests_parquet, write_summary
 
 
+def run_summary(engine: Engine, requests: list, config: EngineConfig, started: float) -> dict[str, Any]:
+    """The run's summary.json object, after `engine.run(requests)` (`started`: its
+    perf_counter at the start, for the wall time)."""
+    return summarize(
+        requests,
+        sim_time_s=engine.clock.now(),
+        wall_time_s=time.perf_counter() - started,
+        config=config.model_dump(mode="json"),
+        slo=config.slo,
+        extra=engine.stats(),
+    )
+
+
 def replay(
     config: EngineConfig,
     out_dir: Path,
@@ -61,14 +74,7 @@ def replay(
 
     out_dir.mkdir(parents=True, exist_ok=True)
     write_requests_parquet(requests, out_dir / "requests.parquet")
-    summary = summarize(
-        requests,
-        sim_time_s=engine.clock.now(),
-        wall_time_s=time.perf_counter() - started,
-        config=config.model_dump(mode="json"),
-        slo=config.slo,
-        extra=engine.stats(),
-    )
+    summary = run_summary(engine, requests, config, started)
     write_preemptions_parquet(engine.scheduler.records, out_dir / "preemptions.parquet")
     write_summary(summary, out_dir / "summary.json")
     return summary

@@ -43,7 +43,8 @@ from preempt.core.config import EngineConfig, build_config, load_config
 from preempt.core.workload import build_workload
 from preempt.engine.engine import Engine
 from preempt.engine.step import StepOutput
-from preempt.obs.results import summarize, write_preemptions_parquet
+from preempt.obs.results import write_preemptions_parquet
+from preempt.replay import run_summary
 
 if TYPE_CHECKING:
     from preempt.kv.record import PreemptionRecord
@@ -291,14 +292,7 @@ def replay_measured(config: EngineConfig, out_dir: Path) -> tuple[dict[str, Any]
         engine.run(requests, on_step=probe)
     finally:
         engine.close()
-    summary = summarize(
-        requests,
-        sim_time_s=engine.clock.now(),
-        wall_time_s=time.perf_counter() - started,
-        config=config.model_dump(mode="json"),
-        slo=config.slo,
-        extra=engine.stats(),
-    )
+    summary = run_summary(engine, requests, config, started)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_preemptions_parquet(engine.scheduler.records, out_dir / "preemptions.parquet")
     return summary, probe.stats()
