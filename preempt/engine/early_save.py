@@ -226,12 +226,17 @@ class EarlySaver:
         self._covered: dict[int, int] = {}
         self._num_records_seen = 0
 
+    def forget(self, requests: Sequence[Request]) -> None:
+        """These requests left for good (finished, or ended by the engine's caller)."""
+        self.policy.forget(requests)
+        for request in requests:
+            self._covered.pop(request.request_id, None)
+
     def __call__(self, view: EngineView, output: StepOutput) -> None:
         if output.finished:
-            self.policy.forget(output.finished)
+            self.forget(output.finished)
             for request in output.finished:
                 view.discard_early(request)
-                self._covered.pop(request.request_id, None)
         records = view.records
         for record in records[self._num_records_seen :]:  # steps without a hook call too
             if record.is_preemption:

@@ -200,6 +200,7 @@ def test_aborting_a_request_frees_its_early_copies(mode):
     engine.abort_request(request, "client gone")
     assert saver.host_pool.num_used_slots == 0 and saver.early.speculative_bytes == 0
     assert not saver.early._segments and saver.early.early_bytes_wasted == saver.early.early_bytes_raw
+    assert not engine.early_saver._covered  # the hook forgets it too, as for a finished one
 
 
 def test_a_victims_blocks_wait_only_for_its_own_copies():
