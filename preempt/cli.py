@@ -40,6 +40,16 @@ def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a share in (0, 1], got '{text}'") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share in (0, 1], got '{text}'")
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -182,6 +192,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             "devices",
             "strategy",
             "num_nodes",
+            "threshold_rule",
+            "max_waste_share",
         )
         if getattr(args, name) is not None
     }
@@ -497,6 +509,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--strategy", help="Lightning strategy, e.g. ddp or ddp_spawn (auto)")
     train.add_argument("--num-nodes", type=_positive_int, help="machines training together (1)")
+    train.add_argument(
+        "--threshold-rule",
+        choices=("waste_capped", "expected_value", "f1"),
+        help="how the online threshold is chosen on val (waste_capped: the most save stall avoided "
+        "with at most --max-waste-share of early-copied bytes wasted; docs/predictor.md)",
+    )
+    train.add_argument(
+        "--max-waste-share", type=_share, help="waste_capped: the cap on val's wasted share (0.3)"
+    )
     train.set_defaults(func=cmd_train)
 
     evaluate = sub.add_parser(

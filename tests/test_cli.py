@@ -119,6 +119,8 @@ def test_swap_runs_are_reproducible_too(tmp_path):
         (["run", "--out", "x", "--duration", "soon"], "--duration"),
         (["run"], "--out"),
         (["fly"], "invalid choice"),
+        (["train", "--data", "d", "--out", "o", "--threshold-rule", "best"], "--threshold-rule"),
+        (["train", "--data", "d", "--out", "o", "--max-waste-share", "1.5"], "--max-waste-share"),
     ],
 )
 def test_bad_input_exits_nonzero_with_one_line(argv, message, capsys, tmp_path, monkeypatch):

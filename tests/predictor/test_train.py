@@ -209,3 +209,12 @@ def test_threshold_on_val_of_a_mix(tmp_path, rule):
     assert metrics["num_train_rows"] + metrics["num_val_rows"] + metrics["num_test_rows"] == 2 * len(
         load_table(first).label
     )
+
+
+def test_the_cli_passes_the_threshold_rule_through(data_path, tmp_path, capsys):
+    from preempt.cli import main
+
+    out = tmp_path / "f1"
+    argv = ["train", "--data", str(data_path), "--out", str(out), "--max-epochs", "1", "--seq-len", "4"]
+    assert main([*argv, "--wandb", "disabled", "--no-progress", "--threshold-rule", "f1"]) == 0
+    assert json.loads((out / "metrics.json").read_text())["threshold_rule"] == "f1"
