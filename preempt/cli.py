@@ -343,13 +343,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from preempt.bench import BENCHMARKS
 
     options = {key: getattr(args, key) for key in ("model", "plan") if getattr(args, key) is not None}
-    takes = {"codec": {"model", "plan"}, "early": {"model"}}.get(args.name, set())
+    if args.no_served_speed:
+        options["served_speed"] = False
+    takes = {"codec": {"model", "plan", "served_speed"}, "early": {"model"}}.get(args.name, set())
     for key in options:
         if key not in takes:
-            print(f"preempt: error: --{key} does not apply to `bench {args.name}`", file=sys.stderr)
+            flag = "no-served-speed" if key == "served_speed" else key
+            print(f"preempt: error: --{flag} does not apply to `bench {args.name}`", file=sys.stderr)
             return 2
     for key, value in options.items():
-        if not Path(value).is_file():
+        if key != "served_speed" and not Path(value).is_file():
             print(f"preempt: error: --{key}: no such file: {value}", file=sys.stderr)
             return 2
     from preempt.parity.harness import PeerError
@@ -620,6 +623,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", help="codec: a trained tiny LM (lm.pt); early: a predictor checkpoint for the lstm policy"
     )
     bench.add_argument("--plan", help="codec: a head plan file (preempt importance writes one)")
+    bench.add_argument(
+        "--no-served-speed",
+        action="store_true",
+        help="codec: skip the speed section at a served model's KV shape (minutes; the main job skips it)",
+    )
     bench.set_defaults(func=cmd_bench)
 
     calibrate = sub.add_parser("calibrate", help="fit the virtual clock's device profile (docs/clock.md)")

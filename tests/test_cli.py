@@ -120,6 +120,7 @@ def test_swap_runs_are_reproducible_too(tmp_path):
         (["run"], "--out"),
         (["fly"], "invalid choice"),
         (["train", "--data", "d", "--out", "o", "--threshold-rule", "best"], "--threshold-rule"),
+        (["bench", "engine", "--no-served-speed"], "--no-served-speed does not apply"),
         (["train", "--data", "d", "--out", "o", "--max-waste-share", "1.5"], "--max-waste-share"),
     ],
 )

@@ -72,7 +72,11 @@ CPU_THREADS = 1  # torch intra-op threads for everything timed (module doc)
 
 
 def bench_codec(
-    quick: bool, model: str | None = None, plan: str | None = None, warmup_tokens: int = 2
+    quick: bool,
+    model: str | None = None,
+    plan: str | None = None,
+    warmup_tokens: int = 2,
+    served_speed: bool = True,
 ) -> dict[str, Any]:
     torch.set_num_threads(CPU_THREADS)  # comparable across machines; quality does not depend on it
     num_prompts, prompt_len, num_gen = (4, 256, 32) if quick else (16, 512, 64)
@@ -120,7 +124,8 @@ def bench_codec(
         result["plans"][name] = row
     if budget_info is not None:
         result["budget"] = {**budget_info, **_budget_summary(result["plans"])}
-    result["served_model_speed"] = _served_model_speed(quick, plans.get("budget_sensitivity"))
+    if served_speed:  # `--no-served-speed` (the main job): the section takes minutes
+        result["served_model_speed"] = _served_model_speed(quick, plans.get("budget_sensitivity"))
     return result
 
 

@@ -67,3 +67,7 @@ def test_served_kv_has_outlier_key_channels_and_is_seeded():
     key_spread = kv[:, 0].float().std(dim=1)  # (L, H, D): per channel over tokens
     value_spread = kv[:, 1].float().std(dim=1)
     assert key_spread.amax() > 5 * value_spread.amax()  # the x10 channels stand out in keys
+
+
+def test_the_served_model_speed_section_can_be_skipped():
+    assert "served_model_speed" not in bench_codec(quick=True, served_speed=False)
