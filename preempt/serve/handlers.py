@@ -529,7 +529,10 @@ class Handlers:
         for sample in delta.logprobs:
             tokens.append(token_text(self.tokenizer, sample.token_id))
             token_logprobs.append(sample.logprob)
-            top.append({token_text(self.tokenizer, t): lp for t, lp in sample.top_logprobs})
+            entries: dict[str, float] = {}
+            for t, lp in sample.top_logprobs:  # most likely first: a shared text keeps the likelier
+                entries.setdefault(token_text(self.tokenizer, t), lp)
+            top.append(entries)
             offsets.append(position)
             position += len(tokens[-1])
         return {
