@@ -274,7 +274,6 @@ class SaveStallCauses:
 
     def stats(self) -> dict[str, Any]:
         engine = self.engine
-        hook = engine.early_saver
         return {
             "stall_save_by_cause_s": {k: round(v, 4) for k, v in self.stall_s.items()},
             "num_save_stalls_by_cause": dict(self.num_stalls),
@@ -287,7 +286,7 @@ class SaveStallCauses:
             "mean_early_share_of_saves": round(self.early_share_sum / self.num_saves, 3)
             if self.num_saves
             else None,
-            "early_save_refused": hook.num_refused if hook is not None else 0,
+            "early_save_refused": engine.saver.early.num_refused,
             "early_wasted_finished_gb": round(self.wasted_finished_bytes / 1e9, 3),
             "early_wasted_evicted_gb": round(self.wasted_evicted_bytes / 1e9, 3),
         }

@@ -214,34 +214,16 @@ class EarlySaver:
     def __init__(self, policy: EarlySavePolicy) -> None:
         self.policy = policy
         self.num_selected = 0  # picks, including those the saver skipped (nothing new, budget)
-        # Picks with new full blocks that the saver still refused (speculation budget,
-        # in-flight bound, no spare host slot): warnings that copied nothing.
-        self.num_refused = 0
         # The last step's picks (ids) and that step's number, for a measuring probe
         # (preempt.bench.early) that tells "never warned" from "warned, refused".
         self.chosen_ids: frozenset[int] = frozenset()
         self.chosen_step = -1
-        # request -> full-block tokens its early copies cover, as far as this hook knows
-        # (reset at its preemption, which claims them): "nothing new" is not a refusal.
-        self._covered: dict[int, int] = {}
-        self._num_records_seen = 0
-
-    def forget(self, requests: Sequence[Request]) -> None:
-        """These requests left for good (finished, or ended by the engine's caller)."""
-        self.policy.forget(requests)
-        for request in requests:
-            self._covered.pop(request.request_id, None)
 
     def __call__(self, view: EngineView, output: StepOutput) -> None:
         if output.finished:
-            self.forget(output.finished)
+            self.policy.forget(output.finished)
             for request in output.finished:
                 view.discard_early(request)
-        records = view.records
-        for record in records[self._num_records_seen :]:  # steps without a hook call too
-            if record.is_preemption:
-                self._covered.pop(record.request_id, None)
-        self._num_records_seen = len(records)
         running = view.running
         if not output.scheduled.chunks or not running:
             return
@@ -254,15 +236,8 @@ class EarlySaver:
         self.num_selected += len(chosen)
         self.chosen_ids = frozenset(request.request_id for request in chosen)
         self.chosen_step = view.num_steps
-        block_size = view.block_size
         for request in chosen:
-            end = request.num_computed_tokens // block_size * block_size
-            if view.early_save(request):
-                self._covered[request.request_id] = end
-            elif end > self._covered.get(request.request_id, 0):
-                self.num_refused += 1
+            view.early_save(request)
 
     def stats(self) -> dict[str, Any]:
-        # `num_refused` stays out of the summary (the golden runs' summaries are fixed);
-        # preempt bench early reports it.
         return {"early_save_selected": self.num_selected}

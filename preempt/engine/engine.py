@@ -110,7 +110,7 @@ class Engine:
         if not request.state.is_final:
             self.scheduler.finish_request(request, RequestState.ABORTED)
             if self.early_saver is not None:
-                self.early_saver.forget([request])
+                self.early_saver.policy.forget([request])
             self._abort(request, reason)
 
     def finish_request(self, request: Request) -> None:
@@ -118,7 +118,7 @@ class Engine:
         if not request.state.is_final:
             self.scheduler.finish_request(request, RequestState.FINISHED)
             if self.early_saver is not None:
-                self.early_saver.forget([request])
+                self.early_saver.policy.forget([request])
             request.finish_s = self.clock.now()
 
     # ----------------------------------------------------------------- step

@@ -131,11 +131,15 @@ class Saver(KVMover):
         started = time.perf_counter()
         covered = self.early.covered(request)
         end = request.num_computed_tokens // self.block_size * self.block_size  # full blocks only
-        if end <= covered or not self._early_allowed(end - covered, now):
+        if end <= covered:
+            return False  # nothing new: not a refusal
+        if not self._early_allowed(end - covered, now):
+            self.early.num_refused += 1
             return False
         codec = MODE_CODEC.get(self.config.mode, self.config.reclaim_codec)
         segment = self._save_segment(request, covered, end, codec, now, speculative=True)
         if isinstance(segment, str):
+            self.early.num_refused += 1
             return False
         self.early.add(request, segment)
         self.bytes_raw += segment.nbytes_raw

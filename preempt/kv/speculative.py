@@ -34,6 +34,9 @@ class EarlyCopies:
         self.early_bytes_used = 0  # claimed by a preemption: that much less to copy then
         self.early_bytes_wasted = 0  # freed unused: the request finished, or evicted for space
         self.speculative_bytes = 0  # raw bytes of unclaimed early segments held now
+        # Early saves asked for with new full blocks that the saver turned down (speculation
+        # budget, in-flight bound, no spare host slot): warnings that copied nothing.
+        self.num_refused = 0
 
     def covered(self, request: Request) -> int:
         """Tokens of `request` already copied early (from token 0)."""

@@ -200,7 +200,6 @@ def test_aborting_a_request_frees_its_early_copies(mode):
     engine.abort_request(request, "client gone")
     assert saver.host_pool.num_used_slots == 0 and saver.early.speculative_bytes == 0
     assert not saver.early._segments and saver.early.early_bytes_wasted == saver.early.early_bytes_raw
-    assert not engine.early_saver._covered  # the hook forgets it too, as for a finished one
 
 
 def test_a_victims_blocks_wait_only_for_its_own_copies():
@@ -240,7 +239,7 @@ def test_refusals_count_picks_with_new_blocks_the_saver_turned_down():
     while not request.state.is_final:
         alone.step()
     assert alone.early_saver.num_selected > alone.saver.early.num_early_saves > 0
-    assert alone.early_saver.num_refused == 0
+    assert alone.saver.early.num_refused == 0
     tight = Engine(
         small_config(preemption={"mode": "swap"}, early_save={"policy": "always", "host_budget": 20000})
     )
@@ -249,5 +248,5 @@ def test_refusals_count_picks_with_new_blocks_the_saver_turned_down():
         tight.add_request(r)
     while any(not r.state.is_final for r in requests):
         tight.step()
-    assert tight.early_saver.num_refused > 0
+    assert tight.saver.early.num_refused > 0
     assert "early_save_refused" not in tight.stats()  # the golden runs' summaries stay as they are
