@@ -66,6 +66,13 @@ MAX_WASTE_SHARE = 0.30
 """`waste_capped`: the largest share of early-copied bytes that may be wasted on val (the
 issue-15 target for the share wasted live)."""
 
+MIN_WARNED_EPOCHS = 30
+"""`waste_capped`: curve points whose threshold warns fewer request epochs than this are
+skipped (neither picked nor ending the walk): their waste share is a handful of requests.
+Without it, one seed's second-strictest point (4 epochs warned, 1 wasted: share 0.31)
+ended the walk at a threshold that warned almost nothing (runs/pred15b/lstm-deploy2-s2,
+threshold 0.99987, docs/predictor.md)."""
+
 
 def expected_value_curve(
     table: FeatureTable,
@@ -126,6 +133,7 @@ def expected_value_curve(
                 "wasted_gb": float(copied[~has_event].sum() / 1e9),
                 "copied_gb": float(copied.sum() / 1e9),
                 "waste_share": float(copied[~has_event].sum() / copied.sum()) if copied.sum() > 0 else 0.0,
+                "warned_epochs": int(np.count_nonzero(copied)),
                 "expected_value_s": float(avoided - waste_weight * wasted_s),
             }
         )
@@ -141,16 +149,21 @@ def best_expected_value_threshold(curve: list[dict[str, float]]) -> float:
 
 
 def best_waste_capped_threshold(
-    curve: list[dict[str, float]], max_waste_share: float = MAX_WASTE_SHARE
+    curve: list[dict[str, float]],
+    max_waste_share: float = MAX_WASTE_SHARE,
+    min_warned_epochs: int = MIN_WARNED_EPOCHS,
 ) -> float:
     """The threshold that avoids the most stall on val among those whose share of early
     bytes wasted is at most `max_waste_share` there and at every stricter threshold of the
     curve (walking down from the strictest, the first one over the cap ends the search: a
     lower threshold that dips back under the cap by chance is not trusted); ties go to
-    the stricter threshold. Waste is a constraint, not a stall (see WASTE_WEIGHT).
-    inf (never warn) if no allowed threshold avoids any stall."""
+    the stricter threshold. Waste is a constraint, not a stall (see WASTE_WEIGHT). Points
+    warning fewer than `min_warned_epochs` request epochs are skipped (too few to tell a
+    share). inf (never warn) if no allowed threshold avoids any stall."""
     best: dict[str, float] | None = None
     for point in sorted(curve, key=lambda p: p["threshold"], reverse=True):
+        if point.get("warned_epochs", min_warned_epochs) < min_warned_epochs:
+            continue  # curves written before the count have every point trusted
         if point["waste_share"] > max_waste_share:
             break
         if best is None or point["stall_avoided_s"] > best["stall_avoided_s"]:
@@ -169,6 +182,7 @@ def evaluate_scores(
     eval_scores: np.ndarray,
     rule: str = "f1",
     max_waste_share: float = MAX_WASTE_SHARE,
+    min_warned_epochs: int = MIN_WARNED_EPOCHS,
 ) -> dict[str, Any]:
     """Threshold on val (max F1; `rule="expected_value"`: max expected value;
     `rule="waste_capped"`: most stall avoided with at most `max_waste_share` of the early
@@ -180,7 +194,7 @@ def evaluate_scores(
         if rule == "expected_value":
             threshold = best_expected_value_threshold(curve)
         else:
-            threshold = best_waste_capped_threshold(curve, max_waste_share)
+            threshold = best_waste_capped_threshold(curve, max_waste_share, min_warned_epochs)
     elif rule == "f1":
         threshold = best_f1_threshold(val_scores, table.label[val_rows])
     else:

@@ -345,16 +345,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
     options = {key: getattr(args, key) for key in ("model", "plan") if getattr(args, key) is not None}
     if args.no_served_speed:
         options["served_speed"] = False
-    takes = {"codec": {"model", "plan", "served_speed"}, "early": {"model"}}.get(args.name, set())
+    if args.windows:
+        options["windows"] = True
+    takes = {"codec": {"model", "plan", "served_speed"}, "early": {"model", "windows"}}.get(args.name, set())
+    flags = {"served_speed": "no-served-speed"}
     for key in options:
         if key not in takes:
-            flag = "no-served-speed" if key == "served_speed" else key
-            print(f"preempt: error: --{flag} does not apply to `bench {args.name}`", file=sys.stderr)
+            print(
+                f"preempt: error: --{flags.get(key, key)} does not apply to `bench {args.name}`",
+                file=sys.stderr,
+            )
             return 2
-    for key, value in options.items():
-        if key != "served_speed" and not Path(value).is_file():
-            print(f"preempt: error: --{key}: no such file: {value}", file=sys.stderr)
-            return 2
+    if args.windows and "model" not in options:
+        print(
+            "preempt: error: --windows needs --model (predictor checkpoints, comma-separated)",
+            file=sys.stderr,
+        )
+        return 2
+    for key in ("model", "plan"):
+        # --windows takes several checkpoints (training seeds), comma-separated.
+        paths = options[key].split(",") if key == "model" and args.windows else [options.get(key)]
+        for value in paths:
+            if value is not None and not Path(value).is_file():
+                print(f"preempt: error: --{key}: no such file: {value}", file=sys.stderr)
+                return 2
     from preempt.parity.harness import PeerError
 
     try:
@@ -623,6 +637,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", help="codec: a trained tiny LM (lm.pt); early: a predictor checkpoint for the lstm policy"
     )
     bench.add_argument("--plan", help="codec: a head plan file (preempt importance writes one)")
+    bench.add_argument(
+        "--windows",
+        action="store_true",
+        help="early: the async arms on every held-out trace window, with intervals (--model may "
+        "list several checkpoints, comma-separated: training seeds)",
+    )
     bench.add_argument(
         "--no-served-speed",
         action="store_true",

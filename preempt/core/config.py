@@ -373,6 +373,17 @@ class EarlySaveConfig(_Section):
     threshold: float | None = Field(None, gt=0, lt=1)
     """`lstm`: probability that starts an early save (None: the checkpoint's own
     operating threshold)."""
+    waste_cap: float | None = Field(None, gt=0, lt=1)
+    """`lstm`: hold the live share of early-copied bytes that are wasted at this value by
+    moving the threshold online (`preempt.engine.early_save.WasteCap`: integral control
+    on the recent waste share, from `threshold`). A threshold chosen on val drifts
+    when the load shifts (fewer preemptions, more finishes per warning); this follows it.
+    None: the threshold stays fixed."""
+    waste_cap_gain: float = Field(0.2, gt=0)
+    """`waste_cap`: logit units the threshold moves per step in which early copies were
+    claimed or wasted, per unit of error in the recent waste share. 0.2 was chosen on dev
+    windows (azure-conv [1200, 1600) s; docs/predictor.md): 0.02-0.1 followed a shift too
+    slowly, 0.4 overshot and hid less."""
     oracle_log: str | None = None
     """`oracle`: preemptions.parquet of a run with the same config and early_save none."""
     horizon_ms: float = Field(50.0, gt=0)
@@ -417,6 +428,10 @@ class EarlySaveConfig(_Section):
     def _needs(self) -> EarlySaveConfig:
         if self.policy == "lstm" and not self.checkpoint:
             raise ValueError("policy 'lstm' needs early_save.checkpoint (a predictor.ckpt)")
+        if self.waste_cap is not None and self.policy != "lstm":
+            raise ValueError(
+                f"early_save.waste_cap moves the lstm policy's threshold; policy is '{self.policy}'"
+            )
         if self.policy == "oracle" and not self.oracle_log:
             raise ValueError("policy 'oracle' needs early_save.oracle_log (a reference preemptions.parquet)")
         return self

@@ -15,7 +15,8 @@ new full block, and refuses beyond its speculation budget and in-flight bound):
   a waiting request outranks it or free KV runs low.
 - `lstm`: the trained predictor (`preempt.engine.online_predictor.OnlinePredictor`): one LSTM step per
   engine step over all running requests in one batch, carrying each request's state;
-  saves where p >= threshold.
+  saves where p >= threshold. With `early_save.waste_cap`, `WasteCap` moves the threshold
+  online to hold the live share of early bytes wasted at the cap.
 - `oracle`: knows the future from a reference run of the same config without early
   saves (its preemptions.parquet): saves a request `horizon_ms` before its next
   preemption there. Not an upper bound: once early saves shift the live timeline, the
@@ -109,6 +110,11 @@ class LSTMPolicy(EarlySavePolicy):
         # steps (checked above: early_save.every_k_steps = the checkpoint's k); between,
         # the last decision stands.
         self.every_k_steps = config.every_k_steps
+        self.waste_cap = (
+            None
+            if config.waste_cap is None
+            else WasteCap(self.predictor.threshold, config.waste_cap, config.waste_cap_gain)
+        )
         self._stepping = True
         self._chosen: set[int] = set()
         self.last_probs: np.ndarray = np.zeros(0, dtype=np.float32)
@@ -116,6 +122,12 @@ class LSTMPolicy(EarlySavePolicy):
     def prepare(self, view: EngineView) -> None:
         # The steps preempt.obs.dataset.FeatureLogger logs a row at, so online = offline.
         self._stepping = view.num_steps % self.every_k_steps == 0
+        if self.waste_cap is not None:
+            self.waste_cap.update(*view.early_bytes_resolved)
+
+    @property
+    def threshold(self) -> float:
+        return self.predictor.threshold if self.waste_cap is None else self.waste_cap.threshold
 
     @property
     def needs_features_now(self) -> bool:
@@ -126,12 +138,69 @@ class LSTMPolicy(EarlySavePolicy):
             ids = [r.request_id for r in running]
             probs = self.predictor.step(ids, features)
             self.last_probs = probs
-            threshold = self.predictor.threshold
+            threshold = self.threshold
             self._chosen = {rid for rid, p in zip(ids, probs, strict=True) if p >= threshold}
         return [r for r in running if r.request_id in self._chosen]
 
     def forget(self, requests: Sequence[Request]) -> None:
         self.predictor.forget(r.request_id for r in requests)
+
+
+class WasteCap:
+    """Holds the live share of early-copied bytes wasted near `cap` by moving the `lstm`
+    policy's threshold: integral control, in logit space, on the recent waste share.
+
+    Why: the threshold is chosen on val, whose load the live trace need not share. Where
+    preemptions are rarer (a lighter window), more warned requests finish instead, and the
+    same threshold wastes more (azure-conv windows never trained on: 0.30-0.49 at a val
+    waste of 0.30, docs/predictor.md). Waste is observed online only when an early copy's
+    fate is known (claimed by a preemption, or freed unclaimed), so the controller reads
+    those totals each step: with U, W the claimed and wasted bytes since the start,
+    exponentially forgotten per step in which some resolved (`MEMORY`), the logit of the
+    threshold moves by gain * (W / (U + W) - cap). It starts at the checkpoint's (or
+    `early_save.threshold`'s) threshold and stays within `MAX_SHIFT` logits of it.
+    Deterministic: it reads only the engine's own counters."""
+
+    MEMORY = 0.98
+    """Per resolved step: the weight left on older outcomes (~50 resolved steps)."""
+    MAX_SHIFT = 4.0
+    """Logits the threshold may move either way from where it started."""
+
+    def __init__(self, threshold: float, cap: float, gain: float) -> None:
+        self.cap = cap
+        self.gain = gain
+        self._start = _logit(threshold)
+        self._logit = self._start
+        self._used = 0
+        self._wasted = 0
+        self._recent_used = 0.0
+        self._recent_wasted = 0.0
+
+    @property
+    def threshold(self) -> float:
+        return float(1.0 / (1.0 + np.exp(-self._logit)))
+
+    @property
+    def recent_waste_share(self) -> float | None:
+        total = self._recent_used + self._recent_wasted
+        return self._recent_wasted / total if total > 0 else None
+
+    def update(self, used_total: int, wasted_total: int) -> None:
+        """The saver's totals of early bytes claimed and wasted so far (never decrease)."""
+        used, wasted = used_total - self._used, wasted_total - self._wasted
+        if used <= 0 and wasted <= 0:
+            return
+        self._used, self._wasted = used_total, wasted_total
+        self._recent_used = self.MEMORY * self._recent_used + used
+        self._recent_wasted = self.MEMORY * self._recent_wasted + wasted
+        error = self.recent_waste_share - self.cap
+        shifted = self._logit + self.gain * error
+        self._logit = min(max(shifted, self._start - self.MAX_SHIFT), self._start + self.MAX_SHIFT)
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, 1e-9), 1 - 1e-9)
+    return float(np.log(p / (1 - p)))
 
 
 class OraclePolicy(EarlySavePolicy):

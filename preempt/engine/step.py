@@ -133,6 +133,13 @@ class EngineView:
     def kv_usage(self) -> float:
         return self._engine.block_pool.usage
 
+    @property
+    def early_bytes_resolved(self) -> tuple[int, int]:
+        """Early-copied raw bytes so far whose fate is known: (claimed by a preemption,
+        wasted: freed unclaimed because the request finished or the copy was evicted)."""
+        early = self._engine.saver.early
+        return early.early_bytes_used, early.early_bytes_wasted
+
     def stats(self) -> dict[str, float | int]:
         return self._engine.stats()
 

@@ -12,7 +12,7 @@ import torch
 
 from preempt.core.config import ConfigError, EarlySaveConfig
 from preempt.core.request import RequestState
-from preempt.engine.early_save import OraclePolicy, RulePolicy, load_preemption_times
+from preempt.engine.early_save import OraclePolicy, RulePolicy, WasteCap, load_preemption_times
 from preempt.engine.engine import Engine
 from preempt.engine.features import FEATURE_NAMES
 from tests.conftest import make_request, small_config
@@ -167,6 +167,39 @@ def test_bad_early_save_configs_are_clear_errors():
         EarlySaveConfig(policy="lstm")
     with pytest.raises(ValueError, match="needs early_save.oracle_log"):
         EarlySaveConfig(policy="oracle")
+    with pytest.raises(ValueError, match="waste_cap moves the lstm policy's threshold; policy is 'rule'"):
+        EarlySaveConfig(policy="rule", waste_cap=0.3)
+    with pytest.raises(ValueError, match="waste_cap"):
+        EarlySaveConfig(policy="lstm", checkpoint="x.ckpt", waste_cap=1.5)
+
+
+def test_waste_cap_moves_the_threshold_toward_the_cap_and_no_further_than_its_bound():
+    cap = WasteCap(threshold=0.9, cap=0.3, gain=0.5)
+    assert cap.threshold == pytest.approx(0.9) and cap.recent_waste_share is None
+    cap.update(0, 0)  # nothing resolved: nothing moves
+    assert cap.threshold == pytest.approx(0.9)
+    cap.update(100, 900)  # 90% wasted: stricter
+    assert cap.recent_waste_share == pytest.approx(0.9) and cap.threshold > 0.9
+    raised = cap.threshold
+    cap.update(100, 900)  # the same totals again: no new outcome, no move
+    assert cap.threshold == raised
+    for step in range(1, 40):  # then only claims: the share falls under the cap, it relaxes
+        cap.update(100 + 1000 * step, 900)
+    assert cap.recent_waste_share < 0.3 and cap.threshold < raised
+    # The share is of recent outcomes: old waste is forgotten by MEMORY per resolved step.
+    assert cap.recent_waste_share == pytest.approx(
+        900
+        * WasteCap.MEMORY**39
+        / (
+            900 * WasteCap.MEMORY**39
+            + sum(1000 * WasteCap.MEMORY**k for k in range(39))
+            + 100 * WasteCap.MEMORY**39
+        )
+    )
+    bounded = WasteCap(threshold=0.5, cap=0.1, gain=100.0)
+    for step in range(1, 10):
+        bounded.update(0, 1000 * step)  # all wasted, a huge gain: held within MAX_SHIFT logits
+    assert bounded.threshold == pytest.approx(1 / (1 + np.exp(-WasteCap.MAX_SHIFT)))
 
 
 def test_wall_clock_early_saves_on_their_own_worker_change_no_output():

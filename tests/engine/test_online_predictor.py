@@ -260,3 +260,26 @@ def test_a_checkpoint_for_another_horizon_feature_set_or_stride_is_refused_onlin
         make_policy(
             EarlySaveConfig(policy="lstm", checkpoint=str(stale), horizon_steps=4, feature_set="scale_free")
         )
+
+
+def test_a_waste_cap_moves_the_online_threshold_and_changes_no_output(trained):
+    # The trained checkpoint drives early saves in a small preempting run; with a cap,
+    # the policy's threshold follows the saver's claimed/wasted totals. Lossless: every
+    # output equals the run without early saves, and every early byte is accounted for.
+    from preempt.engine.early_save import WasteCap
+    from tests.kv.test_preemption import _digests, _run
+
+    _, plain = _run("swap_zstd")
+    for threshold in (0.05, 0.5):
+        early = {"policy": "lstm", "checkpoint": str(trained[0]), "threshold": threshold, "waste_cap": 0.2}
+        engine, requests = _run("swap_zstd", early=early)
+        assert _digests(requests) == _digests(plain)
+        early_copies, policy = engine.saver.early, engine.early_saver.policy
+        assert early_copies.early_bytes_used + early_copies.early_bytes_wasted == early_copies.early_bytes_raw
+        assert isinstance(policy.waste_cap, WasteCap)
+        share = policy.waste_cap.recent_waste_share
+        if share is None:  # nothing resolved (0.5 warns no one here): it stays put
+            assert threshold == 0.5 and early_copies.early_bytes_raw == 0
+            assert policy.threshold == pytest.approx(threshold)
+        else:  # it moved, up where recent waste was over the cap, down where under
+            assert (policy.threshold > threshold) == (share > 0.2) and policy.threshold != threshold

@@ -121,6 +121,32 @@ def test_waste_capped_threshold_on_a_hand_made_curve():
     assert best_waste_capped_threshold([point(0.5, 0.0, 0.0)], 0.3) == math.inf
 
 
+def test_waste_capped_skips_points_that_warn_too_few_epochs():
+    from predictor.evaluate import MIN_WARNED_EPOCHS, best_waste_capped_threshold
+
+    def point(threshold, avoided, share, epochs):
+        return {
+            "threshold": threshold,
+            "stall_avoided_s": avoided,
+            "waste_share": share,
+            "warned_epochs": epochs,
+        }
+
+    few = MIN_WARNED_EPOCHS - 1
+    # The strictest point is over the cap on a handful of epochs: it neither ends the walk
+    # nor is picked; the trusted points below it are walked as usual.
+    curve = [
+        point(0.99, 0.001, 0.5, few),
+        point(0.9, 0.02, 0.1, 40),
+        point(0.8, 0.04, 0.25, 80),
+        point(0.7, 0.05, 0.4, 120),
+    ]
+    assert best_waste_capped_threshold(curve, 0.3) == 0.8
+    # A trusted point over the cap still ends it.
+    curve[0] = point(0.99, 0.001, 0.5, MIN_WARNED_EPOCHS)
+    assert best_waste_capped_threshold(curve, 0.3) == math.inf
+
+
 def test_waste_capped_warns_where_the_expected_value_charges_waste_as_stall():
     from predictor.data import FeatureTable
     from predictor.evaluate import best_expected_value_threshold, evaluate_scores, expected_value_curve
@@ -157,11 +183,15 @@ def test_waste_capped_warns_where_the_expected_value_charges_waste_as_stall():
     # Expected value: request 2's copy time outweighs request 4's 0.03 s: stops at 0.6.
     assert 0.5 < best_expected_value_threshold(curve) <= 0.6
     # Waste capped at 30%: 14% wasted at 0.5 is allowed, 60% at 0.3 is not.
-    metrics = evaluate_scores(table, rows, rows, scores, scores, rule="waste_capped", max_waste_share=0.3)
+    metrics = evaluate_scores(
+        table, rows, rows, scores, scores, rule="waste_capped", max_waste_share=0.3, min_warned_epochs=1
+    )
     assert 0.3 < metrics["threshold"] <= 0.5
     assert metrics["recall"] == 1.0 and metrics["max_waste_share"] == 0.3
     # At a 10% cap request 2's bytes are too many: back to 0.6.
-    strict = evaluate_scores(table, rows, rows, scores, scores, rule="waste_capped", max_waste_share=0.1)
+    strict = evaluate_scores(
+        table, rows, rows, scores, scores, rule="waste_capped", max_waste_share=0.1, min_warned_epochs=1
+    )
     assert 0.5 < strict["threshold"] <= 0.6
 
 
