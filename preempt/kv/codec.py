@@ -29,8 +29,11 @@ Blob layout (version 1, little-endian):
     then the payload.
 
 The header has its own CRC so a flipped flag or dtype byte (which would leave the payload CRC
-intact and decode into wrong values) is caught too. CRC32 (zlib, ~4 GB/s here) detects every
-single-byte flip, which is what the corruption tests rely on.
+intact and decode into wrong values) is caught too. CRC32 detects every single-byte flip,
+which is what the corruption tests rely on. It is zlib's CRC-32, computed by ISA-L
+(`isal.isal_zlib.crc32`: the same values, ~8x faster, carry-less multiplication; 5 ms
+against zlib's 40 ms for a 93 MB KIVI blob here, ~11% of its encode) where the `isal`
+package is installed, else by zlib: blobs are the same bytes either way.
 
 Over 500 lines because the three codecs share the blob format and its validation, which
 would otherwise be duplicated or imported back.
@@ -47,6 +50,11 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 import torch
 import zstandard
+
+try:  # the same CRC-32 as zlib's, faster (module docstring)
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover (isal is a dependency; the GPU check's box may lack it)
+    crc32 = zlib.crc32
 
 MAGIC = b"PKV1"
 VERSION = 1
@@ -98,7 +106,7 @@ def pack_header(codec_id: int, flags: int, dtype: torch.dtype, shape: tuple[int,
     views = [memoryview(part).cast("B") for part in parts]
     crc = 0
     for view in views:
-        crc = zlib.crc32(view, crc)
+        crc = crc32(view, crc)
     raw_nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     header = bytearray(
         _FIXED.pack(
@@ -115,7 +123,7 @@ def pack_header(codec_id: int, flags: int, dtype: torch.dtype, shape: tuple[int,
     )
     for dim in shape:
         header += _DIM.pack(dim)
-    header += _CRC.pack(zlib.crc32(header))
+    header += _CRC.pack(crc32(header))
     return bytes(header)
 
 
@@ -137,7 +145,7 @@ def read_header(blob: Any) -> BlobHeader:
     if view.nbytes < header_nbytes:
         raise CorruptBlobError(f"truncated blob: {view.nbytes} bytes, header needs {header_nbytes}")
     (header_crc,) = _CRC.unpack_from(view, header_nbytes - _CRC.size)
-    if zlib.crc32(view[: header_nbytes - _CRC.size]) != header_crc:
+    if crc32(view[: header_nbytes - _CRC.size]) != header_crc:
         raise CorruptBlobError("header checksum mismatch: the blob header is corrupt")
     if dtype_code not in _DTYPES:
         raise CorruptBlobError(f"unknown dtype code {dtype_code} in blob header")
@@ -175,7 +183,7 @@ def unpack_blob(blob: Any, codec_id: int) -> tuple[BlobHeader, memoryview]:
             f"this decoder is {names.get(codec_id, codec_id)!r}"
         )
     payload = view[header.header_nbytes :]
-    if zlib.crc32(payload) != header.payload_crc:
+    if crc32(payload) != header.payload_crc:
         raise CorruptBlobError("payload checksum mismatch: the blob payload is corrupt")
     return header, payload
 
