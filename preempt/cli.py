@@ -371,8 +371,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 return 2
     from preempt.parity.harness import PeerError
 
+    run = BENCHMARKS[args.name]
+    if options.pop("windows", False):  # experiments/ judges the windows by intervals
+        from experiments.early_windows import bench_early_windows
+
+        models = options.pop("model").split(",")
+        run = lambda quick: bench_early_windows(quick, models)  # noqa: E731
     try:
-        result: dict[str, Any] = BENCHMARKS[args.name](args.quick, **options)
+        result: dict[str, Any] = run(args.quick, **options)
     except PeerError as err:  # bench vllm: no peer virtualenv, or it failed
         print(f"preempt: error: {err}", file=sys.stderr)
         return 2

@@ -121,6 +121,9 @@ def test_swap_runs_are_reproducible_too(tmp_path):
         (["fly"], "invalid choice"),
         (["train", "--data", "d", "--out", "o", "--threshold-rule", "best"], "--threshold-rule"),
         (["bench", "engine", "--no-served-speed"], "--no-served-speed does not apply"),
+        (["bench", "codec", "--windows"], "--windows does not apply to `bench codec`"),
+        (["bench", "early", "--windows"], "--windows needs --model"),
+        (["bench", "early", "--windows", "--model", "a.ckpt,b.ckpt"], "no such file: a.ckpt"),
         (["train", "--data", "d", "--out", "o", "--max-waste-share", "1.5"], "--max-waste-share"),
     ],
 )

@@ -37,13 +37,9 @@ def _codec(
     return bench_codec(quick, model=model, plan=plan, served_speed=served_speed)
 
 
-def _early(quick: bool, model: str | None = None, windows: bool = False) -> dict[str, Any]:
-    from preempt.bench.early import bench_early, bench_early_windows
+def _early(quick: bool, model: str | None = None) -> dict[str, Any]:
+    from preempt.bench.early import bench_early
 
-    if windows:
-        if not model:
-            raise ValueError("--windows needs --model (one or more predictor checkpoints, comma-separated)")
-        return bench_early_windows(quick, model.split(","))
     return bench_early(quick, model=model)
 
 

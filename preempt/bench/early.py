@@ -34,7 +34,6 @@ alone (async restores on unless `--sync-restore`) and prints its row.
 
 from __future__ import annotations
 
-import math
 import statistics
 import tempfile
 import time
@@ -52,15 +51,11 @@ if TYPE_CHECKING:
     from preempt.kv.record import PreemptionRecord
     from preempt.kv.segment import Segment
 
-_COLLECT = Path(__file__).resolve().parents[2] / "experiments" / "configs" / "collect.yaml"
+COLLECT = Path(__file__).resolve().parents[2] / "experiments" / "configs" / "collect.yaml"
 # The trace window replayed: one that no recipe here trains a predictor on (the collects
 # of docs/predictor.md use azure-conv [0, 800) s, the main job [3000, 3200) s), so the
 # `lstm` arm is scored on requests it never saw. collect.yaml's own window starts at 0.
 WINDOW_START_S = 1600.0
-HELD_OUT_WINDOWS_S = (1600.0, 1800.0, 2000.0, 2200.0)
-"""`--windows`: azure-conv windows (200 s each from these starts) that no recipe trains
-on: the collects of docs/predictor.md use [0, 1200) and [2400, 3000) s, and [1200, 1600) s
-were the dev windows its choices (`WASTE_CAP_SETPOINT`, the gain) were made on."""
 WASTE_CAP_SETPOINT = 0.25
 """The `lstm_capped` arm's `early_save.waste_cap`: the waste share the controller holds,
 under the 30% limit by a margin for its start (it begins at the val threshold) and its
@@ -69,7 +64,7 @@ swings (a set point of 0.30 realised 0.31-0.34 on the dev windows; 0.25 realised
 
 def bench_early(quick: bool, model: str | None = None) -> dict[str, Any]:
     modes = ("swap", "swap_zstd") if quick else ("swap", "swap_zstd", "swap_mixed")
-    horizon = _horizon_of(model) if model else []
+    horizon = horizon_of(model) if model else []
     result: dict[str, Any] = {"virtual": {m: _virtual(m, quick, model, horizon) for m in modes}}
     result["virtual_async_restore"] = {
         m: _virtual(m, quick, model, horizon, async_restore=True, baseline=result["virtual"][m])
@@ -80,103 +75,7 @@ def bench_early(quick: bool, model: str | None = None) -> dict[str, Any]:
     return result
 
 
-def bench_early_windows(quick: bool, models: list[str]) -> dict[str, Any]:
-    """`preempt bench early --windows`: the async-restore arms on every held-out window
-    (`HELD_OUT_WINDOWS_S`), so the targets are judged by intervals, not one window. Per
-    window and mode: `none` with synchronous restores (the baseline of `stall_hidden`),
-    `lstm` and `lstm_capped` for each checkpoint in `models` (training seeds), and the
-    lookahead oracle in `swap` (in `swap_zstd` async restores and prefetch alone hide
-    >= 0.98 everywhere measured, and its oracle costs ~4 min a window). Summary per mode
-    and arm: the mean over windows (of the mean over checkpoints) of `stall_hidden` and
-    `waste_share`, with 95% Student-t intervals over windows, the oracle's lead over the
-    arm paired by window, and verdicts against the targets (hidden >= 0.80, waste <= 0.30,
-    within 0.10 of the oracle): held / did not hold only when the interval says so."""
-
-    horizons = {tuple(_horizon_of(model)) for model in models}
-    if len(horizons) != 1:
-        raise ValueError("--windows: every checkpoint must share one horizon, feature set and stride")
-    horizon = list(horizons.pop())
-    windows = HELD_OUT_WINDOWS_S[:2] if quick else HELD_OUT_WINDOWS_S
-    duration = 60 if quick else 200
-    rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-
-        def run(mode: str, arm: str, model: str | None, start: float, async_restore: bool = True) -> dict:
-            overrides = arm_overrides(mode, arm, model, start, duration, horizon, async_restore)
-            summary, causes = replay_measured(load_config(_COLLECT, overrides), Path(tmp) / arm)
-            return {**_row(summary), **causes}
-
-        for start in windows:
-            for mode in ASYNC_MODES:
-                base = run(mode, "none", None, start, async_restore=False)
-                arms: dict[str, Any] = {"none_sync": base}
-                if mode == "swap":
-                    arms["lookahead"] = run(mode, "lookahead", None, start)
-                for arm in LSTM_ARMS:
-                    arms[arm] = [run(mode, arm, model, start) for model in models]
-                for row in [arms.get("lookahead"), *arms["lstm"], *arms["lstm_capped"]]:
-                    if row is not None:
-                        row["stall_hidden"] = _hidden(row["stall_total_s"], base["stall_total_s"])
-                rows.append({"window_s": [start, start + duration], "mode": mode, "arms": arms})
-
-    return {
-        "workload": f"{_COLLECT.name}, {duration} s windows of the trace from {list(windows)} s",
-        "models": models,
-        "waste_cap_setpoint": WASTE_CAP_SETPOINT,
-        "horizon": horizon,
-        "windows": rows,
-        "summary": summarize_windows(rows),
-    }
-
-
-TARGETS = {"stall_hidden": 0.80, "waste_share": 0.30, "oracle_lead": 0.10}
-"""Issue 15's targets: hidden >= 0.80, waste <= 0.30, the LSTM within 0.10 of the oracle."""
-
-
-def summarize_windows(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per mode and arm of `bench_early_windows`' rows: the mean over windows (of the mean
-    over checkpoints for the LSTM arms) of `stall_hidden` and `waste_share`, each with its
-    95% Student-t interval over windows; for the LSTM arms where the oracle ran, the
-    oracle's lead in `stall_hidden`, paired by window; a verdict per target (`TARGETS`):
-    'held' / 'did not hold' when the whole interval is on one side, else None."""
-    from experiments.stats import compare, t_interval
-
-    def mean_of(row: dict[str, Any], arm: str, key: str) -> float:
-        values = [r[key] for r in row["arms"][arm]] if arm in LSTM_ARMS else [row["arms"][arm][key]]
-        values = [v for v in values if v is not None]
-        return sum(values) / len(values) if values else math.nan
-
-    def judged(values: list[float], key: str, claimed: str) -> dict[str, Any]:
-        iv = t_interval(values)
-        out: dict[str, Any] = {
-            k: None if math.isnan(v) else round(v, 4)
-            for k, v in (("mean", iv.mean), ("lo", iv.lo), ("hi", iv.hi))
-        }
-        return {**out, "n": iv.num, "verdict": compare(iv, TARGETS[key], claimed=claimed)}
-
-    summary: dict[str, Any] = {}
-    for mode in dict.fromkeys(row["mode"] for row in rows):
-        of_mode = [row for row in rows if row["mode"] == mode]
-        summary[mode] = {}
-        for arm in ("lookahead", *LSTM_ARMS):
-            if arm not in of_mode[0]["arms"]:
-                continue
-            hidden = [mean_of(row, arm, "stall_hidden") for row in of_mode]
-            entry = {
-                "stall_hidden": judged(hidden, "stall_hidden", "above"),
-                "waste_share": judged(
-                    [mean_of(row, arm, "waste_share") for row in of_mode], "waste_share", "below"
-                ),
-            }
-            if arm != "lookahead" and "lookahead" in of_mode[0]["arms"]:
-                oracle = [mean_of(row, "lookahead", "stall_hidden") for row in of_mode]
-                lead = [o - h for o, h in zip(oracle, hidden, strict=True)]
-                entry["oracle_lead"] = judged(lead, "oracle_lead", "below")
-            summary[mode][arm] = entry
-    return summary
-
-
-def _horizon_of(model: str) -> list[str]:
+def horizon_of(model: str) -> list[str]:
     """The checkpoint's horizon, feature set and stride, for every arm (the oracle looks
     as far; the stride is the `lstm` arm's, and the others ignore it)."""
     from preempt.engine.online_predictor import load_checkpoint
@@ -234,7 +133,7 @@ def _virtual(
     duration = 60 if quick else 200
     arms = list(ARMS) + (list(LSTM_ARMS) if model else [])
     out: dict[str, Any] = {
-        "workload": f"{_COLLECT.name}, trace [{WINDOW_START_S:g}, {WINDOW_START_S + duration:g}) s",
+        "workload": f"{COLLECT.name}, trace [{WINDOW_START_S:g}, {WINDOW_START_S + duration:g}) s",
         "policies": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
@@ -243,15 +142,15 @@ def _virtual(
             if arm == "oracle_log":
                 extra.append(f"early_save.oracle_log={Path(tmp) / 'prefetch' / 'preemptions.parquet'}")
             overrides = arm_overrides(mode, arm, model, WINDOW_START_S, duration, horizon, async_restore)
-            summary, causes = replay_measured(load_config(_COLLECT, overrides + extra), Path(tmp) / arm)
-            out["policies"][arm] = {**_row(summary), **causes}
+            summary, causes = replay_measured(load_config(COLLECT, overrides + extra), Path(tmp) / arm)
+            out["policies"][arm] = {**arm_row(summary), **causes}
     base = (baseline or out)["policies"]["none"]
     own = out["policies"]["none"]
     for row in out["policies"].values():
-        row["stall_hidden"] = _hidden(row["stall_total_s"], base["stall_total_s"])
-        row["save_stall_hidden"] = _hidden(row["stall_save_s"], base["stall_save_s"])
+        row["stall_hidden"] = hidden_share(row["stall_total_s"], base["stall_total_s"])
+        row["save_stall_hidden"] = hidden_share(row["stall_save_s"], base["stall_save_s"])
         if baseline is not None:
-            row["stall_hidden_vs_async_none"] = _hidden(row["stall_total_s"], own["stall_total_s"])
+            row["stall_hidden_vs_async_none"] = hidden_share(row["stall_total_s"], own["stall_total_s"])
     return out
 
 
@@ -448,19 +347,19 @@ def one_arm(
         )
     if arm in LSTM_ARMS and not model:
         raise ValueError(f"the {arm} arm needs --model (a predictor checkpoint)")
-    horizon = _horizon_of(model) if model else []
+    horizon = horizon_of(model) if model else []
     overrides = arm_overrides(mode, arm, model, WINDOW_START_S, 60 if quick else 200, horizon, async_restore)
     overrides += extra or []
     with tempfile.TemporaryDirectory() as tmp:
-        summary, causes = replay_measured(load_config(_COLLECT, overrides), Path(tmp))
-    return {"mode": mode, "arm": arm, "async_restore": async_restore, **_row(summary), **causes}
+        summary, causes = replay_measured(load_config(COLLECT, overrides), Path(tmp))
+    return {"mode": mode, "arm": arm, "async_restore": async_restore, **arm_row(summary), **causes}
 
 
-def _hidden(stall: float, base: float) -> float | None:
+def hidden_share(stall: float, base: float) -> float | None:
     return round(1 - stall / base, 3) if base > 0 else None
 
 
-def _row(summary: dict[str, Any]) -> dict[str, Any]:
+def arm_row(summary: dict[str, Any]) -> dict[str, Any]:
     early = summary.get("early_bytes_raw", 0)
     return {
         "num_preemptions": summary["num_preemptions"],

@@ -1,0 +1,52 @@
+"""`preempt bench early --windows` (experiments/early_windows.py): the summary judges each
+target by its interval over windows."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments.early_windows import summarize_windows
+
+
+def test_windows_summary_judges_each_target_by_its_interval():
+    def arm(hidden, waste):
+        return {"stall_hidden": hidden, "waste_share": waste}
+
+    # Four windows; two checkpoints per LSTM arm, averaged within a window.
+    rows = []
+    for i, (oracle, lstm_a, lstm_b) in enumerate(
+        [(0.97, 0.90, 0.88), (0.96, 0.86, 0.90), (0.98, 0.89, 0.87), (0.97, 0.88, 0.88)]
+    ):
+        rows.append(
+            {
+                "mode": "swap",
+                "window_s": [i, i + 1],
+                "arms": {
+                    "lookahead": arm(oracle, 0.02),
+                    "lstm": [arm(lstm_a, 0.40 + 0.01 * i), arm(lstm_b, 0.42)],
+                    "lstm_capped": [arm(0.5 + 0.3 * (i % 2), 0.25), arm(0.6, 0.35)],
+                },
+            }
+        )
+    rows.append(
+        {
+            "mode": "swap_zstd",
+            "window_s": [0, 1],
+            "arms": {"lstm": [arm(0.99, None)], "lstm_capped": [arm(0.99, 0.2)]},
+        }
+    )
+    summary = summarize_windows(rows)
+    lstm = summary["swap"]["lstm"]
+    assert lstm["stall_hidden"]["mean"] == pytest.approx((0.89 + 0.88 + 0.88 + 0.88) / 4, abs=1e-4)
+    assert lstm["stall_hidden"]["n"] == 4 and lstm["stall_hidden"]["verdict"] == "held"  # all ~0.88 > 0.80
+    assert lstm["waste_share"]["verdict"] == "did not hold"  # all ~0.42 > 0.30
+    lead = lstm["oracle_lead"]
+    assert lead["mean"] == pytest.approx((0.08 + 0.08 + 0.10 + 0.09) / 4, abs=1e-4)
+    assert lead["lo"] < 0.10 < lead["hi"] and lead["verdict"] is None  # straddles: inconclusive
+    assert summary["swap"]["lstm_capped"]["waste_share"]["mean"] == pytest.approx(0.30)
+    assert summary["swap"]["lookahead"]["waste_share"]["verdict"] == "held"
+    assert "oracle_lead" not in summary["swap"]["lookahead"]
+    # One window: a mean but no interval, so no verdict; no early bytes: no waste at all.
+    zstd = summary["swap_zstd"]
+    assert zstd["lstm"]["stall_hidden"] == {"mean": 0.99, "lo": None, "hi": None, "n": 1, "verdict": None}
+    assert zstd["lstm"]["waste_share"]["mean"] is None and "oracle_lead" not in zstd["lstm"]
