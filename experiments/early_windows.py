@@ -1,7 +1,7 @@
 """`preempt bench early --windows`: the async-restore arms of `preempt bench early` on
 every held-out trace window, with each issue-15 target judged by a 95% interval over
 windows (one window is an anecdote: the same checkpoint wasted 30-49% of its early bytes
-on six unseen windows of azure-conv, docs/predictor.md).
+on seven unseen windows of azure-conv, docs/predictor.md).
 
 Owns: the held-out windows, the per-window runs and their summary (`summarize_windows`).
 The arms themselves are preempt.bench.early's (`arm_overrides`, `replay_measured`); the
@@ -27,6 +27,7 @@ from preempt.bench.early import (
     hidden_share,
     horizon_of,
     replay_measured,
+    window_s,
 )
 from preempt.core.config import load_config
 
@@ -53,7 +54,7 @@ def bench_early_windows(quick: bool, models: list[str]) -> dict[str, Any]:
         raise ValueError("--windows: every checkpoint must share one horizon, feature set and stride")
     horizon = list(horizons.pop())
     windows = HELD_OUT_WINDOWS_S[:2] if quick else HELD_OUT_WINDOWS_S
-    duration = 60 if quick else 200
+    duration = window_s(quick)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
 
@@ -107,7 +108,13 @@ def summarize_windows(rows: list[dict[str, Any]]) -> dict[str, Any]:
             k: None if math.isnan(v) else round(v, 4)
             for k, v in (("mean", iv.mean), ("lo", iv.lo), ("hi", iv.hi))
         }
-        return {**out, "n": iv.num, "verdict": compare(iv, TARGETS[key], claimed=claimed)}
+        # num_nan: windows left out (an arm that copied nothing early has no waste share)
+        return {
+            **out,
+            "n": iv.num,
+            "num_nan": iv.num_nan,
+            "verdict": compare(iv, TARGETS[key], claimed=claimed),
+        }
 
     summary: dict[str, Any] = {}
     for mode in dict.fromkeys(row["mode"] for row in rows):

@@ -133,6 +133,8 @@ def expected_value_curve(
                 "wasted_gb": float(copied[~has_event].sum() / 1e9),
                 "copied_gb": float(copied.sum() / 1e9),
                 "waste_share": float(copied[~has_event].sum() / copied.sum()) if copied.sum() > 0 else 0.0,
+                # epochs whose warnings copied something (a warning before the first
+                # full block copies nothing, as online)
                 "warned_epochs": int(np.count_nonzero(copied)),
                 "expected_value_s": float(avoided - waste_weight * wasted_s),
             }
@@ -209,6 +211,7 @@ def evaluate_scores(
     out["threshold_rule"] = rule
     if rule == "waste_capped":
         out["max_waste_share"] = max_waste_share
+        out["min_warned_epochs"] = min_warned_epochs
     if curve is not None:
         out["threshold_curve"] = curve
     return out

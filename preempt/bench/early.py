@@ -53,9 +53,17 @@ if TYPE_CHECKING:
 
 COLLECT = Path(__file__).resolve().parents[2] / "experiments" / "configs" / "collect.yaml"
 # The trace window replayed: one that no recipe here trains a predictor on (the collects
-# of docs/predictor.md use azure-conv [0, 800) s, the main job [3000, 3200) s), so the
-# `lstm` arm is scored on requests it never saw. collect.yaml's own window starts at 0.
+# of docs/predictor.md use azure-conv [0, 1200) and [2400, 3000) s, the main job [3000,
+# 3200) s), so the `lstm` arm is scored on requests it never saw. collect.yaml's own
+# window starts at 0.
 WINDOW_START_S = 1600.0
+
+
+def window_s(quick: bool) -> int:
+    """Seconds of trace each arm replays."""
+    return 60 if quick else 200
+
+
 WASTE_CAP_SETPOINT = 0.25
 """The `lstm_capped` arm's `early_save.waste_cap`: the waste share the controller holds,
 under the 30% limit by a margin for its start (it begins at the val threshold) and its
@@ -130,7 +138,7 @@ def _virtual(
 ) -> dict[str, Any]:
     """One mode's arms. `async_restore`: with asynchronous restores; `stall_hidden` is then
     against `baseline`'s `none` arm (the same mode without them)."""
-    duration = 60 if quick else 200
+    duration = window_s(quick)
     arms = list(ARMS) + (list(LSTM_ARMS) if model else [])
     out: dict[str, Any] = {
         "workload": f"{COLLECT.name}, trace [{WINDOW_START_S:g}, {WINDOW_START_S + duration:g}) s",
@@ -348,7 +356,7 @@ def one_arm(
     if arm in LSTM_ARMS and not model:
         raise ValueError(f"the {arm} arm needs --model (a predictor checkpoint)")
     horizon = horizon_of(model) if model else []
-    overrides = arm_overrides(mode, arm, model, WINDOW_START_S, 60 if quick else 200, horizon, async_restore)
+    overrides = arm_overrides(mode, arm, model, WINDOW_START_S, window_s(quick), horizon, async_restore)
     overrides += extra or []
     with tempfile.TemporaryDirectory() as tmp:
         summary, causes = replay_measured(load_config(COLLECT, overrides), Path(tmp))

@@ -110,11 +110,14 @@ class LSTMPolicy(EarlySavePolicy):
         # steps (checked above: early_save.every_k_steps = the checkpoint's k); between,
         # the last decision stands.
         self.every_k_steps = config.every_k_steps
-        self.waste_cap = (
-            None
-            if config.waste_cap is None
-            else WasteCap(self.predictor.threshold, config.waste_cap, config.waste_cap_gain)
-        )
+        self.waste_cap = None
+        if config.waste_cap is not None:
+            if not np.isfinite(self.predictor.threshold):
+                raise ConfigError(
+                    "config key 'early_save.waste_cap': the controller starts from the threshold, and "
+                    f"{checkpoint}'s is {self.predictor.threshold} (it never warns); set early_save.threshold"
+                )
+            self.waste_cap = WasteCap(self.predictor.threshold, config.waste_cap, config.waste_cap_gain)
         self._stepping = True
         self._chosen: set[int] = set()
         self.last_probs: np.ndarray = np.zeros(0, dtype=np.float32)

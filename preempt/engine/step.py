@@ -136,7 +136,8 @@ class EngineView:
     @property
     def early_bytes_resolved(self) -> tuple[int, int]:
         """Early-copied raw bytes so far whose fate is known: (claimed by a preemption,
-        wasted: freed unclaimed because the request finished or the copy was evicted)."""
+        wasted: freed unclaimed: the request finished or was aborted, or the copy was
+        evicted, went stale or its preemption's save failed)."""
         early = self._engine.saver.early
         return early.early_bytes_used, early.early_bytes_wasted
 

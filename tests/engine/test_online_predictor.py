@@ -262,24 +262,31 @@ def test_a_checkpoint_for_another_horizon_feature_set_or_stride_is_refused_onlin
         )
 
 
-def test_a_waste_cap_moves_the_online_threshold_and_changes_no_output(trained):
-    # The trained checkpoint drives early saves in a small preempting run; with a cap,
-    # the policy's threshold follows the saver's claimed/wasted totals. Lossless: every
-    # output equals the run without early saves, and every early byte is accounted for.
-    from preempt.engine.early_save import WasteCap
+def test_a_waste_cap_moves_the_online_threshold_and_changes_no_output(trained, tmp_path):
+    # The trained checkpoint drives early saves in a small preempting run (at threshold
+    # 0.05 most requests are warned and most copies are wasted: recent share ~0.8). With
+    # the cap under that share the threshold ends above where it started, with a cap over
+    # it below. Lossless: every output equals the run without early saves, and every early
+    # byte is accounted for.
+    from predictor.train import _store_threshold
+    from preempt.core.config import ConfigError, EarlySaveConfig
+    from preempt.engine.early_save import WasteCap, make_policy
     from tests.kv.test_preemption import _digests, _run
 
     _, plain = _run("swap_zstd")
-    for threshold in (0.05, 0.5):
-        early = {"policy": "lstm", "checkpoint": str(trained[0]), "threshold": threshold, "waste_cap": 0.2}
+    for cap, moves_up in ((0.2, True), (0.99, False)):
+        early = {"policy": "lstm", "checkpoint": str(trained[0]), "threshold": 0.05, "waste_cap": cap}
         engine, requests = _run("swap_zstd", early=early)
         assert _digests(requests) == _digests(plain)
         early_copies, policy = engine.saver.early, engine.early_saver.policy
         assert early_copies.early_bytes_used + early_copies.early_bytes_wasted == early_copies.early_bytes_raw
         assert isinstance(policy.waste_cap, WasteCap)
         share = policy.waste_cap.recent_waste_share
-        if share is None:  # nothing resolved (0.5 warns no one here): it stays put
-            assert threshold == 0.5 and early_copies.early_bytes_raw == 0
-            assert policy.threshold == pytest.approx(threshold)
-        else:  # it moved, up where recent waste was over the cap, down where under
-            assert (policy.threshold > threshold) == (share > 0.2) and policy.threshold != threshold
+        assert share is not None and 0.2 < share < 0.99  # it saw outcomes, between the caps
+        assert (policy.threshold > 0.05) == moves_up
+    # A checkpoint that never warns (threshold inf) gives the controller nowhere to start.
+    never = tmp_path / "never.ckpt"
+    never.write_bytes(trained[0].read_bytes())
+    _store_threshold(never, float("inf"))
+    with pytest.raises(ConfigError, match="early_save.waste_cap.*never warns.*early_save.threshold"):
+        make_policy(EarlySaveConfig(policy="lstm", checkpoint=str(never), waste_cap=0.3))
