@@ -748,57 +748,74 @@ def quantize_kivi_kv(
     for c in classes:
         levels[:, c.layers, 0, c.heads, 0] = np.array([[2**b - 1] for b in c.bits])
     k_levels, v_levels = torch.from_numpy(levels).to(device)
-    num_groups, v_groups = first.num_k_groups, head_dim // v_group
-    # Layer blocks: as many layers at once as keep a block's codes (one byte per element of
-    # K or V) within a scratch buffer and a key-group chunk within _BATCH_ELEMS. Then a
-    # block's codes are packed while they are still in cache: a served model's 2048-token
-    # request has 67 MB of key codes, whole-request code tensors went through memory (and
-    # paid fresh pages) on every packing step.
-    per_layer = num_heads * mid * head_dim
+    v_groups = head_dim // v_group
+    # Blocks of layers x tokens: as many layers at once as keep a block's codes (one byte per
+    # element of K or V) within a scratch buffer and a key-group chunk within _BATCH_ELEMS,
+    # and, when one layer's codes alone would not fit (a served model's 8192-token request:
+    # 8.4 MB a layer), a span of whole key groups of it. Then a block's codes are packed
+    # while they are still in cache: a 2048-token request has 67 MB of key codes, and
+    # whole-request (or whole-layer) code tensors went through memory, on fresh pages, at
+    # every packing step (an 8192-token encode ran ~20% slower per byte for it).
+    per_token = num_heads * head_dim
+    span = (
+        mid
+        if per_token * mid <= _SCRATCH_MAX_BYTES
+        else max(1, _SCRATCH_MAX_BYTES // (per_token * group_size)) * group_size
+    )
     lstep = min(
         num_layers,
-        max(1, _SCRATCH_MAX_BYTES // per_layer),
-        max(1, _BATCH_ELEMS // (num_heads * head_dim * group_size)),
+        max(1, _SCRATCH_MAX_BYTES // (per_token * span)),
+        max(1, _BATCH_ELEMS // (per_token * group_size)),
     )
-    step = max(1, _BATCH_ELEMS // (lstep * num_heads * head_dim * group_size)) * group_size
-    work = _scratch("work", (lstep * min(step, mid) * num_heads * head_dim,), torch.float32, device)
-    # a block's results, head-major (l * H, ...) so that a class's heads are whole rows, the
-    # params already as a row holds them: K (groups, min / scale, D), V (mid, G, min / scale)
-    k_codes = _scratch("k_codes", (lstep, num_heads, mid, head_dim), torch.uint8, device)
-    v_codes = _scratch("v_codes", (lstep, num_heads, mid, head_dim), torch.uint8, device)
-    k_par = _scratch("k_par", (lstep, num_heads, num_groups, 2, head_dim), torch.float16, device)
-    v_par = _scratch("v_par", (lstep, num_heads, mid, v_groups, 2), torch.float16, device)
+    step = max(1, _BATCH_ELEMS // (lstep * per_token * group_size)) * group_size
+    work = _scratch("work", (lstep * min(step, mid) * per_token,), torch.float32, device)
     for l0 in range(0, num_layers, lstep):
         l1 = min(num_layers, l0 + lstep)
         nl = l1 - l0
-        kc, vc, kp, vp = k_codes[:nl], v_codes[:nl], k_par[:nl], v_par[:nl]
         kl, vl = k_levels[l0:l1], v_levels[l0:l1]
-        for start in range(0, mid, step):
-            stop = min(mid, start + step)
-            keys = kv[l0:l1, 0, sink + start : sink + stop]  # (l, t, H, D)
-            whole = (stop - start) // group_size * group_size
-            for lo, hi in ((0, whole), (whole, stop - start)):  # whole groups, then a short last one
-                if hi > lo:
-                    groups = keys[:, lo:hi].unflatten(1, (-1, min(group_size, hi - lo)))  # (l, g, G, H, D)
-                    g0 = (start + lo) // group_size
-                    low, scale = _quantize_batch(groups, 2, kl, work, kc[:, :, start + lo : start + hi])
-                    kp[:, :, g0 : g0 + groups.shape[1], 0] = low.transpose(1, 2)
-                    kp[:, :, g0 : g0 + groups.shape[1], 1] = scale.transpose(1, 2)
-            values = kv[l0:l1, 1, sink + start : sink + stop].unflatten(-1, (v_groups, v_group))
-            low, scale = _quantize_batch(values, 4, vl, work, vc[:, :, start:stop])  # (l, t, H, G, g) in
-            vp[:, :, start:stop, :, 0] = low.transpose(1, 2)
-            vp[:, :, start:stop, :, 1] = scale.transpose(1, 2)
-        _emit_block(classes, sections, l0, l1, num_heads, kc, vc, kp, vp)
+        for t0 in range(0, mid, span):  # spans start on key-group boundaries
+            t1 = min(mid, t0 + span)
+            # the block's results, head-major (l * H, ...) so that a class's heads are whole
+            # rows, the params already as a row holds them: K (groups, min / scale, D), V
+            # (tokens, G, min / scale)
+            kc = _scratch("k_codes", (nl, num_heads, t1 - t0, head_dim), torch.uint8, device)
+            vc = _scratch("v_codes", (nl, num_heads, t1 - t0, head_dim), torch.uint8, device)
+            kp = _scratch(
+                "k_par", (nl, num_heads, -(-(t1 - t0) // group_size), 2, head_dim), torch.float16, device
+            )
+            vp = _scratch("v_par", (nl, num_heads, t1 - t0, v_groups, 2), torch.float16, device)
+            for start in range(0, t1 - t0, step):  # relative to t0
+                stop = min(t1 - t0, start + step)
+                keys = kv[l0:l1, 0, sink + t0 + start : sink + t0 + stop]  # (l, t, H, D)
+                whole = (stop - start) // group_size * group_size
+                for lo, hi in ((0, whole), (whole, stop - start)):  # whole groups, then a short last one
+                    if hi > lo:
+                        groups = keys[:, lo:hi].unflatten(
+                            1, (-1, min(group_size, hi - lo))
+                        )  # (l, g, G, H, D)
+                        g0 = (start + lo) // group_size
+                        low, scale = _quantize_batch(groups, 2, kl, work, kc[:, :, start + lo : start + hi])
+                        kp[:, :, g0 : g0 + groups.shape[1], 0] = low.transpose(1, 2)
+                        kp[:, :, g0 : g0 + groups.shape[1], 1] = scale.transpose(1, 2)
+                values = kv[l0:l1, 1, sink + t0 + start : sink + t0 + stop].unflatten(-1, (v_groups, v_group))
+                low, scale = _quantize_batch(values, 4, vl, work, vc[:, :, start:stop])  # (l, t, H, G, g) in
+                vp[:, :, start:stop, :, 0] = low.transpose(1, 2)
+                vp[:, :, start:stop, :, 1] = scale.transpose(1, 2)
+            _emit_block(classes, sections, l0, l1, num_heads, kc, vc, kp, vp, t0, t0 // group_size)
     return rows
 
 
-def _emit_block(classes, sections, l0: int, l1: int, num_heads: int, kc, vc, kp, vp) -> None:
+def _emit_block(
+    classes, sections, l0: int, l1: int, num_heads: int, kc, vc, kp, vp, t0: int, g0: int
+) -> None:
     """Layers [l0, l1) of every class into its rows: codes clamped to the class's levels and
     packed once per bit width (the block's heads of every class with those bits together),
-    params copied. `kc`, `vc` (l, H, mid, D) uint8 codes, `kp`, `vp` the block's params."""
+    params copied. `kc`, `vc` (l, H, t, D) uint8 codes of the t tokens from `t0` (key group
+    `g0`) of the middle section; every section is token- (or group-) major, so the span is
+    one byte range of each row. `kp`, `vp` the span's params."""
     flat = (l1 - l0) * num_heads
     device = kc.device
-    mid, head_dim = kc.shape[2], kc.shape[3]
+    num_tokens, head_dim = kc.shape[2], kc.shape[3]
     # per class: its rows in this block (slot order need not be layer-major) and their heads
     # in the block's head-major order
     which = [np.flatnonzero((c.layers >= l0) & (c.layers < l1)) for c in classes]
@@ -819,18 +836,22 @@ def _emit_block(classes, sections, l0: int, l1: int, num_heads: int, kc, vc, kp,
                 torch.index_select(codes, 0, heads, out=picked)
             if bits < 8:
                 picked.clamp_(max=2**bits - 1)
-            packed = _scratch("packed", (len(heads), mid, head_dim * bits // 8), torch.uint8, device)
-            _pack_codes(picked.view(len(heads), mid, head_dim), bits, packed)
+            row_bytes = head_dim * bits // 8  # one token's codes
+            packed = _scratch("packed", (len(heads), num_tokens, row_bytes), torch.uint8, device)
+            _pack_codes(picked.view(len(heads), num_tokens, head_dim), bits, packed)
             offset = 0
             for i in members:
                 n = len(which[i])
-                _put_rows(sections[i][1 + kv_index], which[i], packed[offset : offset + n].view(n, -1))
+                section = sections[i][1 + kv_index][:, t0 * row_bytes : (t0 + num_tokens) * row_bytes]
+                _put_rows(section, which[i], packed[offset : offset + n].view(n, -1))
                 offset += n
-    kp, vp = kp.reshape(flat, -1), vp.reshape(flat, -1)
+    kp, vp = kp.reshape(flat, -1).view(torch.uint8), vp.reshape(flat, -1).view(torch.uint8)
     for i, (_, _, _, kp_out, vp_out) in enumerate(sections):
         if len(which[i]):
-            _put_rows(kp_out, which[i], kp.index_select(0, local[i]).view(torch.uint8))
-            _put_rows(vp_out, which[i], vp.index_select(0, local[i]).view(torch.uint8))
+            k_at = g0 * 4 * head_dim  # a key group's params: (min, scale) x D float16
+            _put_rows(kp_out[:, k_at : k_at + kp.shape[1]], which[i], kp.index_select(0, local[i]))
+            v_at = t0 * (vp.shape[1] // num_tokens)  # a token's: G x (min, scale) float16
+            _put_rows(vp_out[:, v_at : v_at + vp.shape[1]], which[i], vp.index_select(0, local[i]))
 
 
 def _put_rows(section: torch.Tensor, rows: np.ndarray, values: torch.Tensor) -> None:

@@ -48,6 +48,7 @@ def test_windows_summary_judges_each_target_by_its_interval():
     assert "oracle_lead" not in summary["swap"]["lookahead"]
     # One window: a mean but no interval, so no verdict; no early bytes: no waste at all.
     zstd = summary["swap_zstd"]
-    assert zstd["lstm"]["stall_hidden"] == {"mean": 0.99, "lo": None, "hi": None, "n": 1, "num_nan": 0, "verdict": None}
+    one_window = {"mean": 0.99, "lo": None, "hi": None, "n": 1, "num_nan": 0, "verdict": None}
+    assert zstd["lstm"]["stall_hidden"] == one_window
     assert zstd["lstm"]["waste_share"]["num_nan"] == 1  # counted, not dropped silently
     assert zstd["lstm"]["waste_share"]["mean"] is None and "oracle_lead" not in zstd["lstm"]

@@ -127,7 +127,7 @@ def _gathered(cache, block_ids, num_tokens):
     return gather_blocks_ref(cache, block_ids, num_tokens)
 
 
-@pytest.mark.parametrize("blocks", [False, True])
+@pytest.mark.parametrize("blocks", [False, True, "spans"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "shape, params", [((3, 77, 5, 16), (16, 3, 5)), ((2, 130, 3, 24), (32, 4, 32)), ((2, 9, 2, 8), (8, 4, 4))]
@@ -136,17 +136,19 @@ def test_batched_kivi_equals_the_per_class_reference(monkeypatch, dtype, shape, 
     """quantize_kivi_kv (every head of the request at once, per-head levels) writes the
     same bytes as quantize_kivi_ref of each class's heads, for every bit width, short
     last key groups, outlier channels, a flat group and out-of-range codes included.
-    `blocks`: buffers so small that every layer is its own block and the tokens come in
-    several chunks (a served model's request takes that path), and one class's heads in
-    shuffled slot order (its rows of a block are then not consecutive)."""
+    `blocks`: buffers so small that every layer is its own block, cut into spans of one
+    key group, each quantized in chunks of one group (True), or into spans of two groups
+    quantized at once ("spans"): a served model's long request takes that path; and one
+    class's heads in shuffled slot order (its rows of a block are then not consecutive)."""
     import kernels.kivi as kivi
     from kernels.kivi import KiviClass, quantize_kivi_kv
 
-    if blocks:
-        monkeypatch.setattr(kivi, "_BATCH_ELEMS", 1)  # one key group of tokens per chunk
-        monkeypatch.setattr(kivi, "_SCRATCH_MAX_BYTES", 1)  # one layer per block
-
     num_layers, num_tokens, num_heads, head_dim = shape
+    if blocks is True:
+        monkeypatch.setattr(kivi, "_BATCH_ELEMS", 1)  # one key group of tokens per chunk
+        monkeypatch.setattr(kivi, "_SCRATCH_MAX_BYTES", 1)  # one layer and one group per block
+    elif blocks == "spans":  # one layer per block, blocks of two key groups' codes
+        monkeypatch.setattr(kivi, "_SCRATCH_MAX_BYTES", 2 * params[0] * num_heads * head_dim)
     gen = torch.Generator().manual_seed(num_tokens)
     kv = torch.randn(num_layers, 2, num_tokens, num_heads, head_dim, generator=gen)
     kv = (kv * (torch.rand(head_dim, generator=gen) * 8 + 0.1)).to(dtype)
