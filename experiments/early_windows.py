@@ -4,7 +4,7 @@ windows (one window is an anecdote: the same checkpoint wasted 30-49% of its ear
 on seven unseen windows of azure-conv, docs/predictor.md).
 
 Owns: the held-out windows, the per-window runs and their summary (`summarize_windows`).
-The arms themselves are preempt.bench.early's (`arm_overrides`, `replay_measured`); the
+The arms themselves are preempt.bench.early's (`arm_overrides`, `run_arm`); the
 intervals and verdicts experiments.stats'. Here, not in preempt/bench: only the CLI and
 experiments/ may import experiments.stats (tests/test_architecture.py).
 """
@@ -23,13 +23,11 @@ from preempt.bench.early import (
     LSTM_ARMS,
     WASTE_CAP_SETPOINT,
     arm_overrides,
-    arm_row,
     hidden_share,
     horizon_of,
-    replay_measured,
+    run_arm,
     window_s,
 )
-from preempt.core.config import load_config
 
 HELD_OUT_WINDOWS_S = (1600.0, 1800.0, 2000.0, 2200.0)
 """`--windows`: azure-conv windows (200 s each from these starts) that no recipe trains
@@ -60,8 +58,7 @@ def bench_early_windows(quick: bool, models: list[str]) -> dict[str, Any]:
 
         def run(mode: str, arm: str, model: str | None, start: float, async_restore: bool = True) -> dict:
             overrides = arm_overrides(mode, arm, model, start, duration, horizon, async_restore)
-            summary, causes = replay_measured(load_config(COLLECT, overrides), Path(tmp) / arm)
-            return {**arm_row(summary), **causes}
+            return run_arm(overrides, Path(tmp) / arm)
 
         for start in windows:
             for mode in ASYNC_MODES:

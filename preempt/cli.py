@@ -362,23 +362,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    for key in ("model", "plan"):
-        # --windows takes several checkpoints (training seeds), comma-separated.
-        paths = options[key].split(",") if key == "model" and args.windows else [options.get(key)]
-        for value in paths:
+    # --windows takes several checkpoints (training seeds), comma-separated.
+    models = options["model"].split(",") if args.windows else [options.get("model")]
+    for key, values in (("model", models), ("plan", [options.get("plan")])):
+        for value in values:
             if value is not None and not Path(value).is_file():
                 print(f"preempt: error: --{key}: no such file: {value}", file=sys.stderr)
                 return 2
     from preempt.parity.harness import PeerError
 
-    run = BENCHMARKS[args.name]
-    if options.pop("windows", False):  # experiments/ judges the windows by intervals
-        from experiments.early_windows import bench_early_windows
-
-        models = options.pop("model").split(",")
-        run = lambda quick: bench_early_windows(quick, models)  # noqa: E731
     try:
-        result: dict[str, Any] = run(args.quick, **options)
+        if args.windows:  # experiments/ judges the windows by intervals
+            from experiments.early_windows import bench_early_windows
+
+            result: dict[str, Any] = bench_early_windows(args.quick, models)
+        else:
+            result = BENCHMARKS[args.name](args.quick, **options)
     except PeerError as err:  # bench vllm: no peer virtualenv, or it failed
         print(f"preempt: error: {err}", file=sys.stderr)
         return 2

@@ -150,8 +150,7 @@ def _virtual(
             if arm == "oracle_log":
                 extra.append(f"early_save.oracle_log={Path(tmp) / 'prefetch' / 'preemptions.parquet'}")
             overrides = arm_overrides(mode, arm, model, WINDOW_START_S, duration, horizon, async_restore)
-            summary, causes = replay_measured(load_config(COLLECT, overrides + extra), Path(tmp) / arm)
-            out["policies"][arm] = {**arm_row(summary), **causes}
+            out["policies"][arm] = run_arm(overrides + extra, Path(tmp) / arm)
     base = (baseline or out)["policies"]["none"]
     own = out["policies"]["none"]
     for row in out["policies"].values():
@@ -337,6 +336,13 @@ def replay_measured(config: EngineConfig, out_dir: Path) -> tuple[dict[str, Any]
     return summary, probe.stats()
 
 
+def run_arm(overrides: list[str], out_dir: Path) -> dict[str, Any]:
+    """collect.yaml with `overrides`, replayed with the probe: the arm's row and its
+    save-stall split (`_arm_row` + `SaveStallCauses.stats`)."""
+    summary, causes = replay_measured(load_config(COLLECT, overrides), out_dir)
+    return {**_arm_row(summary), **causes}
+
+
 def one_arm(
     mode: str,
     arm: str,
@@ -357,17 +363,16 @@ def one_arm(
         raise ValueError(f"the {arm} arm needs --model (a predictor checkpoint)")
     horizon = horizon_of(model) if model else []
     overrides = arm_overrides(mode, arm, model, WINDOW_START_S, window_s(quick), horizon, async_restore)
-    overrides += extra or []
     with tempfile.TemporaryDirectory() as tmp:
-        summary, causes = replay_measured(load_config(COLLECT, overrides), Path(tmp))
-    return {"mode": mode, "arm": arm, "async_restore": async_restore, **arm_row(summary), **causes}
+        row = run_arm(overrides + (extra or []), Path(tmp))
+    return {"mode": mode, "arm": arm, "async_restore": async_restore, **row}
 
 
 def hidden_share(stall: float, base: float) -> float | None:
     return round(1 - stall / base, 3) if base > 0 else None
 
 
-def arm_row(summary: dict[str, Any]) -> dict[str, Any]:
+def _arm_row(summary: dict[str, Any]) -> dict[str, Any]:
     early = summary.get("early_bytes_raw", 0)
     return {
         "num_preemptions": summary["num_preemptions"],
