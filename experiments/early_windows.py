@@ -29,6 +29,9 @@ from preempt.bench.early import (
     window_s,
 )
 
+FORECAST_ARMS = ("forecast", "forecast_k4")
+"""preempt.bench.early's present-knowledge forecast arms (no checkpoint: one run a window)."""
+
 HELD_OUT_WINDOWS_S = (1600.0, 1800.0, 2000.0, 2200.0)
 """`--windows`: azure-conv windows (200 s each from these starts) that no recipe trains
 on: the collects of docs/predictor.md use [0, 1200) and [2400, 3000) s, and [1200, 1600) s
@@ -39,13 +42,14 @@ def bench_early_windows(quick: bool, models: list[str]) -> dict[str, Any]:
     """`preempt bench early --windows`: the async-restore arms on every held-out window
     (`HELD_OUT_WINDOWS_S`), so the targets are judged by intervals, not one window. Per
     window and mode: `none` with synchronous restores (the baseline of `stall_hidden`),
-    `lstm` and `lstm_capped` for each checkpoint in `models` (training seeds), and the
-    lookahead oracle in `swap` (in `swap_zstd` async restores and prefetch alone hide
-    >= 0.98 everywhere measured, and its oracle costs ~4 min a window). Summary per mode
-    and arm: the mean over windows (of the mean over checkpoints) of `stall_hidden` and
-    `waste_share`, with 95% Student-t intervals over windows, the oracle's lead over the
-    arm paired by window, and verdicts against the targets (hidden >= 0.80, waste <= 0.30,
-    within 0.10 of the oracle): held / did not hold only when the interval says so."""
+    `lstm` and `lstm_capped` for each checkpoint in `models` (training seeds), the
+    present-knowledge `forecast` (every step and every 4 steps), and the lookahead oracle
+    in `swap` (in `swap_zstd` async restores and prefetch alone hide >= 0.98 everywhere
+    measured, and its oracle costs ~4 min a window). Summary per mode and arm: the mean
+    over windows (of the mean over checkpoints) of `stall_hidden` and `waste_share`, with
+    95% Student-t intervals over windows, the oracle's lead over the arm paired by
+    window, and verdicts against the targets (hidden >= 0.80, waste <= 0.30, within 0.10
+    of the oracle): held / did not hold only when the interval says so."""
 
     horizons = {tuple(horizon_of(model)) for model in models}
     if len(horizons) != 1:
@@ -66,11 +70,14 @@ def bench_early_windows(quick: bool, models: list[str]) -> dict[str, Any]:
                 arms: dict[str, Any] = {"none_sync": base}
                 if mode == "swap":
                     arms["lookahead"] = run(mode, "lookahead", None, start)
+                for arm in FORECAST_ARMS:
+                    arms[arm] = run(mode, arm, None, start)
                 for arm in LSTM_ARMS:
                     arms[arm] = [run(mode, arm, model, start) for model in models]
-                for row in [arms.get("lookahead"), *arms["lstm"], *arms["lstm_capped"]]:
-                    if row is not None:
-                        row["stall_hidden"] = hidden_share(row["stall_total_s"], base["stall_total_s"])
+                for arm, row in arms.items():
+                    for one in row if isinstance(row, list) else [row]:
+                        if arm != "none_sync":
+                            one["stall_hidden"] = hidden_share(one["stall_total_s"], base["stall_total_s"])
                 rows.append({"window_s": [start, start + duration], "mode": mode, "arms": arms})
 
     return {
@@ -117,7 +124,7 @@ def summarize_windows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for mode in dict.fromkeys(row["mode"] for row in rows):
         of_mode = [row for row in rows if row["mode"] == mode]
         summary[mode] = {}
-        for arm in ("lookahead", *LSTM_ARMS):
+        for arm in ("lookahead", *FORECAST_ARMS, *LSTM_ARMS):
             if arm not in of_mode[0]["arms"]:
                 continue
             hidden = [mean_of(row, arm, "stall_hidden") for row in of_mode]

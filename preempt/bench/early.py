@@ -97,7 +97,11 @@ def horizon_of(model: str) -> list[str]:
     ]
 
 
-ARMS = ("none", "prefetch", "rule", "lookahead", "oracle_log")
+ARMS = ("none", "prefetch", "rule", "lookahead", "forecast", "forecast_k4", "oracle_log")
+"""`forecast`: the lookahead's fork knowing only the present (preempt.engine.lookahead), at
+every step; `forecast_k4` the same forked every `FORECAST_EVERY_STEPS` steps (its picks
+kept between), a quarter of the cost."""
+FORECAST_EVERY_STEPS = 4
 LSTM_ARMS = ("lstm", "lstm_capped")
 """With a checkpoint: `lstm` at its val-chosen threshold, fixed; `lstm_capped` from the
 same threshold, moved online to hold the waste share at `WASTE_CAP_SETPOINT`."""
@@ -114,7 +118,13 @@ def arm_overrides(
     async_restore: bool,
 ) -> list[str]:
     """collect.yaml's overrides for one arm (every arm but `none` with restore prefetch)."""
-    policy = {"none": "none", "prefetch": "none", "oracle_log": "oracle", "lstm_capped": "lstm"}.get(arm, arm)
+    policy = {
+        "none": "none",
+        "prefetch": "none",
+        "oracle_log": "oracle",
+        "lstm_capped": "lstm",
+        "forecast_k4": "forecast",
+    }.get(arm, arm)
     return [
         f"workload.start_s={start_s:g}",
         f"workload.duration_s={duration_s:g}",
@@ -125,6 +135,7 @@ def arm_overrides(
         f"early_save.policy={policy}",
         *([f"early_save.checkpoint={model}"] if arm in LSTM_ARMS else []),
         *([f"early_save.waste_cap={WASTE_CAP_SETPOINT}"] if arm == "lstm_capped" else []),
+        *([f"early_save.lookahead_every_steps={FORECAST_EVERY_STEPS}"] if arm == "forecast_k4" else []),
     ]
 
 
@@ -357,7 +368,8 @@ def one_arm(
     `extra`: more `key=value` overrides, applied last (e.g. `early_save.threshold=0.99`)."""
     if arm not in ARMS + LSTM_ARMS or arm == "oracle_log":
         raise ValueError(
-            f"arm must be one of none, prefetch, rule, lookahead, lstm, lstm_capped; got '{arm}'"
+            "arm must be one of none, prefetch, rule, lookahead, forecast, forecast_k4, lstm, "
+            f"lstm_capped; got '{arm}'"
         )
     if arm in LSTM_ARMS and not model:
         raise ValueError(f"the {arm} arm needs --model (a predictor checkpoint)")

@@ -12,6 +12,11 @@ sizes, and the amortized cost when the model steps every k engine steps (a check
 trained on rows logged every k steps, `preempt collect --set features.every_k_steps=k`:
 the engine's `lstm` policy then computes features and steps once per k steps).
 
+Also timed on the same engine: the present-knowledge `forecast` (preempt.engine.lookahead
+with `knows_future=False`: fork the engine, simulate the policy over the horizon), every
+`FORECAST_EVERY` iterations, as a fraction of the same engine step and amortized when it
+forks every k steps (`early_save.lookahead_every_steps`).
+
 The predictor has random weights: its cost does not depend on their values, and the
 benchmark must not need a trained checkpoint.
 """
@@ -28,9 +33,13 @@ import torch
 
 from preempt.bench.engine import decoding_engine
 from preempt.engine.features import engine_features
+from preempt.engine.lookahead import Lookahead
 from preempt.engine.online_predictor import HIDDEN_SIZE, NUM_FEATURES, OnlinePredictor
 
 TARGET_FRACTION = 0.05
+# The forecast's horizon: the deployed checkpoints' (docs/predictor.md: 50 ms or 4 steps).
+FORECAST_HORIZON_MS, FORECAST_HORIZON_STEPS = 50.0, 4
+FORECAST_EVERY = 10  # iterations between timed forecasts (a fork costs ~15 steps)
 
 
 def random_predictor(seed: int = 0) -> OnlinePredictor:
@@ -73,7 +82,8 @@ def bench_predictor(quick: bool = False) -> dict[str, Any]:
     try:
         engine = decoding_engine(num_running, num_waiting)
         predictor = random_predictor()
-        step_s, features_s, predictor_s, scale_free_s = [], [], [], []
+        forecaster = Lookahead(FORECAST_HORIZON_MS, FORECAST_HORIZON_STEPS, knows_future=False)
+        step_s, features_s, predictor_s, scale_free_s, forecast_s = [], [], [], [], []
         for index in range(num_steps + 20):
             started = time.perf_counter()
             engine.step()
@@ -90,6 +100,9 @@ def bench_predictor(quick: bool = False) -> dict[str, Any]:
                 features_s.append(featured - stepped)
                 predictor_s.append(done - featured)
                 scale_free_s.append(scaled - done)
+                if index % FORECAST_EVERY == 0:
+                    forecaster.forecast(engine.view)
+                    forecast_s.append(time.perf_counter() - scaled)
         assert len(engine.scheduler.running) == num_running and len(probs) == num_running
         cold_s = []
         for _ in range(5 if quick else 20):
@@ -101,6 +114,7 @@ def bench_predictor(quick: bool = False) -> dict[str, Any]:
         predictor_us = _median_us(predictor_s)
         features_us = _median_us(features_s)
         scale_free_us = _median_us(scale_free_s)
+        forecast_us = _median_us(forecast_s)
         return {
             "bench": "predictor",
             "num_running": num_running,
@@ -118,6 +132,11 @@ def bench_predictor(quick: bool = False) -> dict[str, Any]:
             ),
             "amortized_fraction_every_k_steps": {
                 str(k): round((scale_free_us + predictor_us) / k / step_us, 4) for k in (1, 4, 8, 16, 32)
+            },
+            "forecast_us_median": forecast_us,
+            "forecast_horizon": {"ms": FORECAST_HORIZON_MS, "steps": FORECAST_HORIZON_STEPS},
+            "forecast_fraction_every_k_steps": {
+                str(k): round(forecast_us / k / step_us, 4) for k in (1, 4, 16, 64)
             },
             "target_fraction": TARGET_FRACTION,
             "meets_target": predictor_us / step_us <= TARGET_FRACTION,

@@ -362,12 +362,14 @@ class EarlySaveConfig(_Section):
     policy expects a running request to be preempted soon, its blocks are copied to the
     host in the background; the preemption then saves only the blocks written since."""
 
-    policy: Literal["none", "always", "rule", "lstm", "oracle", "lookahead"] = "none"
+    policy: Literal["none", "always", "rule", "lstm", "oracle", "lookahead", "forecast"] = "none"
     """`always`: every running request (write-through, like SGLang HiCache); `rule`: the
     lowest-priority running request whose time slice is used up; `lstm`: the trained
     predictor (`checkpoint`) at p >= threshold; `oracle`: the preemptions of a reference
     run without early saves (`oracle_log`), within `horizon_ms`; `lookahead`: the true
-    future, by simulating a fork of the engine ahead (preempt/engine/lookahead.py; virtual clock)."""
+    future, by simulating a fork of the engine ahead (preempt/engine/lookahead.py; virtual clock);
+    `forecast`: the same fork knowing only the present (requests arrived by now, each run
+    to its `max_tokens`)."""
     checkpoint: str | None = None
     """`lstm`: the predictor checkpoint (`preempt train` writes predictor.ckpt)."""
     threshold: float | None = Field(None, gt=0, lt=1)
@@ -399,7 +401,7 @@ class EarlySaveConfig(_Section):
     its decision between; the checkpoint must have been trained on rows logged at the same
     stride (`features.every_k_steps`), or it is refused."""
     lookahead_every_steps: int = Field(1, gt=0)
-    """`lookahead`: fork and simulate every this many steps (between, reuse the forecast)."""
+    """`lookahead`/`forecast`: fork and simulate every this many steps (between, reuse the forecast)."""
     prefetch: bool = False
     """Restore prefetch (preempt/engine/prefetch.py): start restoring the next requests to be
     admitted into free blocks before they are admitted (virtual clock)."""
@@ -477,10 +479,10 @@ class EngineConfig(_Section):
                 f"early_save.policy '{self.early_save.policy}' needs a preemption.mode that saves KV "
                 "(swap, swap_zstd, swap_mixed or pause), not recompute"
             )
-        uses_lookahead = self.early_save.policy == "lookahead" or self.early_save.prefetch
+        uses_lookahead = self.early_save.policy in ("lookahead", "forecast") or self.early_save.prefetch
         if uses_lookahead and self.clock.kind != "virtual":
             raise ValueError(
-                "early_save.policy 'lookahead' and early_save.prefetch need clock.kind 'virtual'"
+                "early_save.policy 'lookahead' or 'forecast' and early_save.prefetch need clock.kind 'virtual'"
             )
         if self.early_save.prefetch and self.preemption.mode == "recompute":
             raise ValueError("early_save.prefetch needs a preemption.mode that saves KV, not recompute")

@@ -25,6 +25,9 @@ new full block, and refuses beyond its speculation budget and in-flight bound):
   and simulates the current policy ahead over the horizon (preempt.engine.lookahead), and saves
   the running requests the fork preempts within it. Measured in the same run as the
   predictors; the upper bound of what a predictor can warn about.
+- `forecast`: the same fork knowing only the present (no request that has not arrived;
+  every request runs to its `max_tokens`): a deployable model-based predictor, and the
+  bound of what any predictor of the present state can know.
 """
 
 from __future__ import annotations
@@ -228,10 +231,12 @@ class OraclePolicy(EarlySavePolicy):
 class LookaheadPolicy(EarlySavePolicy):
     needs_features = False
 
-    def __init__(self, horizon_ms: float, horizon_steps: int, every_steps: int = 1) -> None:
+    def __init__(
+        self, horizon_ms: float, horizon_steps: int, every_steps: int = 1, knows_future: bool = True
+    ) -> None:
         from preempt.engine.lookahead import Lookahead
 
-        self.lookahead = Lookahead(horizon_ms, horizon_steps)
+        self.lookahead = Lookahead(horizon_ms, horizon_steps, knows_future)
         self.every_steps = every_steps
         self._steps_left = 0
         self._chosen: set[int] = set()
@@ -274,8 +279,13 @@ def make_policy(config: EarlySaveConfig) -> EarlySavePolicy | None:
         return RulePolicy()
     if config.policy == "lstm":
         return LSTMPolicy(config)
-    if config.policy == "lookahead":
-        return LookaheadPolicy(config.horizon_ms, config.horizon_steps, config.lookahead_every_steps)
+    if config.policy in ("lookahead", "forecast"):
+        return LookaheadPolicy(
+            config.horizon_ms,
+            config.horizon_steps,
+            config.lookahead_every_steps,
+            knows_future=config.policy == "lookahead",
+        )
     return OraclePolicy(config.oracle_log, config.horizon_ms)
 
 

@@ -332,13 +332,30 @@ def _fork(engine: Engine) -> Engine:
     pool = engine.block_pool
     memo[id(pool._free)] = copy.copy(pool._free)
     memo[id(pool._is_used)] = list(pool._is_used)
+    # Requests are most of the rest: copy each field by field (deepcopy's generic walk over
+    # ~25 fields took ~17 us a request, 38 ms for 256 running + 2,000 waiting); every
+    # other reference to a request (queues, maps keyed by it) then finds the copy in memo.
     for request in _live_requests(engine):
-        _shared(memo, request.prompt_token_ids)
-        memo[id(request.block_ids)] = list(request.block_ids)
-        memo[id(request.output_token_ids)] = list(request.output_token_ids)
+        memo[id(request)] = _copy_request(request)
+    # The waiting heap's entries are (key of numbers, sequence number, request).
+    waiting = engine.scheduler._waiting
+    memo[id(waiting)] = [(key, seq, memo[id(request)]) for key, seq, request in waiting]
     fork = copy.deepcopy(engine, memo)
     fork.num_steps = engine.num_steps
     return fork
+
+
+def _copy_request(request: Request) -> Request:
+    """A fork's copy of a live request: its own mutable lists, the rest shared. Shared
+    safely: the prompt array (never written), `sampling` and the samples in
+    `output_logprobs` (never mutated), `kv_masked_until` (replaced, never written in
+    place: preempt.kv.saver)."""
+    copied = object.__new__(Request)
+    copied.__dict__.update(request.__dict__)
+    copied.block_ids = list(request.block_ids)
+    copied.output_token_ids = list(request.output_token_ids)
+    copied.output_logprobs = list(request.output_logprobs)
+    return copied
 
 
 def _live_requests(engine: Engine):

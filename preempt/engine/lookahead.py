@@ -10,6 +10,12 @@ deterministic, so without further early saves the live engine follows the fork s
 step: its forecast is the truth, an upper bound measured in the same run as the
 predictors (a test checks it against the live run's records).
 
+`knows_future=False` makes the same fork a *forecast* from what a server knows now: no
+request that has not arrived yet, and every request runs to its `max_tokens` (never the
+trace's true length). That is a deployable predictor (the `forecast` early-save policy):
+what it misses is what no predictor of the present state can know (challengers that have
+not arrived; finishes `max_tokens` does not tell).
+
 Must never: touch the live engine (everything the fork mutates is its own copy; a test
 runs with and without it and compares every output), run model compute (the fork's
 runner emits placeholder tokens; requests end by length, as in trace replay), or run
@@ -26,7 +32,8 @@ import copy
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from preempt.engine.step import EngineView
+    from preempt.core.request import Request
+    from preempt.engine.step import EngineView, Fork
 
 
 class Forecast(NamedTuple):
@@ -41,13 +48,14 @@ class Forecast(NamedTuple):
 class Lookahead:
     """Forecasts preemptions by simulating a fork of the engine ahead."""
 
-    def __init__(self, horizon_ms: float, horizon_steps: int = 0) -> None:
+    def __init__(self, horizon_ms: float, horizon_steps: int = 0, knows_future: bool = True) -> None:
         if not horizon_ms > 0:
             raise ValueError(f"horizon_ms must be > 0, got {horizon_ms}")
         if horizon_steps < 0:
             raise ValueError(f"horizon_steps must be >= 0, got {horizon_steps}")
         self.horizon_s = horizon_ms / 1000.0
         self.horizon_steps = horizon_steps
+        self.knows_future = knows_future
         self.num_forks = 0
         self.num_fork_steps = 0
 
@@ -59,7 +67,13 @@ class Lookahead:
         self.num_forks += 1
         start_s = fork.clock.now()
         start_step = fork.num_steps
-        upcoming = view.upcoming_arrivals(start_s + self.horizon_s + 3600.0)
+        if self.knows_future:
+            upcoming = view.upcoming_arrivals(start_s + self.horizon_s + 3600.0)
+        else:
+            # Arrived by now (a server holds them, queued or not); lengths from max_tokens.
+            upcoming = view.upcoming_arrivals(start_s)
+            for request in _fork_requests(fork):
+                request.target_output_tokens = request.max_tokens
         next_arrival = 0
         memo_prompts: dict[int, object] = {}
         preempted: dict[int, tuple[float, int]] = {}
@@ -71,7 +85,10 @@ class Lookahead:
             while next_arrival < len(upcoming) and upcoming[next_arrival].arrival_s <= now:
                 request = upcoming[next_arrival]
                 memo_prompts[id(request.prompt_token_ids)] = request.prompt_token_ids  # shared
-                fork.add_request(copy.deepcopy(request, memo_prompts))
+                request = copy.deepcopy(request, memo_prompts)
+                if not self.knows_future:
+                    request.target_output_tokens = request.max_tokens
+                fork.add_request(request)
                 next_arrival += 1
             if not fork.scheduler.has_unfinished:
                 if (
@@ -100,3 +117,9 @@ class Lookahead:
             for rid, (dt, steps) in forecast.preempted.items()
             if dt <= self.horizon_s + 1e-9 or steps <= self.horizon_steps
         }
+
+
+def _fork_requests(fork: Fork) -> list[Request]:
+    """Every unfinished request of a fork (its own copies): running, READY and waiting."""
+    scheduler = fork.scheduler
+    return [*scheduler.running, *scheduler.restoring, *scheduler.waiting_requests()]

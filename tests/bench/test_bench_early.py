@@ -87,3 +87,12 @@ def test_the_capped_arm_is_the_lstm_arm_with_the_waste_cap():
         "preemption.mode=swap",
         "early_save.policy=none",
     ]
+
+
+def test_the_forecast_arms_fork_knowing_only_the_present():
+    from preempt.bench.early import FORECAST_EVERY_STEPS, arm_overrides
+
+    every = arm_overrides("swap", "forecast", None, 1600, 200, ["early_save.horizon_steps=4"], True)
+    sparse = arm_overrides("swap", "forecast_k4", None, 1600, 200, ["early_save.horizon_steps=4"], True)
+    assert "early_save.policy=forecast" in every and "early_save.prefetch=true" in every
+    assert sparse == [*every, f"early_save.lookahead_every_steps={FORECAST_EVERY_STEPS}"]

@@ -50,10 +50,11 @@ def _trace(engine, requests, hook=None):
     return _digests(requests), steps, records, engine.stats()
 
 
-def test_forking_and_simulating_ahead_leaves_the_live_engine_untouched():
+@pytest.mark.parametrize("knows_future", [True, False])
+def test_forking_and_simulating_ahead_leaves_the_live_engine_untouched(knows_future):
     plain = _trace(Engine(_config()), _workload())
     engine = Engine(_config())
-    lookahead = Lookahead(horizon_ms=20.0, horizon_steps=3)
+    lookahead = Lookahead(horizon_ms=20.0, horizon_steps=3, knows_future=knows_future)
     forked = _trace(engine, _workload(), hook=lookahead.forecast)
     assert lookahead.num_forks > 50 and lookahead.num_fork_steps > lookahead.num_forks
     assert forked == plain
@@ -111,9 +112,63 @@ def test_the_forecast_is_what_the_live_run_does(backend):
     assert checked >= 10
 
 
-def test_the_lookahead_policy_saves_early_and_keeps_outputs():
+def test_the_forecast_knows_only_the_present():
+    """`knows_future=False`: no request preempted in the fork had not arrived by now, and
+    the VIPs of this workload, arriving every 15 ms, are challengers the oracle sees
+    coming and the forecast does not (so the two differ, and the forecast is the smaller)."""
+    engine = Engine(_config("null"))
+    oracle = Lookahead(horizon_ms=20.0, horizon_steps=3)
+    forecast = Lookahead(horizon_ms=20.0, horizon_steps=3, knows_future=False)
+    arrival = {r.request_id: r.arrival_s for r in _workload()}
+    seen = {"oracle": 0, "forecast": 0, "oracle_only": 0}
+
+    def hook(engine):
+        now = engine.clock.now()
+        told = oracle.within(oracle.forecast(engine.view))
+        guessed = forecast.within(forecast.forecast(engine.view))
+        assert all(arrival[rid] <= now + 1e-12 for rid in forecast.forecast(engine.view).preempted)
+        seen["oracle"] += len(told)
+        seen["forecast"] += len(guessed)
+        seen["oracle_only"] += len(told - guessed)
+
+    _trace(engine, _workload(), hook=hook)
+    assert seen["oracle_only"] > 0 and seen["forecast"] < seen["oracle"]
+
+
+def test_the_forecast_reads_max_tokens_not_the_true_lengths():
+    """Two workloads the server cannot tell apart (same prompts, arrivals, `max_tokens`),
+    one whose requests really stop 40 tokens short of `max_tokens`: the oracle's forks
+    see different futures, the forecast the same one (every request run to max_tokens)."""
+
+    def first_step(shorter):
+        requests = _workload()
+        for request in requests:
+            request.max_tokens = request.target_output_tokens + 40
+            if not shorter:
+                request.target_output_tokens = request.max_tokens
+        engine = Engine(_config("null"))
+        for request in requests:
+            engine.add_request(request)
+        engine.step()
+        return engine.view
+
+    def forecasts(knows_future):
+        return [
+            Lookahead(horizon_ms=400.0, knows_future=knows_future).forecast(first_step(shorter))
+            for shorter in (True, False)
+        ]
+
+    truth_short, truth_long = forecasts(knows_future=True)
+    assert truth_short != truth_long
+    guess_short, guess_long = forecasts(knows_future=False)
+    assert guess_short == guess_long and guess_long.preempted
+    assert guess_long == truth_long  # the long workload's truth *is* its max_tokens
+
+
+@pytest.mark.parametrize("policy", ["lookahead", "forecast"])
+def test_the_lookahead_policy_saves_early_and_keeps_outputs(policy):
     _, requests = _run_policy("none")
-    engine, early_requests = _run_policy("lookahead")
+    engine, early_requests = _run_policy(policy)
     assert all(r.state is RequestState.FINISHED for r in early_requests)
     assert _digests(early_requests) == _digests(requests)
     saver = engine.saver
@@ -128,6 +183,7 @@ def _run_policy(policy):
     return engine, requests
 
 
-def test_the_lookahead_needs_the_virtual_clock():
+@pytest.mark.parametrize("policy", ["lookahead", "forecast"])
+def test_the_lookahead_needs_the_virtual_clock(policy):
     with pytest.raises(ConfigError, match="virtual"):
-        small_config(clock={"kind": "wall"}, preemption={"mode": "swap"}, early_save={"policy": "lookahead"})
+        small_config(clock={"kind": "wall"}, preemption={"mode": "swap"}, early_save={"policy": policy})

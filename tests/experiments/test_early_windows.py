@@ -23,6 +23,7 @@ def test_windows_summary_judges_each_target_by_its_interval():
                 "window_s": [i, i + 1],
                 "arms": {
                     "lookahead": arm(oracle, 0.02),
+                    "forecast": arm(oracle - 0.03, 0.08),
                     "lstm": [arm(lstm_a, 0.40 + 0.01 * i), arm(lstm_b, 0.42)],
                     "lstm_capped": [arm(0.5 + 0.3 * (i % 2), 0.25), arm(0.6, 0.35)],
                 },
@@ -46,6 +47,10 @@ def test_windows_summary_judges_each_target_by_its_interval():
     assert summary["swap"]["lstm_capped"]["waste_share"]["mean"] == pytest.approx(0.30)
     assert summary["swap"]["lookahead"]["waste_share"]["verdict"] == "held"
     assert "oracle_lead" not in summary["swap"]["lookahead"]
+    forecast = summary["swap"]["forecast"]  # a single run a window, judged the same way
+    assert forecast["oracle_lead"]["mean"] == pytest.approx(0.03, abs=1e-4)
+    assert forecast["oracle_lead"]["verdict"] == "held" and forecast["waste_share"]["verdict"] == "held"
+    assert "forecast" not in summary["swap_zstd"]  # not run there: not reported
     # One window: a mean but no interval, so no verdict; no early bytes: no waste at all.
     zstd = summary["swap_zstd"]
     one_window = {"mean": 0.99, "lo": None, "hi": None, "n": 1, "num_nan": 0, "verdict": None}
