@@ -482,7 +482,8 @@ class EngineConfig(_Section):
         uses_lookahead = self.early_save.policy in ("lookahead", "forecast") or self.early_save.prefetch
         if uses_lookahead and self.clock.kind != "virtual":
             raise ValueError(
-                "early_save.policy 'lookahead' or 'forecast' and early_save.prefetch need clock.kind 'virtual'"
+                "early_save.policy 'lookahead' or 'forecast' and early_save.prefetch need "
+                "clock.kind 'virtual'"
             )
         if self.early_save.prefetch and self.preemption.mode == "recompute":
             raise ValueError("early_save.prefetch needs a preemption.mode that saves KV, not recompute")
