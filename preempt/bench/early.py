@@ -99,8 +99,9 @@ def horizon_of(model: str) -> list[str]:
 
 ARMS = ("none", "prefetch", "rule", "lookahead", "forecast", "forecast_k4", "oracle_log")
 """`forecast`: the lookahead's fork knowing only the present (preempt.engine.lookahead), at
-every step; `forecast_k4` the same forked every `FORECAST_EVERY_STEPS` steps (its picks
-kept between), a quarter of the cost."""
+every step; `forecast_k4` the same forked every `FORECAST_EVERY_STEPS` steps or at once on
+news (an arrival, a finish before max_tokens; its picks kept between): the deployable
+one, at a fraction of the forks (`forks_per_step`)."""
 FORECAST_EVERY_STEPS = 4
 LSTM_ARMS = ("lstm", "lstm_capped")
 """With a checkpoint: `lstm` at its val-chosen threshold, fixed; `lstm_capped` from the
@@ -413,6 +414,12 @@ def _arm_row(summary: dict[str, Any]) -> dict[str, Any]:
         "e2e_p50_s": _rounded(summary.get("e2e_p50_s")),
         "e2e_p99_s": _rounded(summary.get("e2e_p99_s")),
         "wall_time_s": round(summary["wall_time_s"], 2),
+        # lookahead / forecast: forks per engine step (the fork is their cost)
+        "forks_per_step": (
+            round(summary["lookahead_forks"] / summary["num_steps"], 4)
+            if "lookahead_forks" in summary
+            else None
+        ),
     }
 
 

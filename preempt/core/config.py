@@ -401,7 +401,9 @@ class EarlySaveConfig(_Section):
     its decision between; the checkpoint must have been trained on rows logged at the same
     stride (`features.every_k_steps`), or it is refused."""
     lookahead_every_steps: int = Field(1, gt=0)
-    """`lookahead`/`forecast`: fork and simulate every this many steps (between, reuse the forecast)."""
+    """`lookahead`/`forecast`: fork and simulate every this many steps (between, reuse the
+    forecast). `forecast` also forks at once on news its last fork could not know (an
+    arrival; a request ending before its max_tokens)."""
     prefetch: bool = False
     """Restore prefetch (preempt/engine/prefetch.py): start restoring the next requests to be
     admitted into free blocks before they are admitted (virtual clock)."""

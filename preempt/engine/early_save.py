@@ -27,7 +27,9 @@ new full block, and refuses beyond its speculation budget and in-flight bound):
   predictors; the upper bound of what a predictor can warn about.
 - `forecast`: the same fork knowing only the present (no request that has not arrived;
   every request runs to its `max_tokens`): a deployable model-based predictor, and the
-  bound of what any predictor of the present state can know.
+  bound of what any predictor of the present state can know. It forks every
+  `lookahead_every_steps` steps, and at once on news the last fork could not know (an
+  arrival; a request ending before its max_tokens).
 """
 
 from __future__ import annotations
@@ -240,11 +242,24 @@ class LookaheadPolicy(EarlySavePolicy):
         self.every_steps = every_steps
         self._steps_left = 0
         self._chosen: set[int] = set()
+        # The forecast's fork is exact until news it could not know: a request arrived, or
+        # one ended before its max_tokens (it ran every request to max_tokens). Then it
+        # forks again at once, whatever `every_steps` says.
+        self._num_arrived = 0
+        self._news = False
+
+    def forget(self, requests: Sequence[Request]) -> None:
+        if not self.lookahead.knows_future:
+            self._news |= any(r.num_output_tokens < r.max_tokens for r in requests)
 
     def prepare(self, view: EngineView) -> None:
-        if self._steps_left <= 0:
+        if not self.lookahead.knows_future and view.num_arrived != self._num_arrived:
+            self._news = True
+        if self._steps_left <= 0 or self._news:
             self._chosen = self.lookahead.within(self.lookahead.forecast(view))
             self._steps_left = self.every_steps
+            self._num_arrived = view.num_arrived
+            self._news = False
         self._steps_left -= 1
 
     def select(self, running: Sequence[Request], features: np.ndarray | None, now: float) -> list[Request]:
@@ -322,4 +337,11 @@ class EarlySaver:
             view.early_save(request)
 
     def stats(self) -> dict[str, Any]:
-        return {"early_save_selected": self.num_selected}
+        stats: dict[str, Any] = {"early_save_selected": self.num_selected}
+        lookahead = getattr(self.policy, "lookahead", None)
+        if lookahead is not None:  # what the fork cost: forks and the steps simulated in them
+            stats |= {
+                "lookahead_forks": lookahead.num_forks,
+                "lookahead_fork_steps": lookahead.num_fork_steps,
+            }
+        return stats

@@ -78,6 +78,7 @@ class Engine:
         self.clock = make_clock(config.clock.kind)
         self.view = EngineView(self)  # what the step hooks read
         self.num_steps = 0
+        self.num_added = 0  # requests handed to add_request (the forecast's news of arrivals)
         self.stall_s = 0.0  # compute waiting for KV moves (saves' copy-out, restores)
         self.stall_restore_s = 0.0  # the part that waited for restores only
         self._saver_thread_s_seen = 0.0
@@ -88,6 +89,7 @@ class Engine:
     # ----------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
         """Queue a request, or end it ABORTED at once when it can never run."""
+        self.num_added += 1
         max_len = request.num_prompt_tokens + request.max_tokens
         if max_len > self.config.model.max_model_len:
             self._abort(

@@ -77,6 +77,12 @@ class EngineView:
         return self._engine.num_steps
 
     @property
+    def num_arrived(self) -> int:
+        """Requests that have arrived by now: handed to the engine, or arrived during the
+        last step and queued by the next (`upcoming_arrivals(now)`)."""
+        return self._engine.num_added + len(self._engine.upcoming_arrivals(self.now))
+
+    @property
     def running(self) -> tuple[Request, ...]:
         """Running requests in admission order (a snapshot)."""
         return tuple(self._engine.scheduler.running)

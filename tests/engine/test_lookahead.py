@@ -165,6 +165,18 @@ def test_the_forecast_reads_max_tokens_not_the_true_lengths():
     assert guess_long == truth_long  # the long workload's truth *is* its max_tokens
 
 
+def test_the_forecast_forks_again_on_news_only():
+    """With a fork allowed once in a million steps, the oracle forks once (it knew every
+    arrival), the forecast once more per step that brought arrivals (16 VIPs, every 15 ms)."""
+    forks = {}
+    for policy in ("lookahead", "forecast"):
+        engine = Engine(_config("null", policy=policy, lookahead_every_steps=10**6))
+        engine.run(_workload())
+        forks[policy] = engine.early_saver.policy.lookahead.num_forks
+    assert forks["lookahead"] == 1
+    assert 1 + 12 <= forks["forecast"] <= 1 + 16
+
+
 @pytest.mark.parametrize("policy", ["lookahead", "forecast"])
 def test_the_lookahead_policy_saves_early_and_keeps_outputs(policy):
     _, requests = _run_policy("none")
