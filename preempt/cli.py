@@ -356,6 +356,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    if args.trace is not None and not args.windows:
+        print("preempt: error: --trace applies to `bench early --windows` only", file=sys.stderr)
+        return 2
     if args.windows and "model" not in options:
         print(
             "preempt: error: --windows needs --model (predictor checkpoints, comma-separated)",
@@ -375,7 +378,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.windows:  # experiments/ judges the windows by intervals
             from experiments.early_windows import bench_early_windows
 
-            result: dict[str, Any] = bench_early_windows(args.quick, models)
+            result: dict[str, Any] = bench_early_windows(args.quick, models, args.trace or "azure-conv")
         else:
             result = BENCHMARKS[args.name](args.quick, **options)
     except PeerError as err:  # bench vllm: no peer virtualenv, or it failed
@@ -647,6 +650,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="early: the async arms on every held-out trace window, with intervals (--model may "
         "list several checkpoints, comma-separated: training seeds)",
+    )
+    bench.add_argument(
+        "--trace",
+        choices=["azure-code", "azure-conv"],
+        help="early --windows: the trace whose held-out windows are replayed (default azure-conv)",
     )
     bench.add_argument(
         "--no-served-speed",

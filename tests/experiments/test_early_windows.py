@@ -57,3 +57,12 @@ def test_windows_summary_judges_each_target_by_its_interval():
     assert zstd["lstm"]["stall_hidden"] == one_window
     assert zstd["lstm"]["waste_share"]["num_nan"] == 1  # counted, not dropped silently
     assert zstd["lstm"]["waste_share"]["mean"] is None and "oracle_lead" not in zstd["lstm"]
+
+
+def test_the_cli_offers_exactly_the_traces_with_held_out_windows():
+    from experiments.early_windows import TRACE_WINDOWS_S
+    from preempt.cli import build_parser
+
+    bench = build_parser()._subparsers._group_actions[0].choices["bench"]
+    (trace,) = [action for action in bench._actions if action.dest == "trace"]
+    assert sorted(trace.choices) == sorted(TRACE_WINDOWS_S)
