@@ -414,12 +414,15 @@ def _arm_row(summary: dict[str, Any]) -> dict[str, Any]:
         "e2e_p50_s": _rounded(summary.get("e2e_p50_s")),
         "e2e_p99_s": _rounded(summary.get("e2e_p99_s")),
         "wall_time_s": round(summary["wall_time_s"], 2),
-        # lookahead / forecast: forks per engine step (the fork is their cost)
+        "num_steps": summary["num_steps"],
+        # lookahead / forecast: forks per engine step, and the wall time they took (their
+        # cost; against wall_time_s / num_steps of the `none` arm, the null step's)
         "forks_per_step": (
             round(summary["lookahead_forks"] / summary["num_steps"], 4)
             if "lookahead_forks" in summary
             else None
         ),
+        "fork_wall_s": _rounded(summary.get("lookahead_wall_s")),
     }
 
 

@@ -339,9 +339,10 @@ class EarlySaver:
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {"early_save_selected": self.num_selected}
         lookahead = getattr(self.policy, "lookahead", None)
-        if lookahead is not None:  # what the fork cost: forks and the steps simulated in them
+        if lookahead is not None:  # what the fork costs: forks, steps simulated, wall time
             stats |= {
                 "lookahead_forks": lookahead.num_forks,
                 "lookahead_fork_steps": lookahead.num_fork_steps,
+                "lookahead_wall_s": lookahead.wall_s,  # wall time: not reproducible
             }
         return stats

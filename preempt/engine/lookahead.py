@@ -29,6 +29,7 @@ benchmarks use); a request that would stop on a sampled stop token stops by leng
 from __future__ import annotations
 
 import copy
+import time
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -58,11 +59,13 @@ class Lookahead:
         self.knows_future = knows_future
         self.num_forks = 0
         self.num_fork_steps = 0
+        self.wall_s = 0.0  # wall time spent forking and simulating (the policy's cost)
 
     def forecast(self, view: EngineView) -> Forecast:
         """Run a fork until both horizons have passed (or nothing is left to run): a
         preemption decided at the k-th step's schedule() is k steps and (its time - now)
         seconds ahead, as `preempt.obs.dataset.label_rows` counts them."""
+        started = time.perf_counter()
         fork = view.fork()
         self.num_forks += 1
         start_s = fork.clock.now()
@@ -108,6 +111,7 @@ class Lookahead:
                     fork.clock.wait_until(fork.scheduler.backoff_until_s)
                     continue
                 break
+        self.wall_s += time.perf_counter() - started
         return Forecast(preempted, fork.num_steps - start_step, fork.clock.now() - start_s)
 
     def within(self, forecast: Forecast) -> set[int]:
