@@ -332,7 +332,7 @@ def _early_warning(arms: Arms) -> Finding:
         return _missing(arms, "swap_mixed")
     parent = parent_rows[0]
     parts = []
-    for name in ("early_lstm", "early_rule", "early_always", "early_oracle"):
+    for name in ("early_lstm", "early_rule", "early_always", "early_oracle", "early_forecast"):
         rows = _ok(arms, "swap_mixed", name)
         if rows is None:
             continue

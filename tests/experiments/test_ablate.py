@@ -85,7 +85,7 @@ def test_smoke_writes_markdown_plots_and_offline_wandb_runs(smoke, capsys):
     for name in PLOTS:
         assert (smoke / "plots" / f"{name}.png").stat().st_size > 5_000, name
     runs = sorted((smoke / "wandb").glob("offline-run-*"))
-    assert len(runs) == 20 + 1  # one per arm, plus the summary run with the table and plots
+    assert len(runs) == 21 + 1  # one per arm, plus the summary run with the table and plots
     info = json.loads((smoke / "ablation.json").read_text())
     assert info["wandb"] == "offline" and "wandb sync" in info["wandb_sync"]
     assert {run["run"] for run in info["runs"]} >= {"early_oracle", "swap_mixed"}
