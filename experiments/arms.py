@@ -243,7 +243,11 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
     Arm(
         "early_forecast",
         "swap_mixed",
-        {"early_save.policy": "forecast", "early_save.horizon_steps": 4, "early_save.lookahead_every_steps": 4},
+        {
+            "early_save.policy": "forecast",
+            "early_save.horizon_steps": 4,
+            "early_save.lookahead_every_steps": 4,
+        },
         "early saves from a fork of the engine knowing only the present, forked on news or every 4 steps",
     ),
 )
