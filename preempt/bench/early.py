@@ -100,8 +100,8 @@ def horizon_of(model: str) -> list[str]:
 ARMS = ("none", "prefetch", "rule", "lookahead", "forecast", "forecast_k4", "oracle_log")
 """`forecast`: the lookahead's fork knowing only the present (preempt.engine.lookahead), at
 every step; `forecast_k4` the same forked every `FORECAST_EVERY_STEPS` steps or at once on
-news (an arrival, a finish before max_tokens; its picks kept between): the deployable
-one, at a fraction of the forks (`forks_per_step`)."""
+news (an arrival, a finish before max_tokens; its picks kept between), at a fraction of
+the forks (`forks_per_step`)."""
 FORECAST_EVERY_STEPS = 4
 LSTM_ARMS = ("lstm", "lstm_capped")
 """With a checkpoint: `lstm` at its val-chosen threshold, fixed; `lstm_capped` from the

@@ -26,8 +26,8 @@ new full block, and refuses beyond its speculation budget and in-flight bound):
   the running requests the fork preempts within it. Measured in the same run as the
   predictors; the upper bound of what a predictor can warn about.
 - `forecast`: the same fork knowing only the present (no request that has not arrived;
-  every request runs to its `max_tokens`): a deployable model-based predictor, and the
-  bound of what any predictor of the present state can know. It forks every
+  every request runs to its `max_tokens`): a model-based predictor reading only what a
+  server knows (virtual clock only, like the oracle; not a bound). It forks every
   `lookahead_every_steps` steps, and at once on news the last fork could not know (an
   arrival; a request ending before its max_tokens).
 """

@@ -12,9 +12,10 @@ predictors (a test checks it against the live run's records).
 
 `knows_future=False` makes the same fork a *forecast* from what a server knows now: no
 request that has not arrived yet, and every request runs to its `max_tokens` (never the
-trace's true length). That is a deployable predictor (the `forecast` early-save policy):
-what it misses is what no predictor of the present state can know (challengers that have
-not arrived; finishes `max_tokens` does not tell).
+trace's true length). That is the `forecast` early-save policy: a point prediction of
+what the present state implies if nothing new arrives, not a bound (a learned predictor
+can anticipate arrivals it cannot). It reads nothing a server lacks, but like the
+oracle it runs on the virtual clock only.
 
 Must never: touch the live engine (everything the fork mutates is its own copy; a test
 runs with and without it and compares every output), run model compute (the fork's
