@@ -6,7 +6,9 @@
    (raw) and `swap_zstd` (and `swap_mixed` unless --quick). In the same run, one replay
    per arm: `none` (no early work: the baseline), `prefetch` (restore prefetch only), and
    each early-save policy with restore prefetch on: `rule`, `lookahead` (the oracle:
-   forks the engine and simulates ahead, an upper bound), `oracle_log` (the older oracle
+   forks the engine and simulates ahead, an upper bound), `forecast` / `forecast_k4` (the
+   same fork knowing only the present, every step / on news or every 4 steps),
+   `oracle_log` (the older oracle
    that replays the `prefetch` arm's preemptions), `lstm` when `--model` names a
    predictor checkpoint. Per arm: the save-side stall (compute waiting for a victim's
    copy-out), the restore stall, their sum, `stall_hidden` = 1 - total(arm) /
