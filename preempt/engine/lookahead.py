@@ -34,8 +34,7 @@ import time
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from preempt.core.request import Request
-    from preempt.engine.step import EngineView, Fork
+    from preempt.engine.step import EngineView
 
 
 class Forecast(NamedTuple):
@@ -76,7 +75,7 @@ class Lookahead:
         else:
             # Arrived by now (a server holds them, queued or not); lengths from max_tokens.
             upcoming = view.upcoming_arrivals(start_s)
-            for request in _fork_requests(fork):
+            for request in fork.scheduler.unfinished_requests():
                 request.target_output_tokens = request.max_tokens
         next_arrival = 0
         memo_prompts: dict[int, object] = {}
@@ -122,9 +121,3 @@ class Lookahead:
             for rid, (dt, steps) in forecast.preempted.items()
             if dt <= self.horizon_s + 1e-9 or steps <= self.horizon_steps
         }
-
-
-def _fork_requests(fork: Fork) -> list[Request]:
-    """Every unfinished request of a fork (its own copies): running, READY and waiting."""
-    scheduler = fork.scheduler
-    return [*scheduler.running, *scheduler.restoring, *scheduler.waiting_requests()]

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from typing import NamedTuple
 
@@ -189,6 +189,14 @@ class Scheduler:
         and early-save policies need them every step)."""
         parts = np.fromiter(self._score_parts.values(), dtype=np.float64, count=len(self._score_parts))
         return parts + now * self.preemption.priority_weights.age
+
+    def unfinished_requests(self) -> Iterator[Request]:
+        """Every request not yet finished: running, READY, then waiting (heap order, not
+        admission order; paused ones wait too). For a fork to copy or rewrite them all."""
+        yield from self.running
+        yield from self.restoring
+        for entry in self._waiting:
+            yield entry[2]
 
     def waiting_requests(self) -> list[Request]:
         """Waiting requests in admission order (a copy; for inspection and tests)."""
