@@ -174,20 +174,34 @@ def test_the_forecast_reads_max_tokens_not_the_true_lengths():
 
 def test_the_forecast_forks_again_on_news_only():
     """With a fork allowed once in a million steps, the oracle forks once (it knew every
-    arrival), the forecast once more per step that brought arrivals (16 VIPs, every 15 ms),
-    and with loose `max_tokens` once more per request that ended short of it (24)."""
-    forks = {}
-    for name, policy, workload in (
-        ("lookahead", "lookahead", _workload),
-        ("forecast", "forecast", _workload),
-        ("forecast_loose", "forecast", _loose_workload),
-    ):
+    arrival); the forecast forks at its first decision and then exactly at the decisions
+    that follow news: a request arrived since its last fork (16 VIPs, every 15 ms), or
+    one ended short of its max_tokens (every request of the loose workload). The news is
+    counted here from the run's own events, not from the policy's bookkeeping."""
+
+    def run(policy, workload):
+        requests = workload()
+        arrivals = sorted(r.arrival_s for r in requests)
         engine = Engine(_config("null", policy=policy, lookahead_every_steps=10**6))
-        engine.run(workload())
-        forks[name] = engine.early_saver.policy.lookahead.num_forks
-    assert forks["lookahead"] == 1
-    assert 1 + 12 <= forks["forecast"] <= 1 + 16
-    assert forks["forecast"] + 8 <= forks["forecast_loose"] <= forks["forecast"] + 24
+        expected = {"forks": 0, "known": -1, "short_finish": False}
+
+        def on_step(output):
+            expected["short_finish"] |= any(r.num_output_tokens < r.max_tokens for r in output.finished)
+            if not output.scheduled.chunks or not engine.scheduler.running:
+                return  # the early saver decides nothing after this step
+            arrived = sum(1 for t in arrivals if t <= engine.clock.now())
+            if expected["forks"] == 0 or arrived != expected["known"] or expected["short_finish"]:
+                expected["forks"] += 1
+                expected["known"], expected["short_finish"] = arrived, False
+
+        engine.run(requests, on_step=on_step)
+        return engine.early_saver.policy.lookahead.num_forks, expected["forks"]
+
+    assert run("lookahead", _workload)[0] == 1
+    forks, expected = run("forecast", _workload)
+    assert forks == expected and forks > 10  # the VIPs' arrival steps
+    loose, expected_loose = run("forecast", _loose_workload)
+    assert loose == expected_loose and loose > forks  # early finishes are news too
 
 
 @pytest.mark.parametrize("policy", ["lookahead", "forecast"])
