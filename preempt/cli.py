@@ -132,6 +132,11 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
     feature_config = _feature_config(args)
     config = _config_from_args(args)
+    if feature_config.feature_set == "forecast" and config.clock.kind != "virtual":
+        raise ConfigError(
+            "config key 'features.feature_set': 'forecast' forks the engine every few steps and "
+            "needs clock.kind 'virtual' (a fork cannot replay real time)"
+        )
     logger = FeatureLogger(feature_config)
     views = []
 

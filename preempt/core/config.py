@@ -394,8 +394,9 @@ class EarlySaveConfig(_Section):
     horizon_steps: int = Field(0, ge=0)
     """The horizon in engine steps as well: predicted when within `horizon_ms` or within
     this many steps, whichever reaches further (0: time only)."""
-    feature_set: Literal["v1", "scale_free"] = "v1"
-    """`lstm`: the features the checkpoint must have been trained on (preempt.engine.features)."""
+    feature_set: Literal["v1", "scale_free", "forecast"] = "v1"
+    """`lstm`: the features the checkpoint must have been trained on (preempt.engine.features;
+    `forecast` forks the engine, so virtual clock only)."""
     every_k_steps: int = Field(1, gt=0)
     """`lstm`: step the predictor (features and LSTM) every this many engine steps, keeping
     its decision between; the checkpoint must have been trained on rows logged at the same
@@ -487,6 +488,12 @@ class EngineConfig(_Section):
                 "early_save.policy 'lookahead' or 'forecast' and early_save.prefetch need "
                 "clock.kind 'virtual'"
             )
+        if self.early_save.policy == "lstm" and self.early_save.feature_set == "forecast":
+            if self.clock.kind != "virtual":
+                raise ValueError(
+                    "early_save.feature_set 'forecast' forks the engine every few steps and needs "
+                    "clock.kind 'virtual' (a fork cannot replay real time)"
+                )
         if self.early_save.prefetch and self.preemption.mode == "recompute":
             raise ValueError("early_save.prefetch needs a preemption.mode that saves KV, not recompute")
         if self.preemption.async_restore and self.clock.kind != "virtual":

@@ -42,7 +42,7 @@ import numpy as np
 
 from preempt.core.config import ConfigError, EarlySaveConfig
 from preempt.core.request import Request
-from preempt.engine.features import FEATURE_NAMES, engine_features
+from preempt.engine.features import FEATURE_NAMES, Features
 from preempt.kv.record import is_preemption
 
 if TYPE_CHECKING:
@@ -53,10 +53,11 @@ _RULE_FREE_KV = 0.05
 
 
 class EarlySavePolicy(ABC):
-    """Picks running requests to save early. `features` is (R, 8) in FEATURE_NAMES order
-    for `running`, computed once per step by the hook."""
+    """Picks running requests to save early. `features` is (R, 8) for `running`, computed
+    once per step by the hook from the policy's own `features` source (None: the policy
+    reads none, and is passed None)."""
 
-    needs_features = True
+    features: Features | None = None
 
     @abstractmethod
     def select(
@@ -72,13 +73,14 @@ class EarlySavePolicy(ABC):
 
 
 class AlwaysPolicy(EarlySavePolicy):
-    needs_features = False
-
     def select(self, running: Sequence[Request], features: np.ndarray | None, now: float) -> list[Request]:
         return list(running)
 
 
 class RulePolicy(EarlySavePolicy):
+    def __init__(self) -> None:
+        self.features = Features("v1")
+
     def select(self, running: Sequence[Request], features: np.ndarray, now: float) -> list[Request]:
         column = {name: i for i, name in enumerate(FEATURE_NAMES)}
         candidates = np.flatnonzero(features[:, column["slice_usage"]] >= 1.0)
@@ -110,7 +112,7 @@ class LSTMPolicy(EarlySavePolicy):
             )
         except (OSError, ValueError) as exc:
             raise ConfigError(f"config key 'early_save.checkpoint': {exc}") from None
-        self.feature_set = config.feature_set
+        self.features = Features(config.feature_set, config.horizon_ms, config.horizon_steps)
         # A model trained on rows logged every k steps takes one LSTM step per k engine
         # steps (checked above: early_save.every_k_steps = the checkpoint's k); between,
         # the last decision stands.
@@ -152,6 +154,7 @@ class LSTMPolicy(EarlySavePolicy):
 
     def forget(self, requests: Sequence[Request]) -> None:
         self.predictor.forget(r.request_id for r in requests)
+        self.features.note_finished(requests)
 
 
 class WasteCap:
@@ -212,8 +215,6 @@ def _logit(p: float) -> float:
 
 
 class OraclePolicy(EarlySavePolicy):
-    needs_features = False
-
     def __init__(self, oracle_log: str, horizon_ms: float) -> None:
         self.events = load_preemption_times(oracle_log)
         self.horizon_s = horizon_ms / 1000.0
@@ -231,39 +232,23 @@ class OraclePolicy(EarlySavePolicy):
 
 
 class LookaheadPolicy(EarlySavePolicy):
-    needs_features = False
-
     def __init__(
         self, horizon_ms: float, horizon_steps: int, every_steps: int = 1, knows_future: bool = True
     ) -> None:
-        from preempt.engine.lookahead import Lookahead
+        from preempt.engine.lookahead import Lookahead, RollingForecast
 
         self.lookahead = Lookahead(horizon_ms, horizon_steps, knows_future)
-        self.every_steps = every_steps
-        self._steps_left = 0
-        self._chosen: set[int] = set()
-        # The forecast's fork is exact until news it could not know: a request arrived, or
-        # one ended before its max_tokens (it ran every request to max_tokens). Then it
-        # forks again at once, whatever `every_steps` says.
-        self._num_arrived = 0
-        self._news = False
+        self.rolling = RollingForecast(self.lookahead, every_steps)
 
     def forget(self, requests: Sequence[Request]) -> None:
-        if not self.lookahead.knows_future:
-            self._news |= any(r.num_output_tokens < r.max_tokens for r in requests)
+        self.rolling.note_finished(requests)
 
     def prepare(self, view: EngineView) -> None:
-        if not self.lookahead.knows_future and view.num_arrived != self._num_arrived:
-            self._news = True
-        if self._steps_left <= 0 or self._news:
-            self._chosen = self.lookahead.within(self.lookahead.forecast(view))
-            self._steps_left = self.every_steps
-            self._num_arrived = view.num_arrived
-            self._news = False
-        self._steps_left -= 1
+        self.rolling.update(view)
 
     def select(self, running: Sequence[Request], features: np.ndarray | None, now: float) -> list[Request]:
-        return [r for r in running if r.request_id in self._chosen]
+        chosen = self.rolling.chosen
+        return [r for r in running if r.request_id in chosen]
 
 
 def load_preemption_times(path: str) -> dict[int, np.ndarray]:
@@ -327,8 +312,8 @@ class EarlySaver:
         now = view.now
         self.policy.prepare(view)
         policy = self.policy
-        needs = policy.needs_features and getattr(policy, "needs_features_now", True)
-        features = engine_features(view, getattr(policy, "feature_set", "v1")) if needs else None
+        source = policy.features
+        features = source(view) if source is not None and getattr(policy, "needs_features_now", True) else None
         chosen = self.policy.select(running, features, now)
         self.num_selected += len(chosen)
         self.chosen_ids = frozenset(request.request_id for request in chosen)

@@ -1,8 +1,9 @@
 """Scheduling features: what a policy may know of a running request (docs/design.md §8).
 
 Owns: the 8 features of each running request at a step (`FEATURE_NAMES`, documented in
-`FEATURE_DOCS`; the `scale_free` set beside them) and how they are computed from the
-engine's state after a step (`engine_features`). Read online by the early-save policies
+`FEATURE_DOCS`; the `scale_free` and `forecast` sets beside them) and how they are
+computed from the engine's state after a step (`engine_features` for the stateless sets;
+`Features` for any set along a run, keeping the `forecast` set's fork current). Read online by the early-save policies
 and logged offline into the predictor's training set (`preempt.obs.dataset`, which also
 computes the labels: the only place the future enters).
 
@@ -96,9 +97,40 @@ SCALE_FREE_DOCS: dict[str, str] = {
     "the batch is from refusing the queue's head (0: refused, a trigger can fire)",
 }
 
-FEATURE_SETS: dict[str, tuple[str, ...]] = {"v1": FEATURE_NAMES, "scale_free": SCALE_FREE_NAMES}
+FORECAST_NAMES: tuple[str, ...] = tuple(
+    "forecast_lead" if name == "sla_level" else name for name in SCALE_FREE_NAMES
+)
+"""The `forecast` set: `scale_free` with `sla_level` replaced by what a fork of the engine
+that knows only the present (preempt.engine.lookahead, `knows_future=False`) says of the
+request. The scheduler is deterministic, so until a request arrives or ends early the
+fork's preemptions are the ones that happen; what it cannot see (challengers yet to
+arrive) is left to the model's other inputs and its memory. `sla_level` gave its slot:
+the score that decides victims already counts it (`rank_share`, `queue_share`)."""
+
+FORECAST_DOCS: dict[str, str] = {
+    **{name: SCALE_FREE_DOCS[name] for name in SCALE_FREE_NAMES if name != "sla_level"},
+    "forecast_lead": "1 / (engine steps until the forecast's fork preempts it), 0 if the fork does "
+    "not preempt it within the horizon (forked every FORECAST_EVERY_STEPS feature steps, and at once "
+    "on an arrival or a finish before max_tokens)",
+}
+
+FORECAST_EVERY_STEPS = 4
+"""The `forecast` set forks every this many feature steps (and at once on news): part of
+the set's definition, so a checkpoint's inputs mean the same online (the `forecast_k4`
+early-save arm's cadence: 0.27 forks a step on azure-conv, docs/predictor.md)."""
+
+FEATURE_SETS: dict[str, tuple[str, ...]] = {
+    "v1": FEATURE_NAMES,
+    "scale_free": SCALE_FREE_NAMES,
+    "forecast": FORECAST_NAMES,
+}
 """Feature sets by name; a checkpoint records the one it was trained on, and the online
 predictor refuses another."""
+FEATURE_SET_DOCS: dict[str, dict[str, str]] = {
+    "v1": FEATURE_DOCS,
+    "scale_free": SCALE_FREE_DOCS,
+    "forecast": FORECAST_DOCS,
+}
 _NEED_CAP = 10.0
 
 
@@ -228,3 +260,41 @@ def engine_features(view: EngineView, feature_set: str = "v1") -> np.ndarray:
         return scale_free_features(*args, view.block_size, view.max_num_seqs, view.config.preemption)
     args = (view.running, waiting, now, view.num_free_blocks, view.num_blocks)
     return compute_features(*args, view.config.preemption)
+
+
+class Features:
+    """The features (`feature_set`) of one engine's running requests, step after step: what
+    the feature logger records and what the `lstm` early-save policy decides on. The
+    `v1` and `scale_free` sets read the view alone (`engine_features`); `forecast` also
+    keeps a fork's forecast current (`RollingForecast`, over the labels' horizon), so one
+    instance serves one run. Virtual clock only for `forecast` (a fork cannot replay
+    real time)."""
+
+    def __init__(self, feature_set: str = "v1", horizon_ms: float = 50.0, horizon_steps: int = 0) -> None:
+        if feature_set not in FEATURE_SETS:
+            raise ValueError(f"feature_set must be one of {sorted(FEATURE_SETS)}, got '{feature_set}'")
+        self.feature_set = feature_set
+        self.rolling = None
+        if feature_set == "forecast":
+            from preempt.engine.lookahead import Lookahead, RollingForecast
+
+            lookahead = Lookahead(horizon_ms, horizon_steps, knows_future=False)
+            self.rolling = RollingForecast(lookahead, FORECAST_EVERY_STEPS)
+
+    def __call__(self, view: EngineView) -> np.ndarray:
+        """(R, 8) float32 for `view.running`, in FEATURE_SETS[feature_set] order."""
+        if self.rolling is None:
+            return engine_features(view, self.feature_set)
+        out = engine_features(view, "scale_free")
+        self.rolling.update(view)
+        num_steps = view.num_steps
+        column = FORECAST_NAMES.index("forecast_lead")
+        for row, request in enumerate(view.running):
+            steps = self.rolling.steps_until(request.request_id, num_steps)
+            out[row, column] = 0.0 if steps is None else 1.0 / steps
+        return out
+
+    def note_finished(self, requests: Sequence[Request]) -> None:
+        """These requests left for good (finished or aborted): news for the forecast."""
+        if self.rolling is not None:
+            self.rolling.note_finished(requests)

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
+    from preempt.core.request import Request
     from preempt.engine.step import EngineView
 
 
@@ -121,3 +123,54 @@ class Lookahead:
             for rid, (dt, steps) in forecast.preempted.items()
             if dt <= self.horizon_s + 1e-9 or steps <= self.horizon_steps
         }
+
+
+class RollingForecast:
+    """A `Lookahead`'s forecast kept current along a run: forked again at every
+    `every_steps`-th call of `update` (its callers call it after each step that ran
+    something), and, for a forecast (`knows_future=False`), at once on news its last fork could not know: a request arrived, or one ended before its
+    `max_tokens` (the fork ran every request to max_tokens). Until such news the
+    scheduler follows the fork step for step, so its picks stand in between.
+
+    Read by the `lookahead` / `forecast` early-save policies (`chosen`) and by the
+    `forecast` feature set (`steps_until`)."""
+
+    def __init__(self, lookahead: Lookahead, every_steps: int = 1) -> None:
+        if every_steps < 1:
+            raise ValueError(f"every_steps must be >= 1, got {every_steps}")
+        self.lookahead = lookahead
+        self.every_steps = every_steps
+        self.chosen: set[int] = set()  # preempted within the horizon by the last fork
+        self._preempted_at: dict[int, int] = {}  # their engine step (the schedule that preempts)
+        self._calls_since_fork: int | None = None  # None: never forked
+        self._num_arrived = 0
+        self._news = False
+
+    def note_finished(self, requests: Iterable[Request]) -> None:
+        """These requests left for good; one that ended before its `max_tokens` is news."""
+        if not self.lookahead.knows_future:
+            self._news |= any(r.num_output_tokens < r.max_tokens for r in requests)
+
+    def update(self, view: EngineView) -> None:
+        """Fork again if this is the `every_steps`-th call since the last fork, or on news."""
+        if not self.lookahead.knows_future and view.num_arrived != self._num_arrived:
+            self._news = True
+        if self._calls_since_fork is not None:
+            self._calls_since_fork += 1
+            if self._calls_since_fork < self.every_steps and not self._news:
+                return
+        forecast = self.lookahead.forecast(view)
+        self.chosen = self.lookahead.within(forecast)
+        # steps ahead k: the preemption is decided by the schedule of engine step n + k.
+        self._preempted_at = {rid: view.num_steps + forecast.preempted[rid][1] for rid in self.chosen}
+        self._calls_since_fork = 0
+        self._num_arrived = view.num_arrived
+        self._news = False
+
+    def steps_until(self, request_id: int, num_steps: int) -> int | None:
+        """Engine steps from step `num_steps` until the last fork preempts this request;
+        None when the fork does not preempt it within the horizon, or did so at a step
+        already run (the request was preempted then and is back, or the fork was wrong:
+        either way it says nothing of what comes)."""
+        at = self._preempted_at.get(request_id)
+        return None if at is None or at <= num_steps else at - num_steps

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from preempt.engine.features import FEATURE_DOCS, FEATURE_SETS, NUM_FEATURES, SCALE_FREE_DOCS, engine_features
+from preempt.engine.features import FEATURE_SET_DOCS, FEATURE_SETS, NUM_FEATURES, Features
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -61,7 +61,8 @@ class FeatureConfig:
     """... or within this many engine steps, whichever reaches further (0: time only). With
     long prompts one step can outlast any fixed time horizon."""
     feature_set: str = "v1"
-    """`v1` (FEATURE_NAMES) or `scale_free` (SCALE_FREE_NAMES)."""
+    """`v1` (FEATURE_NAMES), `scale_free` (SCALE_FREE_NAMES) or `forecast` (FORECAST_NAMES:
+    forks the engine, virtual clock only); preempt.engine.features.FEATURE_SETS."""
 
     def __post_init__(self) -> None:
         if self.every_k_steps < 1:
@@ -100,6 +101,8 @@ class FeatureLogger:
 
     def __init__(self, config: FeatureConfig | None = None) -> None:
         self.config = config or FeatureConfig()
+        config = self.config
+        self.source = Features(config.feature_set, config.horizon_ms, config.horizon_steps)
         self._request_ids: list[np.ndarray] = []
         self._steps: list[int] = []
         self._counts: list[int] = []
@@ -113,6 +116,8 @@ class FeatureLogger:
         return sum(self._counts)
 
     def __call__(self, view: EngineView, output: StepOutput) -> None:
+        if output.finished:
+            self.source.note_finished(output.finished)
         if not output.scheduled.chunks:
             return
         self._step_ends.append(view.now)
@@ -122,7 +127,7 @@ class FeatureLogger:
         if not running:
             return
         now = view.now
-        features = engine_features(view, self.config.feature_set)
+        features = self.source(view)
         self._num_tokens.append(np.fromiter((r.num_computed_tokens for r in running), np.int64, len(running)))
         self._request_ids.append(np.fromiter((r.request_id for r in running), np.int64, len(running)))
         self._steps.append(view.num_steps)
@@ -237,7 +242,7 @@ def build_dataset(columns: dict[str, np.ndarray], info: dict[str, Any]) -> Datas
     data["seed"] = np.full(num_rows, int(info.get("seed", 0)), dtype=np.int64)
     feature_set = info.get("feature_set", "v1")
     names = FEATURE_SETS[feature_set]
-    docs = SCALE_FREE_DOCS if feature_set == "scale_free" else FEATURE_DOCS
+    docs = FEATURE_SET_DOCS[feature_set]
     meta = {"feature_names": list(names), "feature_docs": docs, **info}
     ds_info = datasets.DatasetInfo(description=json.dumps(meta), features=features)
     # Arrow takes (N, 8) float32 as a fixed-size list column without a Python loop, and

@@ -226,3 +226,81 @@ def _run_policy(policy):
 def test_the_lookahead_needs_the_virtual_clock(policy):
     with pytest.raises(ConfigError, match="virtual"):
         small_config(clock={"kind": "wall"}, preemption={"mode": "swap"}, early_save={"policy": policy})
+
+
+def test_the_forecast_feature_is_the_forks_lead_and_the_rest_is_scale_free():
+    """The `forecast` set: 7 columns as `scale_free`, and in sla_level's slot 1/k where
+    the last fork preempts the request k steps ahead. Checked against the live run
+    (which, without early saves, follows the fork until a request arrives): a lead of
+    1/k is a preemption k steps later unless an arrival came first, and right after each
+    fork every live preemption within the step horizon with no arrival first has its
+    lead. Computing the set leaves the run untouched."""
+    from preempt.engine.features import FORECAST_NAMES, SCALE_FREE_NAMES, Features, engine_features
+
+    slot = FORECAST_NAMES.index("forecast_lead")
+    assert slot == SCALE_FREE_NAMES.index("sla_level")
+    engine = Engine(_config("null"))
+    features = Features("forecast", horizon_ms=15.0, horizon_steps=3)
+    calls = []
+
+    def hook(engine):
+        view = engine.view
+        if not view.running:
+            return
+        forks = features.rolling.lookahead.num_forks
+        out = features(view)
+        plain = engine_features(view, "scale_free")
+        np.testing.assert_array_equal(np.delete(out, slot, axis=1), np.delete(plain, slot, axis=1))
+        forked = features.rolling.lookahead.num_forks > forks
+        leads = {r.request_id: float(out[i, slot]) for i, r in enumerate(view.running)}
+        calls.append((view.num_steps, view.now, forked, leads))
+
+    requests = _workload()
+    traced = _trace(engine, requests, hook=hook)
+    assert traced == _trace(Engine(_config("null")), _workload())
+    step_end = {n: t for n, t, _, _ in calls}
+    arrivals = np.asarray(sorted(r.arrival_s for r in requests))
+    events = preemption_events(engine.scheduler.records)
+
+    def live_steps_ahead(rid, n, t_n):
+        """k: the live run preempts `rid` at the schedule of step n + k (None: never again)."""
+        later = events.get(rid, np.zeros(0))
+        later = later[later >= t_n - 1e-12]
+        if not len(later):
+            return None
+        return 1 + sum(1 for m, t in step_end.items() if m > n and t_n + 1e-12 < t <= later[0] + 1e-12)
+
+    def quiet(n, k, t_n):
+        """No request arrived from step n's end to step n + k's."""
+        until = step_end.get(n + k, np.inf)
+        return not np.any((arrivals > t_n + 1e-12) & (arrivals <= until + 1e-12))
+
+    warned = told = 0
+    for n, t_n, forked, leads in calls:
+        for rid, lead in leads.items():
+            if lead > 0:
+                k = round(1 / lead)
+                assert lead == pytest.approx(1 / k)
+                if quiet(n, k, t_n):
+                    assert live_steps_ahead(rid, n, t_n) == k, (n, rid)
+                    warned += 1
+            elif forked:
+                k = live_steps_ahead(rid, n, t_n)
+                assert k is None or k > 3 or not quiet(n, k, t_n), (n, rid)
+        told += forked
+    assert warned >= 10 and told > len(calls) / 4  # reforked on arrivals beyond every 4th call
+
+
+def test_the_forecast_feature_set_needs_the_virtual_clock(tmp_path, capsys):
+    from preempt.cli import main
+
+    with pytest.raises(ConfigError, match="feature_set 'forecast'.*virtual"):
+        small_config(
+            clock={"kind": "wall"},
+            preemption={"mode": "swap"},
+            early_save={"policy": "lstm", "checkpoint": "x.ckpt", "feature_set": "forecast"},
+        )
+    args = ["collect", "--out", str(tmp_path / "r"), "--features", str(tmp_path / "f"), "--no-progress"]
+    args += ["--set", "features.feature_set=forecast", "--set", "clock.kind=wall"]
+    assert main(args) == 2
+    assert "features.feature_set" in capsys.readouterr().err

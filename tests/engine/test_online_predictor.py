@@ -218,7 +218,7 @@ def test_a_checkpoint_for_another_horizon_feature_set_or_stride_is_refused_onlin
     from preempt.engine.features import SCALE_FREE_NAMES
 
     path = str(trained[0])
-    assert make_policy(EarlySaveConfig(policy="lstm", checkpoint=path)).feature_set == "v1"  # as trained
+    assert make_policy(EarlySaveConfig(policy="lstm", checkpoint=path)).features.feature_set == "v1"  # as trained
     trained_for = "trained for horizon_ms=50, horizon_steps=0, feature_set=v1, every_k_steps=1"
     for wrong in (
         {"horizon_ms": 100.0},
@@ -248,7 +248,7 @@ def test_a_checkpoint_for_another_horizon_feature_set_or_stride_is_refused_onlin
             policy="lstm", checkpoint=str(other), horizon_steps=4, feature_set="scale_free", every_k_steps=8
         )
     )
-    assert policy.feature_set == "scale_free" and policy.every_k_steps == 8
+    assert policy.features.feature_set == "scale_free" and policy.every_k_steps == 8
     # The same set name with other columns (scale_free before `headroom`): refused by name.
     old_names = [*SCALE_FREE_NAMES[:-1], "free_kv_fraction"]
     hparams.update(feature_names=old_names, every_k_steps=1)
@@ -290,3 +290,48 @@ def test_a_waste_cap_moves_the_online_threshold_and_changes_no_output(trained, t
     _store_threshold(never, float("inf"))
     with pytest.raises(ConfigError, match="early_save.waste_cap.*never warns.*early_save.threshold"):
         make_policy(EarlySaveConfig(policy="lstm", checkpoint=str(never), waste_cap=0.3))
+
+
+def test_the_forecast_set_online_is_the_set_it_was_trained_on(tmp_path):
+    """Train/serve consistency for the stateful `forecast` set: the features the `lstm`
+    policy computes online (its own fork, its own news) equal the rows the feature
+    logger wrote for the same run, step for step (a threshold no p reaches keeps the
+    live timeline the logged one's)."""
+    from preempt.core.config import EngineConfig
+    from preempt.engine.engine import Engine
+    from preempt.obs.dataset import FeatureConfig, FeatureLogger, save_dataset
+    from tests.engine.test_lookahead import _config, _loose_workload
+
+    horizon = {"horizon_ms": 15.0, "horizon_steps": 3}
+    engine = Engine(_config("null"))
+    logger = FeatureLogger(FeatureConfig(feature_set="forecast", **horizon))
+    engine.run(_loose_workload(), on_step=lambda output: logger(engine.view, output))
+    columns = logger.columns(engine.scheduler.records)
+    info = {"trace": "test", "seed": 0, **logger.config.meta()}
+    save_dataset(columns, info, tmp_path / "features")
+    config = TrainConfig(max_epochs=1, batch_size=256, seq_len=8, wandb="disabled", progress=False)
+    train(tmp_path / "features", tmp_path / "train", config)
+
+    early = {"policy": "lstm", "checkpoint": str(tmp_path / "train" / "predictor.ckpt")}
+    early |= {"feature_set": "forecast", "threshold": 1 - 1e-12, **horizon}
+    engine = Engine(EngineConfig.model_validate(_config("null").model_dump() | {"early_save": early}))
+    policy = engine.early_saver.policy
+    online = []
+    select = policy.select
+
+    def watching(running, features, now):
+        online.append(([r.request_id for r in running], features.copy()))
+        return select(running, features, now)
+
+    policy.select = watching
+    engine.run(_loose_workload())
+    assert engine.saver.early.num_early_saves == 0
+    ids = np.concatenate([np.asarray(i) for i, _ in online])
+    features = np.concatenate([f for _, f in online])
+    np.testing.assert_array_equal(ids, columns["request_id"])
+    np.testing.assert_array_equal(features, columns["features"])
+    lead = columns["features"][:, 4]
+    assert np.count_nonzero(lead) >= 10
+    # The same forks, so the same news (here every finish is early: max_tokens is loose).
+    forks = policy.features.rolling.lookahead.num_forks
+    assert forks == logger.source.rolling.lookahead.num_forks and forks > 10
