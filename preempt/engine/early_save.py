@@ -313,7 +313,8 @@ class EarlySaver:
         self.policy.prepare(view)
         policy = self.policy
         source = policy.features
-        features = source(view) if source is not None and getattr(policy, "needs_features_now", True) else None
+        needs = source is not None and getattr(policy, "needs_features_now", True)
+        features = source(view) if needs else None
         chosen = self.policy.select(running, features, now)
         self.num_selected += len(chosen)
         self.chosen_ids = frozenset(request.request_id for request in chosen)

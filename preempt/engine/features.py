@@ -3,9 +3,10 @@
 Owns: the 8 features of each running request at a step (`FEATURE_NAMES`, documented in
 `FEATURE_DOCS`; the `scale_free` and `forecast` sets beside them) and how they are
 computed from the engine's state after a step (`engine_features` for the stateless sets;
-`Features` for any set along a run, keeping the `forecast` set's fork current). Read online by the early-save policies
-and logged offline into the predictor's training set (`preempt.obs.dataset`, which also
-computes the labels: the only place the future enters).
+`Features` for any set along a run, keeping the `forecast` set's fork current). Read
+online by the early-save policies and logged offline into the predictor's training set
+(`preempt.obs.dataset`, which also computes the labels: the only place the future
+enters).
 
 Feature choice: docs/design.md §8's "past preemptions, sequence length, slice usage, ..." plus what
 decides who is preempted. The victim of both triggers is the lowest-scored running

@@ -128,7 +128,8 @@ class Lookahead:
 class RollingForecast:
     """A `Lookahead`'s forecast kept current along a run: forked again at every
     `every_steps`-th call of `update` (its callers call it after each step that ran
-    something), and, for a forecast (`knows_future=False`), at once on news its last fork could not know: a request arrived, or one ended before its
+    something they decide on), and, for a forecast (`knows_future=False`), at once on
+    news its last fork could not know: a request arrived, or one ended before its
     `max_tokens` (the fork ran every request to max_tokens). Until such news the
     scheduler follows the fork step for step, so its picks stand in between.
 

@@ -218,7 +218,8 @@ def test_a_checkpoint_for_another_horizon_feature_set_or_stride_is_refused_onlin
     from preempt.engine.features import SCALE_FREE_NAMES
 
     path = str(trained[0])
-    assert make_policy(EarlySaveConfig(policy="lstm", checkpoint=path)).features.feature_set == "v1"  # as trained
+    policy = make_policy(EarlySaveConfig(policy="lstm", checkpoint=path))
+    assert policy.features.feature_set == "v1"  # as trained
     trained_for = "trained for horizon_ms=50, horizon_steps=0, feature_set=v1, every_k_steps=1"
     for wrong in (
         {"horizon_ms": 100.0},
