@@ -46,7 +46,14 @@ TRACE_WINDOWS_S: dict[str, tuple[float, ...]] = {
 """`--windows --trace T`: each trace's held-out windows (collect.yaml's workload otherwise)."""
 
 
-def bench_early_windows(quick: bool, models: list[str], trace: str = "azure-conv") -> dict[str, Any]:
+WINDOW_ARMS = ("lookahead", *FORECAST_ARMS, *LSTM_ARMS)
+"""The arms `--windows` runs beside the synchronous `none` baseline (always run); `--arms`
+picks a subset (the oracle only in swap)."""
+
+
+def bench_early_windows(
+    quick: bool, models: list[str], trace: str = "azure-conv", arms: list[str] | None = None
+) -> dict[str, Any]:
     """`preempt bench early --windows`: the async-restore arms on every held-out window
     (`HELD_OUT_WINDOWS_S`), so the targets are judged by intervals, not one window. Per
     window and mode: `none` with synchronous restores (the baseline of `stall_hidden`),
@@ -57,10 +64,15 @@ def bench_early_windows(quick: bool, models: list[str], trace: str = "azure-conv
     over windows (of the mean over checkpoints) of `stall_hidden` and `waste_share`, with
     95% Student-t intervals over windows, the oracle's lead over the arm paired by
     window, and verdicts against the targets (hidden >= 0.80, waste <= 0.30, within 0.10
-    of the oracle): held / did not hold only when the interval says so."""
+    of the oracle): held / did not hold only when the interval says so. `arms`: a subset of
+    `WINDOW_ARMS` (None: all)."""
 
     if trace not in TRACE_WINDOWS_S:
         raise ValueError(f"--trace must be one of {', '.join(TRACE_WINDOWS_S)}; got '{trace}'")
+    chosen = WINDOW_ARMS if arms is None else tuple(arms)
+    unknown = [arm for arm in chosen if arm not in WINDOW_ARMS]
+    if unknown or not chosen:
+        raise ValueError(f"--arms: choose from {', '.join(WINDOW_ARMS)}; got '{','.join(chosen)}'")
     horizons = {tuple(horizon_of(model)) for model in models}
     if len(horizons) != 1:
         raise ValueError("--windows: every checkpoint must share one horizon, feature set and stride")
@@ -78,11 +90,11 @@ def bench_early_windows(quick: bool, models: list[str], trace: str = "azure-conv
             for mode in ASYNC_MODES:
                 base = run(mode, "none", None, start, async_restore=False)
                 arms: dict[str, Any] = {"none_sync": base}
-                if mode == "swap":
+                if mode == "swap" and "lookahead" in chosen:
                     arms["lookahead"] = run(mode, "lookahead", None, start)
-                for arm in FORECAST_ARMS:
+                for arm in (a for a in FORECAST_ARMS if a in chosen):
                     arms[arm] = run(mode, arm, None, start)
-                for arm in LSTM_ARMS:
+                for arm in (a for a in LSTM_ARMS if a in chosen):
                     arms[arm] = [run(mode, arm, model, start) for model in models]
                 for arm, row in arms.items():
                     for one in row if isinstance(row, list) else [row]:
@@ -93,6 +105,7 @@ def bench_early_windows(quick: bool, models: list[str], trace: str = "azure-conv
     return {
         "workload": f"{COLLECT.name}, {duration} s windows of {trace} from {list(windows)} s",
         "models": models,
+        "arms": list(chosen),
         "waste_cap_setpoint": WASTE_CAP_SETPOINT,
         "horizon": horizon,
         "windows": rows,
@@ -134,7 +147,7 @@ def summarize_windows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for mode in dict.fromkeys(row["mode"] for row in rows):
         of_mode = [row for row in rows if row["mode"] == mode]
         summary[mode] = {}
-        for arm in ("lookahead", *FORECAST_ARMS, *LSTM_ARMS):
+        for arm in WINDOW_ARMS:
             if arm not in of_mode[0]["arms"]:
                 continue
             hidden = [mean_of(row, arm, "stall_hidden") for row in of_mode]

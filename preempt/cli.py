@@ -361,9 +361,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    if args.trace is not None and not args.windows:
-        print("preempt: error: --trace applies to `bench early --windows` only", file=sys.stderr)
-        return 2
+    for flag, value in (("trace", args.trace), ("arms", args.arms)):
+        if value is not None and not args.windows:
+            print(f"preempt: error: --{flag} applies to `bench early --windows` only", file=sys.stderr)
+            return 2
     if args.windows and "model" not in options:
         print(
             "preempt: error: --windows needs --model (predictor checkpoints, comma-separated)",
@@ -383,7 +384,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.windows:  # experiments/ judges the windows by intervals
             from experiments.early_windows import bench_early_windows
 
-            result: dict[str, Any] = bench_early_windows(args.quick, models, args.trace or "azure-conv")
+            arms = args.arms.split(",") if args.arms is not None else None
+            try:
+                result: dict[str, Any] = bench_early_windows(
+                    args.quick, models, args.trace or "azure-conv", arms
+                )
+            except ValueError as err:  # --arms names an arm it does not run
+                print(f"preempt: error: {err}", file=sys.stderr)
+                return 2
         else:
             result = BENCHMARKS[args.name](args.quick, **options)
     except PeerError as err:  # bench vllm: no peer virtualenv, or it failed
@@ -660,6 +668,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace",
         choices=["azure-code", "azure-conv"],
         help="early --windows: the trace whose held-out windows are replayed (default azure-conv)",
+    )
+    bench.add_argument(
+        "--arms",
+        help="early --windows: the arms to run beside the synchronous none baseline, comma-separated "
+        "(lookahead, forecast, forecast_k4, lstm, lstm_capped; default all)",
     )
     bench.add_argument(
         "--no-served-speed",

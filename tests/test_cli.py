@@ -125,6 +125,8 @@ def test_swap_runs_are_reproducible_too(tmp_path):
         (["bench", "early", "--windows"], "--windows needs --model"),
         (["bench", "early", "--trace", "azure-code"], "--trace applies to `bench early --windows` only"),
         (["bench", "early", "--windows", "--trace", "mooncake"], "invalid choice"),
+        (["bench", "early", "--arms", "lstm"], "--arms applies to `bench early --windows` only"),
+        (["bench", "early", "--windows", "--model", __file__, "--arms", "rule"], "--arms: choose from"),
         # every checkpoint of the list is checked (this file exists; b.ckpt does not)
         (["bench", "early", "--windows", "--model", f"{__file__},b.ckpt"], "--model: no such file: b.ckpt"),
         (["train", "--data", "d", "--out", "o", "--max-waste-share", "1.5"], "--max-waste-share"),

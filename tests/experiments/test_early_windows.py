@@ -66,3 +66,26 @@ def test_the_cli_offers_exactly_the_traces_with_held_out_windows():
     bench = build_parser()._subparsers._group_actions[0].choices["bench"]
     (trace,) = [action for action in bench._actions if action.dest == "trace"]
     assert sorted(trace.choices) == sorted(TRACE_WINDOWS_S)
+
+
+def test_arms_picks_what_runs_and_what_is_judged(monkeypatch):
+    """`--arms lookahead,lstm`: per window the synchronous `none`, the oracle in swap only,
+    and each checkpoint's `lstm`; nothing else runs, and the summary judges those."""
+    import experiments.early_windows as windows
+
+    ran = []
+
+    def fake_run(overrides, out_dir):
+        ran.append(out_dir.name)
+        return {"stall_total_s": 1.0 if out_dir.name == "none" else 0.5, "waste_share": 0.1}
+
+    monkeypatch.setattr(windows, "run_arm", fake_run)
+    monkeypatch.setattr(windows, "horizon_of", lambda model: ["early_save.horizon_ms=50.0"])
+    result = windows.bench_early_windows(True, ["a.ckpt", "b.ckpt"], arms=["lookahead", "lstm"])
+    # quick: two windows; swap: none, lookahead, lstm x 2; swap_zstd: none, lstm x 2
+    assert ran == ["none", "lookahead", "lstm", "lstm", "none", "lstm", "lstm"] * 2
+    assert set(result["summary"]["swap"]) == {"lookahead", "lstm"}
+    assert result["summary"]["swap"]["lstm"]["stall_hidden"]["mean"] == 0.5
+    assert set(result["summary"]["swap_zstd"]) == {"lstm"} and result["arms"] == ["lookahead", "lstm"]
+    with pytest.raises(ValueError, match="--arms: choose from lookahead, forecast"):
+        windows.bench_early_windows(True, ["a.ckpt"], arms=["lstm", "nope"])
