@@ -325,6 +325,9 @@ class EarlySaver:
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {"early_save_selected": self.num_selected}
         lookahead = getattr(self.policy, "lookahead", None)
+        source = self.policy.features
+        if lookahead is None and source is not None and source.rolling is not None:
+            lookahead = source.rolling.lookahead  # the `forecast` feature set's fork
         if lookahead is not None:  # what the fork costs: forks, steps simulated, wall time
             stats |= {
                 "lookahead_forks": lookahead.num_forks,

@@ -336,3 +336,4 @@ def test_the_forecast_set_online_is_the_set_it_was_trained_on(tmp_path):
     # The same forks, so the same news (here every finish is early: max_tokens is loose).
     forks = policy.features.rolling.lookahead.num_forks
     assert forks == logger.source.rolling.lookahead.num_forks and forks > 10
+    assert engine.stats()["lookahead_forks"] == forks  # the policy's cost is counted
