@@ -121,27 +121,26 @@ def summarize_windows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per mode and arm of `bench_early_windows`' rows: the mean over windows (of the mean
     over checkpoints for the LSTM arms) of `stall_hidden` and `waste_share`, each with its
     95% Student-t interval over windows; for the LSTM arms where the oracle ran, the
-    oracle's lead in `stall_hidden`, paired by window; a verdict per target (`TARGETS`):
-    'held' / 'did not hold' when the whole interval is on one side, else None."""
+    oracle's lead in `stall_hidden`, paired by window; where `forecast_k4` ran, each LSTM
+    arm minus it (hidden and waste, paired by window, no target); a verdict per target
+    (`TARGETS`): 'held' / 'did not hold' when the whole interval is on one side, else None."""
 
     def mean_of(row: dict[str, Any], arm: str, key: str) -> float:
         values = [r[key] for r in row["arms"][arm]] if arm in LSTM_ARMS else [row["arms"][arm][key]]
         values = [v for v in values if v is not None]
         return sum(values) / len(values) if values else math.nan
 
-    def judged(values: list[float], key: str, claimed: str) -> dict[str, Any]:
+    def interval(values: list[float]) -> dict[str, Any]:
         iv = t_interval(values)
         out: dict[str, Any] = {
             k: None if math.isnan(v) else round(v, 4)
             for k, v in (("mean", iv.mean), ("lo", iv.lo), ("hi", iv.hi))
         }
         # num_nan: windows left out (an arm that copied nothing early has no waste share)
-        return {
-            **out,
-            "n": iv.num,
-            "num_nan": iv.num_nan,
-            "verdict": compare(iv, TARGETS[key], claimed=claimed),
-        }
+        return {**out, "n": iv.num, "num_nan": iv.num_nan}
+
+    def judged(values: list[float], key: str, claimed: str) -> dict[str, Any]:
+        return {**interval(values), "verdict": compare(t_interval(values), TARGETS[key], claimed=claimed)}
 
     summary: dict[str, Any] = {}
     for mode in dict.fromkeys(row["mode"] for row in rows):
@@ -161,5 +160,14 @@ def summarize_windows(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 oracle = [mean_of(row, "lookahead", "stall_hidden") for row in of_mode]
                 lead = [o - h for o, h in zip(oracle, hidden, strict=True)]
                 entry["oracle_lead"] = judged(lead, "oracle_lead", "below")
+            if arm in LSTM_ARMS and "forecast_k4" in of_mode[0]["arms"]:
+                # What the learned model adds to the forecast it may read (no target):
+                # arm minus forecast_k4, paired by window.
+                entry["minus_forecast_k4"] = {
+                    key: interval(
+                        [mean_of(row, arm, key) - mean_of(row, "forecast_k4", key) for row in of_mode]
+                    )
+                    for key in ("stall_hidden", "waste_share")
+                }
             summary[mode][arm] = entry
     return summary

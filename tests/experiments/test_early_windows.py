@@ -24,6 +24,7 @@ def test_windows_summary_judges_each_target_by_its_interval():
                 "arms": {
                     "lookahead": arm(oracle, 0.02),
                     "forecast": arm(oracle - 0.03, 0.08),
+                    "forecast_k4": arm(0.85, 0.03),
                     "lstm": [arm(lstm_a, 0.40 + 0.01 * i), arm(lstm_b, 0.42)],
                     "lstm_capped": [arm(0.5 + 0.3 * (i % 2), 0.25), arm(0.6, 0.35)],
                 },
@@ -44,6 +45,10 @@ def test_windows_summary_judges_each_target_by_its_interval():
     lead = lstm["oracle_lead"]
     assert lead["mean"] == pytest.approx((0.08 + 0.08 + 0.10 + 0.09) / 4, abs=1e-4)
     assert lead["lo"] < 0.10 < lead["hi"] and lead["verdict"] is None  # straddles: inconclusive
+    added = lstm["minus_forecast_k4"]  # paired by window, no target
+    assert added["stall_hidden"]["mean"] == pytest.approx((0.89 + 0.88 + 0.88 + 0.88) / 4 - 0.85, abs=1e-4)
+    assert added["waste_share"]["mean"] == pytest.approx(0.4175 - 0.03, abs=1e-4)
+    assert "verdict" not in added["stall_hidden"] and "minus_forecast_k4" not in summary["swap"]["forecast"]
     assert summary["swap"]["lstm_capped"]["waste_share"]["mean"] == pytest.approx(0.30)
     assert summary["swap"]["lookahead"]["waste_share"]["verdict"] == "held"
     assert "oracle_lead" not in summary["swap"]["lookahead"]
