@@ -34,6 +34,7 @@ from preempt.core.request import Request
 from preempt.engine.priority import priority_scores, remaining_ktokens, time_slice_s
 
 if TYPE_CHECKING:
+    from preempt.engine.lookahead import RollingForecast
     from preempt.engine.step import EngineView
 
 FEATURE_NAMES: tuple[str, ...] = (
@@ -104,7 +105,8 @@ FORECAST_NAMES: tuple[str, ...] = tuple(
 """The `forecast` set: `scale_free` with `sla_level` replaced by what a fork of the engine
 that knows only the present (preempt.engine.lookahead, `knows_future=False`) says of the
 request. The scheduler is deterministic, so until a request arrives or ends early the
-fork's preemptions are the ones that happen; what it cannot see (challengers yet to
+fork's preemptions are the ones that happen (when collecting: online, the model's own
+early saves shift stalls, so less exactly); what it cannot see (challengers yet to
 arrive) is left to the model's other inputs and its memory. `sla_level` gave its slot:
 the score that decides victims already counts it (`rank_share`, `queue_share`)."""
 
@@ -116,9 +118,11 @@ FORECAST_DOCS: dict[str, str] = {
 }
 
 FORECAST_EVERY_STEPS = 4
-"""The `forecast` set forks every this many feature steps (and at once on news): part of
-the set's definition, so a checkpoint's inputs mean the same online (the `forecast_k4`
-early-save arm's cadence: 0.27 forks a step on azure-conv, docs/predictor.md)."""
+"""The `forecast` set forks every this many feature steps (engine steps x the stride
+`every_k_steps`) and at once on news. Part of the set's definition, and recorded nowhere
+else: checkpoints are checked by feature names, so changing it means a new set name, or
+old checkpoints would read another feature. (At stride 1, the cadence of `preempt bench
+early`'s `forecast_k4` arm: 0.27 forks a step on azure-conv, docs/predictor.md.)"""
 
 FEATURE_SETS: dict[str, tuple[str, ...]] = {
     "v1": FEATURE_NAMES,
@@ -275,7 +279,7 @@ class Features:
         if feature_set not in FEATURE_SETS:
             raise ValueError(f"feature_set must be one of {sorted(FEATURE_SETS)}, got '{feature_set}'")
         self.feature_set = feature_set
-        self.rolling = None
+        self.rolling: RollingForecast | None = None
         if feature_set == "forecast":
             from preempt.engine.lookahead import Lookahead, RollingForecast
 

@@ -130,8 +130,10 @@ class RollingForecast:
     `every_steps`-th call of `update` (its callers call it after each step that ran
     something they decide on), and, for a forecast (`knows_future=False`), at once on
     news its last fork could not know: a request arrived, or one ended before its
-    `max_tokens` (the fork ran every request to max_tokens). Until such news the
-    scheduler follows the fork step for step, so its picks stand in between.
+    `max_tokens` (the fork ran every request to max_tokens). Until such news, and
+    without early saves (whose copies shift stalls and so the virtual clock), the
+    scheduler follows the fork step for step, so its picks stand in between; the fork's
+    horizon starts at the fork, so calls after it see less of the horizon ahead.
 
     Read by the `lookahead` / `forecast` early-save policies (`chosen`) and by the
     `forecast` feature set (`steps_until`)."""

@@ -262,13 +262,15 @@ def test_the_forecast_feature_is_the_forks_lead_and_the_rest_is_scale_free():
     arrivals = np.asarray(sorted(r.arrival_s for r in requests))
     events = preemption_events(engine.scheduler.records)
 
-    def live_steps_ahead(rid, n, t_n):
-        """k: the live run preempts `rid` at the schedule of step n + k (None: never again)."""
+    def live_ahead(rid, n, t_n):
+        """(k, seconds): the live run preempts `rid` at the schedule of step n + k, that
+        long after step n ended ((None, inf): never again)."""
         later = events.get(rid, np.zeros(0))
         later = later[later >= t_n - 1e-12]
         if not len(later):
-            return None
-        return 1 + sum(1 for m, t in step_end.items() if m > n and t_n + 1e-12 < t <= later[0] + 1e-12)
+            return None, np.inf
+        k = 1 + sum(1 for m, t in step_end.items() if m > n and t_n + 1e-12 < t <= later[0] + 1e-12)
+        return k, later[0] - t_n
 
     def quiet(n, k, t_n):
         """No request arrived from step n's end to step n + k's."""
@@ -282,11 +284,11 @@ def test_the_forecast_feature_is_the_forks_lead_and_the_rest_is_scale_free():
                 k = round(1 / lead)
                 assert lead == pytest.approx(1 / k)
                 if quiet(n, k, t_n):
-                    assert live_steps_ahead(rid, n, t_n) == k, (n, rid)
+                    assert live_ahead(rid, n, t_n)[0] == k, (n, rid)
                     warned += 1
-            elif forked:
-                k = live_steps_ahead(rid, n, t_n)
-                assert k is None or k > 3 or not quiet(n, k, t_n), (n, rid)
+            elif forked:  # not preempted within the horizon (3 steps or 15 ms), or news came first
+                k, dt = live_ahead(rid, n, t_n)
+                assert k is None or (k > 3 and dt > 0.015 + 1e-9) or not quiet(n, k, t_n), (n, rid)
         told += forked
     assert warned >= 10 and told > len(calls) / 4  # reforked on arrivals beyond every 4th call
 
@@ -304,3 +306,37 @@ def test_the_forecast_feature_set_needs_the_virtual_clock(tmp_path, capsys):
     args += ["--set", "features.feature_set=forecast", "--set", "clock.kind=wall"]
     assert main(args) == 2
     assert "features.feature_set" in capsys.readouterr().err
+
+
+def test_rolling_forecast_forks_every_n_calls_and_at_once_on_news():
+    """The cadence alone, on a stand-in lookahead: forks at the 1st call and every 4th
+    after; for a forecast also at the call after an arrival or a finish short of its
+    max_tokens (a full-length finish is no news), and the count restarts there. The
+    oracle (it knew the future) takes neither as news."""
+    from types import SimpleNamespace
+
+    from preempt.engine.lookahead import Forecast, RollingForecast
+
+    def run(knows_future, events):
+        forks = []
+        stand_in = SimpleNamespace(knows_future=knows_future)
+        stand_in.forecast = lambda view: forks.append(view.num_steps) or Forecast({7: (0.0, 2)}, 2, 0.0)
+        stand_in.within = lambda forecast: set(forecast.preempted)
+        rolling = RollingForecast(stand_in, every_steps=4)
+        arrived = 0
+        for call in range(1, 13):
+            arrived += events.get(call) == "arrival"
+            if events.get(call) in ("short", "full"):
+                output = 10 if events[call] == "short" else 20
+                rolling.note_finished([SimpleNamespace(num_output_tokens=output, max_tokens=20)])
+            rolling.update(SimpleNamespace(num_arrived=arrived, num_steps=call))
+        return forks, rolling
+
+    assert run(False, {})[0] == [1, 5, 9]
+    assert run(False, {3: "arrival"})[0] == [1, 3, 7, 11]
+    assert run(False, {6: "short", 10: "full"})[0] == [1, 5, 6, 10]
+    assert run(True, {3: "arrival", 6: "short"})[0] == [1, 5, 9]
+    _, rolling = run(False, {})  # last fork at call 9: request 7 preempted at step 11
+    assert rolling.chosen == {7}
+    assert [rolling.steps_until(7, n) for n in (9, 10, 11)] == [2, 1, None]
+    assert rolling.steps_until(8, 9) is None
