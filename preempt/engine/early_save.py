@@ -46,6 +46,7 @@ from preempt.engine.features import FEATURE_NAMES, Features
 from preempt.kv.record import is_preemption
 
 if TYPE_CHECKING:
+    from preempt.engine.lookahead import Lookahead
     from preempt.engine.step import EngineView, StepOutput
 
 # The rule fires when free KV falls under this share (a memory preemption is near).
@@ -58,6 +59,13 @@ class EarlySavePolicy(ABC):
     reads none, and is passed None)."""
 
     features: Features | None = None
+
+    @property
+    def lookahead(self) -> Lookahead | None:
+        """The engine fork this policy pays for, if any (its cost goes into the stats):
+        by default the `forecast` feature set's."""
+        source = self.features
+        return source.rolling.lookahead if source is not None and source.rolling is not None else None
 
     @abstractmethod
     def select(
@@ -237,8 +245,11 @@ class LookaheadPolicy(EarlySavePolicy):
     ) -> None:
         from preempt.engine.lookahead import Lookahead, RollingForecast
 
-        self.lookahead = Lookahead(horizon_ms, horizon_steps, knows_future)
-        self.rolling = RollingForecast(self.lookahead, every_steps)
+        self.rolling = RollingForecast(Lookahead(horizon_ms, horizon_steps, knows_future), every_steps)
+
+    @property
+    def lookahead(self) -> Lookahead:
+        return self.rolling.lookahead
 
     def forget(self, requests: Sequence[Request]) -> None:
         self.rolling.note_finished(requests)
@@ -324,10 +335,7 @@ class EarlySaver:
 
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {"early_save_selected": self.num_selected}
-        lookahead = getattr(self.policy, "lookahead", None)
-        source = self.policy.features
-        if lookahead is None and source is not None and source.rolling is not None:
-            lookahead = source.rolling.lookahead  # the `forecast` feature set's fork
+        lookahead = self.policy.lookahead
         if lookahead is not None:  # what the fork costs: forks, steps simulated, wall time
             stats |= {
                 "lookahead_forks": lookahead.num_forks,

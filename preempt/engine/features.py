@@ -110,6 +110,8 @@ early saves shift stalls, so less exactly); what it cannot see (challengers yet 
 arrive) is left to the model's other inputs and its memory. `sla_level` gave its slot:
 the score that decides victims already counts it (`rank_share`, `queue_share`)."""
 
+_FORECAST_LEAD = FORECAST_NAMES.index("forecast_lead")
+
 FORECAST_DOCS: dict[str, str] = {
     **{name: SCALE_FREE_DOCS[name] for name in SCALE_FREE_NAMES if name != "sla_level"},
     "forecast_lead": "1 / (engine steps until the forecast's fork preempts it), 0 if the fork does "
@@ -293,10 +295,9 @@ class Features:
         out = engine_features(view, "scale_free")
         self.rolling.update(view)
         num_steps = view.num_steps
-        column = FORECAST_NAMES.index("forecast_lead")
         for row, request in enumerate(view.running):
             steps = self.rolling.steps_until(request.request_id, num_steps)
-            out[row, column] = 0.0 if steps is None else 1.0 / steps
+            out[row, _FORECAST_LEAD] = 0.0 if steps is None else 1.0 / steps
         return out
 
     def note_finished(self, requests: Sequence[Request]) -> None:
