@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 from preempt.core.config import EngineConfig, build_config, load_config
 from preempt.core.workload import build_workload
 from preempt.engine.engine import Engine
+from preempt.engine.features import FORECAST_EVERY_STEPS
 from preempt.engine.step import StepOutput
 from preempt.obs.results import write_preemptions_parquet
 from preempt.replay import run_summary
@@ -103,8 +104,8 @@ ARMS = ("none", "prefetch", "rule", "lookahead", "forecast", "forecast_k4", "ora
 """`forecast`: the lookahead's fork knowing only the present (preempt.engine.lookahead), at
 every step; `forecast_k4` the same forked every `FORECAST_EVERY_STEPS` steps or at once on
 news (an arrival, a finish before max_tokens; its picks kept between), at a fraction of
-the forks (`forks_per_step`)."""
-FORECAST_EVERY_STEPS = 4
+the forks (`forks_per_step`); the `forecast` feature set's cadence, so `forecast_k4` is
+the forecast that set's LSTM reads."""
 LSTM_ARMS = ("lstm", "lstm_capped")
 """With a checkpoint: `lstm` at its val-chosen threshold, fixed; `lstm_capped` from the
 same threshold, moved online to hold the waste share at `WASTE_CAP_SETPOINT`."""
