@@ -22,6 +22,7 @@ Integers and fp16 it handles exactly, like the hardware.
 from __future__ import annotations
 
 import os
+import types
 
 import torch
 import triton
@@ -62,18 +63,66 @@ _INTERPRETED: dict[int, object] = {}
 
 def launchable(kernel: object, device: torch.device) -> object:
     """The kernel, ready to launch on `device`. Triton decides compiled vs interpreted when
-    a `@triton.jit` module is imported; a kernel imported before TRITON_INTERPRET=1 was
-    set is re-wrapped for the interpreter here so CPU tests do not depend on import order.
-    (Kernels must then not call other @triton.jit helpers: ours inline everything.)"""
+    a `@triton.jit` function is defined, so a kernel imported before TRITON_INTERPRET=1 was
+    set is re-made here for the interpreter, with every `@triton.jit` helper it reaches
+    re-made too (ours and triton.language's own, such as `tl.zeros`): CPU runs do not
+    depend on import order. The modules themselves are left as they are."""
     if device.type == "cuda" or not isinstance(kernel, triton.runtime.JITFunction):
         return kernel
     wrapped = _INTERPRETED.get(id(kernel))
     if wrapped is None:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        wrapped = InterpretedFunction(kernel.fn)
+        wrapped = _interpreted(kernel, {})
         _INTERPRETED[id(kernel)] = wrapped
     return wrapped
+
+
+# What a twin must still see for the interpreter to patch triton.language's builtins while
+# it runs (`_patch_lang` looks for the real modules among the function's globals).
+_LANGUAGE = {"_interpreter_tl": tl, "_interpreter_tl_core": tl.core}
+_TWINNED_PACKAGES = (f"{__package__}.", "triton.language")
+
+
+def _interpreted(jit_fn: triton.runtime.JITFunction, memo: dict[int, object]) -> object:
+    """An interpreter twin of `jit_fn`: its Python function over a copy of its module's
+    globals in which `@triton.jit` functions, and modules holding them, are twins too
+    (`memo`: id -> twin, so shared helpers, and recursion, resolve to one twin)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    twin = memo.get(id(jit_fn))
+    if twin is None:
+        fn = jit_fn.fn
+        twin_fn = types.FunctionType(
+            fn.__code__, _twin_globals(fn.__globals__, memo), fn.__name__, fn.__defaults__, fn.__closure__
+        )
+        twin_fn.__kwdefaults__ = fn.__kwdefaults__
+        twin = memo[id(jit_fn)] = InterpretedFunction(twin_fn)
+    return twin
+
+
+def _twin_globals(namespace: dict[str, object], memo: dict[int, object]) -> dict[str, object]:
+    twin = memo.get(id(namespace))
+    if twin is None:
+        twin = memo[id(namespace)] = dict(namespace)  # stored first: helpers of this module find it
+        twin.update(_LANGUAGE)
+        for name, value in namespace.items():
+            if isinstance(value, triton.runtime.JITFunction):
+                twin[name] = _interpreted(value, memo)
+            elif isinstance(value, types.ModuleType) and value.__name__.startswith(_TWINNED_PACKAGES):
+                twin[name] = _twin_module(value, memo)
+    return twin  # type: ignore[return-value]
+
+
+def _twin_module(module: types.ModuleType, memo: dict[int, object]) -> types.ModuleType:
+    """A stand-in for `module` whose `@triton.jit` functions are twins; every other name
+    is looked up on the module itself when used (so the interpreter's patches apply)."""
+    twin = memo.get(id(module))
+    if twin is None:
+        twin = memo[id(module)] = types.ModuleType(module.__name__)
+        twin.__getattr__ = lambda name: getattr(module, name)  # PEP 562: names not set here
+        for name, value in vars(module).items():
+            if isinstance(value, triton.runtime.JITFunction):
+                setattr(twin, name, _interpreted(value, memo))
+    return twin  # type: ignore[return-value]
 
 
 def storage_view(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:

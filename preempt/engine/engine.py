@@ -150,10 +150,13 @@ class Engine:
         self.num_steps += 1
         finished = self.scheduler.update_from_output(scheduled, step_s, next_tokens, self.clock.now())
         output = StepOutput(scheduled, finished, step_s, stall_s)
-        if self.early_saver is not None:
-            self.early_saver(self.view, output)
+        # The prefetcher first: it takes free blocks for the next admissions' copy-ins, and
+        # the early saver (the `lstm` policy's features, the lookahead forks) must read the
+        # state the feature logger (an `on_step` hook, after the step) trains on.
         if self.prefetcher is not None:
             self.prefetcher(self.view, output)
+        if self.early_saver is not None:
+            self.early_saver(self.view, output)
         return output
 
     def fork(self) -> Engine:

@@ -1,23 +1,18 @@
 """Kernel tests: the interpreter on CPU, compiled kernels on CUDA.
 
-Triton picks interpreted vs compiled when a `@triton.jit` module is imported, so
-TRITON_INTERPRET=1 is set here, before any test module imports `kernels.*` (CI exports
-it too). On a CUDA machine it is left unset: the `gpu` tests then run compiled kernels
-and the interpreter tests skip. `kernels.dispatch.launchable` also re-wraps a kernel
-imported before the variable was set, so import order cannot break the CPU run.
+The root conftest.py sets TRITON_INTERPRET=1 on a machine without CUDA before anything
+imports triton; on a CUDA machine it is left unset, so the `gpu` tests run compiled
+kernels and the interpreter tests skip. `kernels.dispatch.launchable` also re-makes a
+kernel (and its helpers) compiled before the variable was set, so a run that sets it late
+works too (tests/kernels/test_dispatch.py).
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from kernels.dispatch import interpreter_enabled  # noqa: E402  (after the environment is set)
+from kernels.dispatch import interpreter_enabled
 
 
 @pytest.fixture

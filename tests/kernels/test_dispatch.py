@@ -44,3 +44,28 @@ def test_a_kernel_compiled_before_the_interpreter_was_set_is_rewrapped(interp):
     x = torch.zeros(5, dtype=torch.int32)
     dispatch.launchable(compiled, interp)[(1,)](x, 5, BLOCK=8)
     assert x.tolist() == [1] * 5
+
+
+
+def test_every_kernel_works_after_an_import_before_the_interpreter_was_set():
+    """The order a user (or another test module) can make, in a fresh process: triton and
+    every kernel module imported in compiled mode, TRITON_INTERPRET=1 set only then. The
+    kernel tests still pass: the kernels and their `@triton.jit` helpers (ours, reached by
+    name and as `dispatch.bits_to_float32`, and triton.language's, such as `tl.zeros`) are
+    re-made for the interpreter."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    modules = sorted(p.stem for p in (here.parents[1] / "kernels").glob("*.py") if p.stem != "__init__")
+    script = (
+        "import os, sys, pytest\n"
+        + "".join(f"import kernels.{name}\n" for name in modules)
+        + "os.environ['TRITON_INTERPRET'] = '1'\n"
+        + f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '{here}', '--ignore', '{Path(__file__).resolve()}']))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]  # 5: no test ran
