@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gc
-
 import numpy as np
 import pytest
 
@@ -55,12 +53,3 @@ def no_wandb_network(monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _collect_garbage_between_modules():
-    """Engines sit in reference cycles, each holding a host pool (4 GB of address space by
-    default) until the collector runs: a module of engine tests leaves tens of GB mapped
-    (measured: up to 36 GB of VmData), and a fork then (Ray's processes, the vLLM peer)
-    fails with ENOMEM on a 24 GB machine. Collecting at each module's start bounds it."""
-    gc.collect()

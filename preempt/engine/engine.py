@@ -76,7 +76,6 @@ class Engine:
 
             self.prefetcher = Prefetcher(config.early_save)
         self.clock = make_clock(config.clock.kind)
-        self.view = EngineView(self)  # what the step hooks read
         self.num_steps = 0
         self.num_added = 0  # requests handed to add_request (the forecast's news of arrivals)
         self.stall_s = 0.0  # compute waiting for KV moves (saves' copy-out, restores)
@@ -195,10 +194,30 @@ class Engine:
         return stall_s
 
     def close(self) -> None:
-        """Stop background workers (the saver's thread on the wall clock)."""
+        """Stop background workers (the saver's threads on the wall clock) and free the
+        engine's memory: the host pool's buffer, the KV cache, the model's weights.
+        Idempotent; `stats()` and the records stay readable, stepping raises RuntimeError."""
         if self.saver is not None:
             self.saver.close()
             self.scheduler.settle_saves()  # the workers are done: every stored size is known
+        self.runner.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.runner.closed
+
+    @property
+    def view(self) -> EngineView:
+        """What the step hooks read: a new view each time (one small object). Not
+        kept: a view held by its engine would be a reference cycle, and an engine dropped
+        by its user would then keep its memory until the cyclic GC ran."""
+        return EngineView(self)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def stats(self) -> dict[str, float | int]:
         """Engine-level counters for summary.json and the server's metrics."""

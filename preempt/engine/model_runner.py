@@ -64,9 +64,19 @@ class ModelRunner(ABC):
 
     vocab_size: int
     kv_bytes_per_token: int  # K and V of one token over all layers; 0 when there is no KV
+    closed: bool = False
 
     @abstractmethod
     def execute(self, chunks: Sequence[ScheduledChunk]) -> list[int | Sample | None]: ...
+
+    def close(self) -> None:
+        """Free what the runner holds (the engine's `close`); `execute` raises after it.
+        Idempotent."""
+        self.closed = True
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the engine is closed (Engine.close()): build a new Engine to run more")
 
 
 def build_model(config: EngineConfig):
@@ -120,6 +130,7 @@ class TinyModelRunner(ModelRunner):
 
         from preempt.model.attention import build_attention_metadata, with_masked_prefixes
 
+        self._check_open()  # execute's too
         starts: list[int] = []
         num_new: list[int] = []
         token_ids: list[int] = []
@@ -142,6 +153,13 @@ class TinyModelRunner(ModelRunner):
         with torch.inference_mode():
             input_ids = torch.tensor(token_ids, dtype=torch.int64)  # (T,)
             return self.model(input_ids, meta.positions, self.kv_cache.layers, meta)  # (B, V)
+
+    def close(self) -> None:
+        """Free the KV cache and the model's weights (the model may be a multi-GB checkpoint)."""
+        if not self.closed:
+            self.kv_cache.close()
+            self.model = None
+        super().close()
 
     def _sample(
         self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor, rows: list[int]
@@ -195,6 +213,7 @@ class NullModelRunner(ModelRunner):
         self.kv_bytes_per_token = 0
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> list[int | None]:
+        self._check_open()
         out: list[int | None] = []
         for chunk in chunks:
             _, end = _chunk_bounds(chunk)

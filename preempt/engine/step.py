@@ -54,7 +54,8 @@ class Fork(Protocol):
 
 
 class EngineView:
-    """The engine after a step, as a hook reads it (built once by the engine)."""
+    """The engine after a step, as a hook reads it (`Engine.view`: a new one per access,
+    cheap; it keeps its engine alive, the engine keeps no view: no reference cycle)."""
 
     def __init__(self, engine: Any) -> None:
         self._engine = engine  # an `Engine`; reached only through the members below

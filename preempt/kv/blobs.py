@@ -283,6 +283,9 @@ class BlobStore:
             self.host_pool.free(handle)
 
     def close(self) -> None:
+        """Join the workers (every queued store finishes first), then free the host pool's
+        buffer. Idempotent."""
         for worker in (self._worker, self._early_worker):
             if worker is not None:
                 worker.shutdown(wait=True)
+        self.host_pool.close()

@@ -5,7 +5,8 @@ full PCIe speed), an arena allocator over it (first-fit free extents, coalesced 
 extent rounded up to `ALIGN` bytes), and exact byte accounting (`check()` states the
 invariant). A 0.2 MB save takes 0.2 MB, not a whole `slot_bytes`: `slot_bytes`
 (`--preemption-slot-size`) is only the largest blob the pool accepts. `store` copies a blob
-in, `load` hands back a view of exactly the stored bytes, `free` gives its extent back.
+in, `load` hands back a view of exactly the stored bytes, `free` gives its extent back,
+`close` frees the whole buffer (the engine's `close`; the pool is unusable after it).
 
 It must never: allocate host memory after construction (a save that does not fit is refused
 with `PreemptionHandlerOOM`, the signal for the scheduler's fallback, docs/design.md §7), look inside a
@@ -115,6 +116,7 @@ class HostPool:
         )
         self._array = self._buffer.numpy()  # same memory; numpy gives cheap memoryviews for load()
         self.has_data = allocate
+        self.closed = False
         self._lock = threading.Lock()
         # Free extents as (offset, length), sorted by offset, never adjacent (coalesced).
         # First fit from the lowest offset: memory already touched is reused first, so RSS
@@ -217,6 +219,8 @@ class HostPool:
         be known before its blob is encoded); the blob goes there and the extent shrinks to the
         blob's size, its tail going back to the free list. On any failure it is released.
         """
+        if self.closed:
+            raise HostPoolError("the host pool is closed (Engine.close() freed its buffer)")
         if not self.has_data:
             raise RuntimeError("this HostPool was made with allocate=False (sizes only): use reserve()")
         parts = [_as_bytes_source(part) for part in (blob if isinstance(blob, (list, tuple)) else [blob])]
@@ -248,6 +252,8 @@ class HostPool:
                 f"(blob {format_size(nbytes)} > {format_size(self.slot_bytes)})",
                 nbytes=nbytes,
             )
+        if self.closed:
+            raise HostPoolError("the host pool is closed (Engine.close() freed its buffer)")
         extent = _extent(nbytes)
         with self._lock:
             index = next((i for i, (_, length) in enumerate(self._free) if length >= extent), None)
@@ -292,6 +298,26 @@ class HostPool:
             self._validate(handle, "free")
             self._release(handle.offset)
 
+    def close(self) -> None:
+        """Free the buffer (the whole capacity's mapping). Idempotent. The counters stay
+        readable; `store`, `reserve` and `load` raise HostPoolError afterwards, `free` only
+        keeps the books. A view from `load` still held keeps its bytes alive."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            was_pinned = self.is_pinned
+            self._buffer = torch.empty(0, dtype=torch.uint8)
+            self._array = self._buffer.numpy()
+            self.is_pinned = False
+        if was_pinned:
+            # A freed pinned buffer goes back to torch's host caching allocator, not to the
+            # OS: empty that cache (only its unused blocks) so the memory really is returned.
+            empty_host_cache = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+            empty_host_cache = empty_host_cache or getattr(torch._C, "_host_emptyCache", None)
+            if empty_host_cache is not None:
+                empty_host_cache()
+
     def _shrink(self, reservation: SlotHandle, nbytes: int) -> SlotHandle:
         """The reserved extent, now holding `nbytes` (<= its reservation); the unused tail
         (whole ALIGN units) goes back to the free list."""
@@ -316,6 +342,8 @@ class HostPool:
     # ---- internals (call with the lock held) ------------------------------------------------
 
     def _validate(self, handle: SlotHandle, action: str) -> None:
+        if self.closed and action != "free":
+            raise HostPoolError(f"cannot {action} {handle}: the host pool is closed")
         held = self._live.get(handle.offset)
         if held is None or held[2] != handle.generation:
             raise HostPoolError(f"cannot {action} {handle}: already freed (double free or stale handle)")

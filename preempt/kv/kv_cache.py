@@ -1,8 +1,8 @@
 """The device KV pool: preallocated K and V tensors of every layer, addressed by block id.
 
-Owns: the tensors (allocated once, zero-filled), their layout and sizes, and block-level
-copies in and out (for the saver/restorer). It decides nothing: which block belongs to
-whom is the block pool's business, what to compute is the scheduler's.
+Owns: the tensors (allocated once, zero-filled, freed by `close`), their layout and sizes,
+and block-level copies in and out (for the saver/restorer). It decides nothing: which
+block belongs to whom is the block pool's business, what to compute is the scheduler's.
 
 Layout: one tensor `kv` of shape (num_layers, 2, num_blocks, block_size, num_kv_heads,
 head_dim); `k_caches[l]` / `v_caches[l]` are contiguous views `[num_blocks, block_size,
@@ -42,6 +42,7 @@ class KVCache:
         )
         self.k_caches: list[torch.Tensor] = [self.kv[layer, 0] for layer in range(num_layers)]
         self.v_caches: list[torch.Tensor] = [self.kv[layer, 1] for layer in range(num_layers)]
+        self.closed = False
 
     @property
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -61,7 +62,16 @@ class KVCache:
     def bytes_per_token_per_layer(self) -> int:
         return 2 * self.num_kv_heads * self.head_dim * self.kv.element_size()
 
+    def close(self) -> None:
+        """Free the tensors (the engine's `close`). Idempotent; block copies raise after it."""
+        self.kv = torch.empty(0, dtype=self.dtype, device=self.kv.device)
+        self.k_caches = []
+        self.v_caches = []
+        self.closed = True
+
     def _index(self, block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        if self.closed:
+            raise RuntimeError("the KV cache is closed (Engine.close() freed it)")
         index = torch.as_tensor(block_ids, dtype=torch.int64, device=self.kv.device)
         if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.num_blocks):
             raise IndexError(f"block ids must lie in [0, {self.num_blocks})")

@@ -306,4 +306,6 @@ class Saver(KVMover):
         }
 
     def close(self) -> None:
+        """Stop the workers and free the host pool (the engine's `close`). Idempotent; the
+        counters (`stats`) stay readable."""
         self.blobs.close()

@@ -73,15 +73,19 @@ def gather_stored(segments: list[Segment]) -> Future:
     if not pending:
         total.set_result(0)
         return total
-    left = [len(pending)]
+    # The callback sums as the futures finish rather than reading `pending` at the end: a
+    # pending future keeps its callbacks, so a callback that held `pending` would be a
+    # reference cycle (future -> callback -> pending -> future) left to the cyclic GC.
+    left = [len(pending), 0]  # futures not done yet, bytes of those done
     lock = threading.Lock()
 
-    def on_done(_: Future) -> None:
+    def on_done(future: Future) -> None:
         with lock:
             left[0] -= 1
+            left[1] += future.result()
             last = left[0] == 0
         if last:
-            total.set_result(sum(future.result() for future in pending))
+            total.set_result(left[1])
 
     for future in pending:
         future.add_done_callback(on_done)

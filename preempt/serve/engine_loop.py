@@ -156,18 +156,25 @@ class EngineLoop:
         from preempt.engine.engine import Engine  # torch: only when a server really starts
 
         self.engine = Engine(self.config)
-        self.metrics.bind_engine(self.engine)
-        self.metrics.observe_step(self.engine)
-        name = self.config.model.preset if self.config.model.backend == "tiny" else self.config.model.backend
-        self.facts = EngineFacts(
-            name,
-            self.config.model.max_model_len,
-            self.engine.block_pool.num_blocks,
-            self.engine.block_size,
-            self.engine.runner.vocab_size,
-        )
-        self._thread = threading.Thread(target=self._run, name="preempt-engine", daemon=True)
-        self._thread.start()
+        try:
+            self.metrics.bind_engine(self.engine)
+            self.metrics.observe_step(self.engine)
+            model = self.config.model
+            name = model.preset if model.backend == "tiny" else model.backend
+            self.facts = EngineFacts(
+                name,
+                model.max_model_len,
+                self.engine.block_pool.num_blocks,
+                self.engine.block_size,
+                self.engine.runner.vocab_size,
+            )
+            self._thread = threading.Thread(target=self._run, name="preempt-engine", daemon=True)
+            self._thread.start()
+        except BaseException:
+            # No engine thread will close it (that is where `_run` ends): free its host pool
+            # now, which the metrics' callbacks would otherwise keep mapped.
+            self.engine.close()
+            raise
 
     @property
     def is_alive(self) -> bool:
