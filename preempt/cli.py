@@ -182,7 +182,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from predictor.data import DataError
-    from predictor.train import TrainConfig, train  # pytorch_lightning: ~5 s
+    from predictor.train import NoThresholdError, TrainConfig, train  # pytorch_lightning: ~5 s
 
     given = {
         name: getattr(args, name)
@@ -207,6 +207,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         metrics = train(args.data, args.out, config)
     except DataError as err:
         print(f"preempt: error: --data: {err}", file=sys.stderr)
+        return 2
+    except NoThresholdError as err:
+        print(f"preempt: error: {err}", file=sys.stderr)
         return 2
     if not metrics:  # a non-zero DDP rank: rank 0 reports
         return 0
