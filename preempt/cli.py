@@ -353,10 +353,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     options = {key: getattr(args, key) for key in ("model", "plan") if getattr(args, key) is not None}
     if args.no_served_speed:
         options["served_speed"] = False
+    if args.no_speed:
+        options["speed"] = False
     if args.windows:
         options["windows"] = True
-    takes = {"codec": {"model", "plan", "served_speed"}, "early": {"model", "windows"}}.get(args.name, set())
-    flags = {"served_speed": "no-served-speed"}
+    takes = {"codec": {"model", "plan", "served_speed", "speed"}, "early": {"model", "windows"}}.get(
+        args.name, set()
+    )
+    flags = {"served_speed": "no-served-speed", "speed": "no-speed"}
     for key in options:
         if key not in takes:
             print(
@@ -680,7 +684,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--no-served-speed",
         action="store_true",
-        help="codec: skip the speed section at a served model's KV shape (minutes; the main job skips it)",
+        help="codec: skip the speed section at a served model's KV shape (minutes)",
+    )
+    bench.add_argument(
+        "--no-speed",
+        action="store_true",
+        help="codec: quality and size per plan only, no CPU speed columns (the main job's step)",
     )
     bench.set_defaults(func=cmd_bench)
 
