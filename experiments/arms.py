@@ -297,7 +297,8 @@ class AblationConfig(_Frozen):
     """Dotted key -> one value per seed, set with it: what else differs between the
     replicates, e.g. `workload.start_s: [0, 600, 1200, 1800, 2400]` replays a different
     window of the real trace per seed (with trace arrivals the seed alone only redraws the
-    SLA classes and prompt tokens). Not part of the run key: it is the seed's."""
+    SLA classes and prompt tokens). Not part of the run key: it is the seed's. An arm that
+    sets one of these keys itself (or through its parents) keeps its own value."""
     predictor: str | None = None
     """predictor.ckpt for `lstm` early-save arms (`--predictor` overrides). Without one,
     those arms are skipped with a note; a path that does not exist is an error."""
@@ -478,15 +479,18 @@ def plan_ablation(
             data = yaml.safe_load(yaml.safe_dump(base))  # deep copy, plain types
             skip_reason = None
             try:
+                pinned = set()
                 for key, value in chain_overrides(name, custom):
                     set_dotted(data, key, value)
+                    pinned.add(key)
                 for key, value in point.items():
                     if not key.startswith(DERIVED_PREFIX):
                         set_dotted(data, key, value)
-                if "seed" in point:  # what else this replicate changes
+                if "seed" in point:  # what else this replicate changes, unless the arm pins it
                     index = ablation.seeds.index(point["seed"])
                     for key, values in ablation.replicate.items():
-                        set_dotted(data, key, values[index])
+                        if key not in pinned:
+                            set_dotted(data, key, values[index])
                 for assignment in final_overrides:
                     set_dotted(data, *parse_assignment(assignment))
                 for key, value in point.items():  # last: they derive from the settled config

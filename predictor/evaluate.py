@@ -66,12 +66,24 @@ MAX_WASTE_SHARE = 0.30
 """`waste_capped`: the largest share of early-copied bytes that may be wasted on val (the
 issue-15 target for the share wasted live)."""
 
-MIN_WARNED_EPOCHS = 30
-"""`waste_capped`: curve points whose threshold warns fewer request epochs than this are
-skipped (neither picked nor ending the walk): their waste share is a handful of requests.
-Without it, one seed's second-strictest point (4 epochs warned, 1 wasted: share 0.31)
-ended the walk at a threshold that warned almost nothing (runs/pred15b/lstm-deploy2-s2,
-threshold 0.99987, docs/predictor.md)."""
+WASTE_BOUND_Z = 1.96
+"""`waste_capped`: the walk down the curve ends at the first threshold whose waste share is
+over the cap beyond doubt: the lower end of its 95% Wilson interval, taking the request
+epochs it warned as the samples, is above the cap. A share measured on a few dozen epochs
+is noisy (+-0.15 at 30), and ending the walk at the first estimate over the cap made the
+rule choose never to warn on the default collect (the first point warning 30 epochs
+wasted 0.308 of its bytes against a 0.30 cap; docs/predictor.md)."""
+
+
+def wilson_lower(share: float, n: float, z: float = WASTE_BOUND_Z) -> float:
+    """The lower end of the Wilson score interval of a proportion `share` seen in `n`
+    samples (0 when n is 0)."""
+    if n <= 0:
+        return 0.0
+    denominator = 1.0 + z * z / n
+    centre = share + z * z / (2 * n)
+    spread = z * math.sqrt(share * (1.0 - share) / n + z * z / (4 * n * n))
+    return max(0.0, (centre - spread) / denominator)
 
 
 def expected_value_curve(
@@ -150,25 +162,20 @@ def best_expected_value_threshold(curve: list[dict[str, float]]) -> float:
     return best["threshold"] if best["expected_value_s"] > 0 else math.inf
 
 
-def best_waste_capped_threshold(
-    curve: list[dict[str, float]],
-    max_waste_share: float = MAX_WASTE_SHARE,
-    min_warned_epochs: int = MIN_WARNED_EPOCHS,
-) -> float:
+def best_waste_capped_threshold(curve: list[dict[str, float]], max_waste_share: float = MAX_WASTE_SHARE) -> float:
     """The threshold that avoids the most stall on val among those whose share of early
-    bytes wasted is at most `max_waste_share` there and at every stricter threshold of the
-    curve (walking down from the strictest, the first one over the cap ends the search: a
-    lower threshold that dips back under the cap by chance is not trusted); ties go to
-    the stricter threshold. Waste is a constraint, not a stall (see WASTE_WEIGHT). Points
-    warning fewer than `min_warned_epochs` request epochs are skipped (too few to tell a
-    share). inf (never warn) if no allowed threshold avoids any stall."""
+    bytes wasted is at most `max_waste_share` there. The walk goes down from the strictest
+    threshold and ends at the first one over the cap beyond doubt (`WASTE_BOUND_Z`): below
+    it more warnings only add waste, and a later dip under the cap is not trusted. Ties go
+    to the stricter threshold. Waste is a constraint, not a stall (see WASTE_WEIGHT). inf
+    (never warn) if no allowed threshold avoids any stall."""
     best: dict[str, float] | None = None
     for point in sorted(curve, key=lambda p: p["threshold"], reverse=True):
-        if point.get("warned_epochs", min_warned_epochs) < min_warned_epochs:
-            continue  # curves written before the count have every point trusted
-        if point["waste_share"] > max_waste_share:
+        share = point["waste_share"]
+        # curves written before the epoch count: the estimate is taken as exact
+        if wilson_lower(share, point.get("warned_epochs", math.inf)) > max_waste_share:
             break
-        if best is None or point["stall_avoided_s"] > best["stall_avoided_s"]:
+        if share <= max_waste_share and (best is None or point["stall_avoided_s"] > best["stall_avoided_s"]):
             best = point
     return best["threshold"] if best is not None and best["stall_avoided_s"] > 0 else math.inf
 
@@ -184,7 +191,6 @@ def evaluate_scores(
     eval_scores: np.ndarray,
     rule: str = "f1",
     max_waste_share: float = MAX_WASTE_SHARE,
-    min_warned_epochs: int = MIN_WARNED_EPOCHS,
 ) -> dict[str, Any]:
     """Threshold on val (max F1; `rule="expected_value"`: max expected value;
     `rule="waste_capped"`: most stall avoided with at most `max_waste_share` of the early
@@ -196,7 +202,7 @@ def evaluate_scores(
         if rule == "expected_value":
             threshold = best_expected_value_threshold(curve)
         else:
-            threshold = best_waste_capped_threshold(curve, max_waste_share, min_warned_epochs)
+            threshold = best_waste_capped_threshold(curve, max_waste_share)
     elif rule == "f1":
         threshold = best_f1_threshold(val_scores, table.label[val_rows])
     else:
@@ -211,7 +217,6 @@ def evaluate_scores(
     out["threshold_rule"] = rule
     if rule == "waste_capped":
         out["max_waste_share"] = max_waste_share
-        out["min_warned_epochs"] = min_warned_epochs
     if curve is not None:
         out["threshold_curve"] = curve
     return out

@@ -176,6 +176,11 @@ def train(data: str | Path, out_dir: str | Path, config: TrainConfig | None = No
     test = evaluate_scores(table, rows["val"], rows["test"], val_scores, test_scores, rule, cap)
     val = evaluate_scores(table, rows["val"], rows["val"], val_scores, val_scores, rule, cap)
     val.pop("threshold_curve", None)  # the same curve as test's (both chosen on val)
+    if not np.isfinite(test["threshold"]):
+        # A checkpoint that never warns would make every early-save arm its parent, silently.
+        checkpoint_path.unlink()
+        (out_dir / "metrics.json").write_text(json.dumps(jsonable({**test, "val": val}), indent=2) + "\n")
+        raise NoThresholdError(_no_threshold_message(test, len(rows["val"]), out_dir))
     _store_threshold(checkpoint_path, test["threshold"])
 
     metrics: dict[str, Any] = {
@@ -205,6 +210,23 @@ def train(data: str | Path, out_dir: str | Path, config: TrainConfig | None = No
         )
         logger.experiment.finish()
     return metrics
+
+
+class NoThresholdError(ValueError):
+    """Training found no operating threshold on val: the model would never warn."""
+
+
+def _no_threshold_message(test: dict[str, Any], num_val_rows: int, out_dir: Path) -> str:
+    curve = test.get("threshold_curve") or []
+    most = max((p.get("warned_epochs", 0) for p in curve), default=0)
+    return (
+        f"no operating threshold: under the '{test['threshold_rule']}' rule no threshold on val "
+        f"({num_val_rows} rows, at most {most} request epochs warned) avoids save stall"
+        + (f" with at most {test['max_waste_share']:.0%} of early-copied bytes wasted" if "max_waste_share" in test else "")
+        + f", so the model would never warn (its curve is in {out_dir / 'metrics.json'}; no checkpoint written). "
+        "Collect more data (more windows: several `preempt collect` runs, then `--data a,b,c`), "
+        "or raise --max-waste-share, or choose --threshold-rule f1"
+    )
 
 
 def _store_threshold(path: Path, threshold: float) -> None:

@@ -182,7 +182,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from predictor.data import DataError
-    from predictor.train import TrainConfig, train  # pytorch_lightning: ~5 s
+    from predictor.train import NoThresholdError, TrainConfig, train  # pytorch_lightning: ~5 s
 
     given = {
         name: getattr(args, name)
@@ -207,6 +207,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         metrics = train(args.data, args.out, config)
     except DataError as err:
         print(f"preempt: error: --data: {err}", file=sys.stderr)
+        return 2
+    except NoThresholdError as err:
+        print(f"preempt: error: {err}", file=sys.stderr)
         return 2
     if not metrics:  # a non-zero DDP rank: rank 0 reports
         return 0
@@ -350,10 +353,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     options = {key: getattr(args, key) for key in ("model", "plan") if getattr(args, key) is not None}
     if args.no_served_speed:
         options["served_speed"] = False
+    if args.no_speed:
+        options["speed"] = False
     if args.windows:
         options["windows"] = True
-    takes = {"codec": {"model", "plan", "served_speed"}, "early": {"model", "windows"}}.get(args.name, set())
-    flags = {"served_speed": "no-served-speed"}
+    takes = {"codec": {"model", "plan", "served_speed", "speed"}, "early": {"model", "windows"}}.get(
+        args.name, set()
+    )
+    flags = {"served_speed": "no-served-speed", "speed": "no-speed"}
     for key in options:
         if key not in takes:
             print(
@@ -677,7 +684,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--no-served-speed",
         action="store_true",
-        help="codec: skip the speed section at a served model's KV shape (minutes; the main job skips it)",
+        help="codec: skip the speed section at a served model's KV shape (minutes)",
+    )
+    bench.add_argument(
+        "--no-speed",
+        action="store_true",
+        help="codec: quality and size per plan only, no CPU speed columns (the main job's step)",
     )
     bench.set_defaults(func=cmd_bench)
 

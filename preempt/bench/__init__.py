@@ -30,11 +30,15 @@ def _serve(quick: bool) -> dict[str, Any]:
 
 
 def _codec(
-    quick: bool, model: str | None = None, plan: str | None = None, served_speed: bool = True
+    quick: bool,
+    model: str | None = None,
+    plan: str | None = None,
+    served_speed: bool = True,
+    speed: bool = True,
 ) -> dict[str, Any]:
     from preempt.bench.codec import bench_codec
 
-    return bench_codec(quick, model=model, plan=plan, served_speed=served_speed)
+    return bench_codec(quick, model=model, plan=plan, served_speed=served_speed, speed=speed)
 
 
 def _early(quick: bool, model: str | None = None) -> dict[str, Any]:

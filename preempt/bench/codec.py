@@ -77,7 +77,10 @@ def bench_codec(
     plan: str | None = None,
     warmup_tokens: int = 2,
     served_speed: bool = True,
+    speed: bool = True,
 ) -> dict[str, Any]:
+    """The module doc's table, one row per plan. `speed=False`: size and quality only (no
+    CPU speed columns, no served-shape section): what the main job reports."""
     torch.set_num_threads(CPU_THREADS)  # comparable across machines; quality does not depend on it
     num_prompts, prompt_len, num_gen = (4, 256, 32) if quick else (16, 512, 64)
     runner = _runner(model, num_blocks=4 * (prompt_len + num_gen + BLOCK_SIZE) // BLOCK_SIZE)
@@ -101,7 +104,8 @@ def bench_codec(
         "cpu_threads": torch.get_num_threads(),
         "plans": {},
     }
-    speed_kvs = {name: _tiled(references[0]["kv"], tokens) for name, tokens in _speed_sizes(quick).items()}
+    sizes = _speed_sizes(quick) if speed else {}
+    speed_kvs = {name: _tiled(references[0]["kv"], tokens) for name, tokens in sizes.items()}
     result["speed_sizes"] = {
         name: {"num_tokens": kv.shape[2], "kv_mb": round(kv.nbytes / MB, 1)} for name, kv in speed_kvs.items()
     }
@@ -124,7 +128,7 @@ def bench_codec(
         result["plans"][name] = row
     if budget_info is not None:
         result["budget"] = {**budget_info, **_budget_summary(result["plans"])}
-    if served_speed:  # `--no-served-speed` (the main job): the section takes minutes
+    if speed and served_speed:  # the section takes minutes
         result["served_model_speed"] = _served_model_speed(quick, plans.get("budget_sensitivity"))
     return result
 

@@ -186,3 +186,26 @@ def test_replicate_gives_each_seed_its_own_trace_window(tmp_path):
     bad = _sweep_config(tmp_path, replicate={"workload.start_s": [0]})
     with pytest.raises(ValueError, match="replicate 'workload.start_s': needs one value per seed"):
         plan_ablation(bad, tmp_path / "bad")
+    # An arm that sets a replicated key itself keeps its value at every seed.
+    pinned = _sweep_config(
+        tmp_path,
+        arms=["swap_raw", {"name": "pinned", "parent": "swap_raw", "set": {"workload.start_s": 30}}],
+        replicate={"workload.start_s": [0, 600]},
+    )
+    starts = {run.key: run.config.workload.start_s for run in plan_ablation(pinned, tmp_path / "p").runs}
+    assert starts["pinned@rate_scale=4.0,seed=1"] == 30 and starts["swap_raw@rate_scale=4.0,seed=1"] == 600
+
+
+def test_quick_seeds_are_samples_of_the_workload(tmp_path):
+    """Each seed of the main job's ablation replays its own minute of the trace (so an arm
+    blind to SLA classes does not repeat exactly), none inside the predictor's training
+    windows; the tiny arms keep the first 30 s (their cost)."""
+    from experiments.main import TRAIN_WINDOWS_START_S
+
+    plan = plan_ablation(Path("experiments/configs/quick.yaml"), tmp_path / "q")
+    starts = {run.key: run.config.workload.start_s for run in plan.runs}
+    fcfs = [starts[f"vllm_fcfs@seed={seed}"] for seed in range(5)]
+    assert len(set(fcfs)) == 5
+    for start in fcfs:
+        assert all(start + 60 <= train or start >= train + 200 for train in TRAIN_WINDOWS_START_S)
+    assert {starts[f"tiny_swap_mixed@seed={seed}"] for seed in range(5)} == {0}

@@ -121,8 +121,8 @@ def test_waste_capped_threshold_on_a_hand_made_curve():
     assert best_waste_capped_threshold([point(0.5, 0.0, 0.0)], 0.3) == math.inf
 
 
-def test_waste_capped_skips_points_that_warn_too_few_epochs():
-    from predictor.evaluate import MIN_WARNED_EPOCHS, best_waste_capped_threshold
+def test_waste_capped_walk_ends_only_where_the_waste_is_over_the_cap_beyond_doubt():
+    from predictor.evaluate import best_waste_capped_threshold, wilson_lower
 
     def point(threshold, avoided, share, epochs):
         return {
@@ -132,19 +132,24 @@ def test_waste_capped_skips_points_that_warn_too_few_epochs():
             "warned_epochs": epochs,
         }
 
-    few = MIN_WARNED_EPOCHS - 1
-    # The strictest point is over the cap on a handful of epochs: it neither ends the walk
-    # nor is picked; the trusted points below it are walked as usual.
+    # The default collect's val curve (docs/predictor.md): 0.308 wasted over 30 epochs is
+    # within noise of a 0.30 cap, so it is skipped (not picked) and the walk goes on to
+    # 0.88; 0.44 over 58 epochs is over it beyond doubt and ends the walk before the dip.
     curve = [
-        point(0.99, 0.001, 0.5, few),
-        point(0.9, 0.02, 0.1, 40),
-        point(0.8, 0.04, 0.25, 80),
-        point(0.7, 0.05, 0.4, 120),
+        point(0.98, 0.007, 0.0, 16),
+        point(0.95, 0.015, 0.308, 30),
+        point(0.88, 0.030, 0.278, 44),
+        point(0.64, 0.036, 0.440, 58),
+        point(0.30, 0.040, 0.250, 90),
     ]
-    assert best_waste_capped_threshold(curve, 0.3) == 0.8
-    # A trusted point over the cap still ends it.
-    curve[0] = point(0.99, 0.001, 0.5, MIN_WARNED_EPOCHS)
-    assert best_waste_capped_threshold(curve, 0.3) == math.inf
+    assert wilson_lower(0.308, 30) < 0.3 < wilson_lower(0.44, 58)
+    assert best_waste_capped_threshold(curve, 0.3) == 0.88
+    # Many epochs make the same share certain: the walk ends at 0.95, 0.98 is chosen.
+    curve[1] = point(0.95, 0.015, 0.45, 3000)
+    assert best_waste_capped_threshold(curve, 0.3) == 0.98
+    # A handful of epochs, all wasted, is over any cap but 1 beyond doubt only with more.
+    assert wilson_lower(1.0, 2) < 0.5 < wilson_lower(1.0, 10)
+    assert wilson_lower(0.0, 0) == 0.0 and wilson_lower(0.2, math.inf) == pytest.approx(0.2)
 
 
 def test_waste_capped_warns_where_the_expected_value_charges_waste_as_stall():
@@ -184,13 +189,13 @@ def test_waste_capped_warns_where_the_expected_value_charges_waste_as_stall():
     assert 0.5 < best_expected_value_threshold(curve) <= 0.6
     # Waste capped at 30%: 14% wasted at 0.5 is allowed, 60% at 0.3 is not.
     metrics = evaluate_scores(
-        table, rows, rows, scores, scores, rule="waste_capped", max_waste_share=0.3, min_warned_epochs=1
+        table, rows, rows, scores, scores, rule="waste_capped", max_waste_share=0.3
     )
     assert 0.3 < metrics["threshold"] <= 0.5
     assert metrics["recall"] == 1.0 and metrics["max_waste_share"] == 0.3
     # At a 10% cap request 2's bytes are too many: back to 0.6.
     strict = evaluate_scores(
-        table, rows, rows, scores, scores, rule="waste_capped", max_waste_share=0.1, min_warned_epochs=1
+        table, rows, rows, scores, scores, rule="waste_capped", max_waste_share=0.1
     )
     assert 0.5 < strict["threshold"] <= 0.6
 

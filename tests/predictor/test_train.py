@@ -201,10 +201,9 @@ def test_threshold_on_val_of_a_mix(tmp_path, rule):
         chosen = best_waste_capped_threshold(curve, TrainConfig.max_waste_share)
     else:
         chosen = best_expected_value_threshold(curve)
-    expected = chosen if math.isfinite(chosen) else None  # inf is written as null
-    assert metrics["threshold"] == expected
+    assert math.isfinite(chosen) and metrics["threshold"] == chosen
     _, hparams = load_checkpoint(tmp_path / "out" / "predictor.ckpt")
-    assert hparams["threshold"] == (expected if expected is not None else math.inf)
+    assert hparams["threshold"] == chosen
     # the same seed in both: requests must still stay apart (one group per source)
     assert metrics["num_train_rows"] + metrics["num_val_rows"] + metrics["num_test_rows"] == 2 * len(
         load_table(first).label
@@ -218,3 +217,19 @@ def test_the_cli_passes_the_threshold_rule_through(data_path, tmp_path, capsys):
     argv = ["train", "--data", str(data_path), "--out", str(out), "--max-epochs", "1", "--seq-len", "4"]
     assert main([*argv, "--wandb", "disabled", "--no-progress", "--threshold-rule", "f1"]) == 0
     assert json.loads((out / "metrics.json").read_text())["threshold_rule"] == "f1"
+
+
+def test_a_model_that_would_never_warn_is_an_error_not_a_checkpoint(tmp_path, capsys, monkeypatch):
+    """No threshold passes the rule on val: `preempt train` exits 2 naming why and what to
+    change, writes the curve to metrics.json for a look, and leaves no checkpoint."""
+    import predictor.evaluate
+
+    monkeypatch.setattr(predictor.evaluate, "best_waste_capped_threshold", lambda *args: math.inf)
+    data_path = synthetic_dataset(tmp_path / "data", num_requests=60, seed=1, with_tokens=True)
+    out = tmp_path / "never"
+    argv = ["train", "--data", str(data_path), "--out", str(out), "--max-epochs", "1", "--seq-len", "4"]
+    assert main([*argv, "--wandb", "disabled", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "no operating threshold" in err and "--max-waste-share" in err and "more windows" in err
+    assert not (out / "predictor.ckpt").exists()
+    assert json.loads((out / "metrics.json").read_text())["threshold_curve"]
