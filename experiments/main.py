@@ -8,8 +8,9 @@
 5. `preempt ablate`: the `quick` matrix (baselines, the design's pieces one at a time,
    early saves with the trained predictor; the tiny arms run the trained LM with the
    importance plan), wandb runs, results table, plots.
-6. `preempt bench codec --no-speed`: the mixed-precision codec's size and quality per plan
-   on the trained LM (its speed is the benchmark's own business).
+6. `preempt bench codec --no-speed --prompts 8`: the mixed-precision codec's size and
+   quality per plan on the trained LM, over 8 held-out prompts (the bench's default 16
+   and its speed columns are the benchmark's own business).
 7. `preempt report`: claims vs measurements, from this run.
 
 Thin on purpose: each step is the documented CLI command (printed before it runs), so a
@@ -86,7 +87,7 @@ def run(out: Path, lm: Path, wandb: str) -> dict[str, float]:
                 f"workload.start_s={start}",
             ],
         )
-        for i, (start, path) in enumerate(zip(TRAIN_WINDOWS_START_S, features))
+        for i, (start, path) in enumerate(zip(TRAIN_WINDOWS_START_S, features, strict=True))
     )
     times["train"] = _step(
         "4/7 train the predictor",
@@ -122,7 +123,18 @@ def run(out: Path, lm: Path, wandb: str) -> dict[str, float]:
     times["codec"] = _step(
         "6/7 codec quality per plan",
         # size and quality per plan; speed is the bench's own business (`preempt bench codec`)
-        ["bench", "codec", "--json", "--model", str(lm / "lm.pt"), "--plan", str(plan), "--no-speed"],
+        [
+            "bench",
+            "codec",
+            "--json",
+            "--model",
+            str(lm / "lm.pt"),
+            "--plan",
+            str(plan),
+            "--no-speed",
+            "--prompts",
+            "8",
+        ],
         stdout_to=out / "codec.json",
     )
     times["report"] = _step(

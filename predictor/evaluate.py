@@ -162,7 +162,9 @@ def best_expected_value_threshold(curve: list[dict[str, float]]) -> float:
     return best["threshold"] if best["expected_value_s"] > 0 else math.inf
 
 
-def best_waste_capped_threshold(curve: list[dict[str, float]], max_waste_share: float = MAX_WASTE_SHARE) -> float:
+def best_waste_capped_threshold(
+    curve: list[dict[str, float]], max_waste_share: float = MAX_WASTE_SHARE
+) -> float:
     """The threshold that avoids the most stall on val among those whose share of early
     bytes wasted is at most `max_waste_share` there. The walk goes down from the strictest
     threshold and ends at the first one over the cap beyond doubt (`WASTE_BOUND_Z`): below

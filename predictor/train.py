@@ -222,8 +222,13 @@ def _no_threshold_message(test: dict[str, Any], num_val_rows: int, out_dir: Path
     return (
         f"no operating threshold: under the '{test['threshold_rule']}' rule no threshold on val "
         f"({num_val_rows} rows, at most {most} request epochs warned) avoids save stall"
-        + (f" with at most {test['max_waste_share']:.0%} of early-copied bytes wasted" if "max_waste_share" in test else "")
-        + f", so the model would never warn (its curve is in {out_dir / 'metrics.json'}; no checkpoint written). "
+        + (
+            f" with at most {test['max_waste_share']:.0%} of early-copied bytes wasted"
+            if "max_waste_share" in test
+            else ""
+        )
+        + f", so the model would never warn (its curve is in {out_dir / 'metrics.json'}; "
+        "no checkpoint written). "
         "Collect more data (more windows: several `preempt collect` runs, then `--data a,b,c`), "
         "or raise --max-waste-share, or choose --threshold-rule f1"
     )

@@ -350,16 +350,19 @@ def cmd_importance(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from preempt.bench import BENCHMARKS
 
-    options = {key: getattr(args, key) for key in ("model", "plan") if getattr(args, key) is not None}
+    options = {
+        key: getattr(args, key) for key in ("model", "plan", "prompts") if getattr(args, key) is not None
+    }
     if args.no_served_speed:
         options["served_speed"] = False
     if args.no_speed:
         options["speed"] = False
     if args.windows:
         options["windows"] = True
-    takes = {"codec": {"model", "plan", "served_speed", "speed"}, "early": {"model", "windows"}}.get(
-        args.name, set()
-    )
+    takes = {
+        "codec": {"model", "plan", "served_speed", "speed", "prompts"},
+        "early": {"model", "windows"},
+    }.get(args.name, set())
     flags = {"served_speed": "no-served-speed", "speed": "no-speed"}
     for key in options:
         if key not in takes:
@@ -690,6 +693,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-speed",
         action="store_true",
         help="codec: quality and size per plan only, no CPU speed columns (the main job's step)",
+    )
+    bench.add_argument(
+        "--prompts",
+        type=_positive_int,
+        help="codec: held-out prompts each plan's quality is measured on (16)",
     )
     bench.set_defaults(func=cmd_bench)
 

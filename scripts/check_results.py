@@ -45,13 +45,16 @@ def main(argv: list[str]) -> int:
     run = Path(argv[0] if argv else "runs/main/results.md")
     docs = Path(argv[1] if len(argv) > 1 else "docs/results.md")
     ran, documented = quick_verdicts(run), quick_verdicts(docs)
+    missing = "no such claim"
     differ = [
-        f"  {claim}: {run} says '{ran.get(claim, 'no such claim')}', {docs} says '{documented.get(claim, 'no such claim')}'"
+        f"  {claim}: {run} says '{ran.get(claim, missing)}', {docs} says '{documented.get(claim, missing)}'"
         for claim in sorted(set(ran) | set(documented))
         if ran.get(claim) != documented.get(claim)
     ]
     if differ:
-        print(f"{len(differ)} of {len(set(ran) | set(documented))} quick verdicts differ:\n" + "\n".join(differ))
+        print(
+            f"{len(differ)} of {len(set(ran) | set(documented))} quick verdicts differ:\n" + "\n".join(differ)
+        )
         return 1
     print(f"all {len(ran)} quick verdicts agree ({run} and {docs})")
     return 0

@@ -35,10 +35,13 @@ def _codec(
     plan: str | None = None,
     served_speed: bool = True,
     speed: bool = True,
+    prompts: int | None = None,
 ) -> dict[str, Any]:
     from preempt.bench.codec import bench_codec
 
-    return bench_codec(quick, model=model, plan=plan, served_speed=served_speed, speed=speed)
+    return bench_codec(
+        quick, model=model, plan=plan, served_speed=served_speed, speed=speed, num_prompts=prompts
+    )
 
 
 def _early(quick: bool, model: str | None = None) -> dict[str, Any]:

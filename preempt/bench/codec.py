@@ -78,11 +78,14 @@ def bench_codec(
     warmup_tokens: int = 2,
     served_speed: bool = True,
     speed: bool = True,
+    num_prompts: int | None = None,
 ) -> dict[str, Any]:
     """The module doc's table, one row per plan. `speed=False`: size and quality only (no
-    CPU speed columns, no served-shape section): what the main job reports."""
+    CPU speed columns, no served-shape section); `num_prompts`: quality over this many
+    prompts (16; quick 4). The main job takes both (8 prompts: half the time)."""
     torch.set_num_threads(CPU_THREADS)  # comparable across machines; quality does not depend on it
-    num_prompts, prompt_len, num_gen = (4, 256, 32) if quick else (16, 512, 64)
+    default_prompts, prompt_len, num_gen = (4, 256, 32) if quick else (16, 512, 64)
+    num_prompts = num_prompts or default_prompts
     runner = _runner(model, num_blocks=4 * (prompt_len + num_gen + BLOCK_SIZE) // BLOCK_SIZE)
     cfg = runner.model.cfg
     plans = _plans(cfg.num_layers, cfg.num_kv_heads, plan)

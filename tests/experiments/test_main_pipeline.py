@@ -44,4 +44,6 @@ def test_collect_train_and_the_early_arm_saves_early(tmp_path):
     assert sum(row["num_early_saves"] for row in early) > 0
     assert sum(row["early_bytes_used"] for row in early) > 0  # some early bytes were claimed
     assert all(row["num_early_saves"] == 0 for row in parent)
-    assert [row["preemption_stall_save_s"] for row in early] != [row["preemption_stall_save_s"] for row in parent]
+    assert [row["preemption_stall_save_s"] for row in early] != [
+        row["preemption_stall_save_s"] for row in parent
+    ]

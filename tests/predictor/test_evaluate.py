@@ -188,15 +188,11 @@ def test_waste_capped_warns_where_the_expected_value_charges_waste_as_stall():
     # Expected value: request 2's copy time outweighs request 4's 0.03 s: stops at 0.6.
     assert 0.5 < best_expected_value_threshold(curve) <= 0.6
     # Waste capped at 30%: 14% wasted at 0.5 is allowed, 60% at 0.3 is not.
-    metrics = evaluate_scores(
-        table, rows, rows, scores, scores, rule="waste_capped", max_waste_share=0.3
-    )
+    metrics = evaluate_scores(table, rows, rows, scores, scores, rule="waste_capped", max_waste_share=0.3)
     assert 0.3 < metrics["threshold"] <= 0.5
     assert metrics["recall"] == 1.0 and metrics["max_waste_share"] == 0.3
     # At a 10% cap request 2's bytes are too many: back to 0.6.
-    strict = evaluate_scores(
-        table, rows, rows, scores, scores, rule="waste_capped", max_waste_share=0.1
-    )
+    strict = evaluate_scores(table, rows, rows, scores, scores, rule="waste_capped", max_waste_share=0.1)
     assert 0.5 < strict["threshold"] <= 0.6
 
 
