@@ -293,29 +293,37 @@ def test_a_waste_cap_moves_the_online_threshold_and_changes_no_output(trained, t
         make_policy(EarlySaveConfig(policy="lstm", checkpoint=str(never), waste_cap=0.3))
 
 
-def test_the_forecast_set_online_is_the_set_it_was_trained_on(tmp_path):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_the_forecast_set_online_is_the_set_it_was_trained_on(tmp_path, prefetch):
     """Train/serve consistency for the stateful `forecast` set: the features the `lstm`
     policy computes online (its own fork, its own news) equal the rows the feature
     logger wrote for the same run, step for step (a threshold no p reaches keeps the
-    live timeline the logged one's)."""
+    live timeline the logged one's). With restore prefetch too: the prefetcher runs
+    before the early saver, so the policy reads the state the logger reads after the step."""
     from preempt.core.config import EngineConfig
     from preempt.engine.engine import Engine
     from preempt.obs.dataset import FeatureConfig, FeatureLogger, save_dataset
     from tests.engine.test_lookahead import _config, _loose_workload
 
     horizon = {"horizon_ms": 15.0, "horizon_steps": 3}
-    engine = Engine(_config("null"))
+    base = _config("null").model_dump()
+    if prefetch:
+        base["preemption"] |= {"mode": "swap", "async_restore": True}
+        base["early_save"] |= {"prefetch": True}
+    engine = Engine(EngineConfig.model_validate(base))
     logger = FeatureLogger(FeatureConfig(feature_set="forecast", **horizon))
     engine.run(_loose_workload(), on_step=lambda output: logger(engine.view, output))
     columns = logger.columns(engine.scheduler.records)
     info = {"trace": "test", "seed": 0, **logger.config.meta()}
     save_dataset(columns, info, tmp_path / "features")
-    config = TrainConfig(max_epochs=1, batch_size=256, seq_len=8, wandb="disabled", progress=False)
+    config = TrainConfig(
+        max_epochs=1, batch_size=256, seq_len=8, wandb="disabled", progress=False, threshold_rule="f1"
+    )
     train(tmp_path / "features", tmp_path / "train", config)
 
     early = {"policy": "lstm", "checkpoint": str(tmp_path / "train" / "predictor.ckpt")}
     early |= {"feature_set": "forecast", "threshold": 1 - 1e-12, **horizon}
-    engine = Engine(EngineConfig.model_validate(_config("null").model_dump() | {"early_save": early}))
+    engine = Engine(EngineConfig.model_validate(base | {"early_save": base["early_save"] | early}))
     policy = engine.early_saver.policy
     online = []
     select = policy.select
@@ -337,3 +345,5 @@ def test_the_forecast_set_online_is_the_set_it_was_trained_on(tmp_path):
     forks = policy.features.rolling.lookahead.num_forks
     assert forks == logger.source.rolling.lookahead.num_forks and forks > 10
     assert engine.stats()["lookahead_forks"] == forks  # the policy's cost is counted
+    if prefetch:
+        assert engine.stats()["num_prefetch_admitted"] > 0  # the prefetcher did act
