@@ -39,9 +39,9 @@ parity: $(STAMP) $(PEER_STAMP)
 	$(BIN)/preempt parity vllm --bundled --policy both --summary > runs/parity.json
 
 # Main job on embedded defaults (experiments/main.py): train the reference LM (cached in
-# runs/lm), head importance -> plan, collect features, train the predictor, the `quick`
-# ablation with wandb offline, the codec benchmark, the claims report. ~3 min after the
-# LM's first training (~5 min) on 2 cores.
+# runs/lm), head importance -> plan, collect features (three windows), train the
+# predictor, the `quick` ablation with wandb offline, the codec's quality per plan, the
+# claims report (README: its time on 2 cores; runs/main/main_times.json).
 run: $(STAMP)
 	$(BIN)/python -m experiments.main --out runs/main
 
