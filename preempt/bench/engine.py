@@ -1,9 +1,11 @@
-"""`preempt bench engine`: scheduler overhead per step and trace replay speed."""
+"""`preempt bench engine`: scheduler overhead per step, trace replay speed, and where a
+replay's step spends its time (phases)."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -11,6 +13,128 @@ import numpy as np
 from preempt.core.config import build_config
 from preempt.core.request import Request
 from preempt.engine.engine import Engine
+from preempt.engine.step import StepOutput
+
+# A replay's phases, in step order. The components are timed by wrapping them from outside
+# (`_PhaseTimer`), so the engine's own step carries no timers. `step_other` is the step's
+# own bookkeeping (the clock's advance, the output, the timers of the calls inside it),
+# `loop_other` the replay loop's outside the step (its conditions, idle waits); a hook
+# the config does not have is 0.
+PHASES = (
+    "arrivals",  # Engine.add_request: queueing the trace's arrivals
+    "schedule",  # Scheduler.schedule (every call, the async-restore retries included)
+    "stall",  # Engine._stall: the KV moves' wait (no work without a saver)
+    "step_shape",  # Engine._step_shape: the batch's shape for the cost model
+    "execute",  # the model runner
+    "cost_model",  # CostModel.step_time_s: the step's duration on the virtual clock
+    "update_from_output",  # Scheduler.update_from_output
+    "prefetcher",  # restore prefetch hook
+    "early_saver",  # early-save hook (its policy, features, lookahead forks)
+    "on_step",  # the replay's step hook (e.g. the collect feature logger)
+    "step_other",
+    "loop_other",
+)
+_INSIDE_STEP = PHASES[PHASES.index("schedule") : PHASES.index("early_saver") + 1]
+
+
+class _PhaseTimer:
+    """Times `engine.run`'s phases by replacing the engine's components with `_Timed`
+    wrappers (instance attributes shadow the methods the step calls). A timed call
+    inside another (a lookahead fork's steps inside the early saver) counts only in the
+    outer phase, so the phases never overlap."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.seconds = dict.fromkeys((*PHASES, "step"), 0.0)
+        self.depth = 0  # timed phase calls in progress
+        timed = {
+            (engine, "add_request"): "arrivals",
+            (engine, "step"): "step",
+            (engine.scheduler, "schedule"): "schedule",
+            (engine, "_stall"): "stall",
+            (engine, "_step_shape"): "step_shape",
+            (engine.runner, "execute"): "execute",
+            (engine.cost_model, "step_time_s"): "cost_model",
+            (engine.scheduler, "update_from_output"): "update_from_output",
+            (engine, "prefetcher"): "prefetcher",
+            (engine, "early_saver"): "early_saver",
+        }
+        for (owner, name), phase in timed.items():
+            inner = getattr(owner, name)
+            if inner is not None:
+                setattr(owner, name, _Timed(inner, self, phase))
+
+    def on_step(self, hook: Callable[..., Any] | None) -> Callable[..., Any] | None:
+        return None if hook is None else _Timed(hook, self, "on_step")
+
+    def phases(self, total_s: float, num_steps: int) -> dict[str, Any]:
+        """Seconds and microseconds per (batch-running) step of each phase; they sum to
+        `total_s`, the instrumented `run`'s wall time."""
+        seconds = dict(self.seconds)
+        step_s = seconds.pop("step")
+        seconds["step_other"] = step_s - sum(seconds[p] for p in _INSIDE_STEP)
+        seconds["loop_other"] = total_s - step_s - seconds["arrivals"] - seconds["on_step"]
+        return {
+            "total_s": round(total_s, 3),
+            "num_steps": num_steps,  # steps that ran a batch
+            "s": {p: round(seconds[p], 3) for p in PHASES},
+            "us_per_step": {p: round(1e6 * seconds[p] / max(num_steps, 1), 2) for p in PHASES},
+        }
+
+
+class _Timed:
+    """A callable that adds its calls' wall time to its phase (the step's to "step", which
+    holds the phases inside it); other attributes are the wrapped object's (a hook's
+    `stats()`, `policy`). A lookahead fork (a deep copy of the engine) copies it and its
+    timer, or shares it where the fork shares the component (the cost model): either way
+    the fork's calls run inside the early saver's, which alone counts them."""
+
+    def __init__(self, inner: Callable[..., Any], timer: _PhaseTimer, phase: str) -> None:
+        self._inner = inner
+        self._timer = timer
+        self._phase = phase
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        timer = self._timer
+        if self._phase == "step":
+            started = time.perf_counter()
+            result = self._inner(*args, **kwargs)
+            timer.seconds["step"] += time.perf_counter() - started
+            return result
+        if timer.depth:  # inside another phase: that one counts it
+            return self._inner(*args, **kwargs)
+        timer.depth += 1
+        started = time.perf_counter()
+        try:
+            return self._inner(*args, **kwargs)
+        finally:
+            timer.seconds[self._phase] += time.perf_counter() - started
+            timer.depth -= 1
+
+    def __getattr__(self, name: str) -> Any:
+        # Private and special names are never delegated: copy and pickle probe a bare
+        # instance (no `_inner` yet) for them.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def replay_phases(
+    overrides: dict[str, Any], on_step: Callable[[StepOutput], None] | None = None
+) -> dict[str, Any]:
+    """One replay of `overrides`'s workload (with `on_step`, if given, as `Engine.run`'s
+    hook) with every phase of its steps timed: slower than a plain replay by the timers'
+    own cost (compare `total_s` with `_replay_speed`'s `wall_s`)."""
+    from preempt.core.workload import build_workload
+
+    config = build_config(overrides)
+    requests = build_workload(config.workload, seed=config.seed)
+    engine = Engine(config)
+    timer = _PhaseTimer(engine)
+    started = time.perf_counter()
+    engine.run(requests, on_step=timer.on_step(on_step))
+    total_s = time.perf_counter() - started
+    # The replay's outcome beside its timing: the timers must change no decision.
+    return {"sim_time_s": round(engine.clock.now(), 3), **timer.phases(total_s, engine.num_steps)}
 
 
 def _replay_speed(overrides: dict[str, Any]) -> dict[str, Any]:
@@ -99,8 +223,12 @@ def bench_engine(quick: bool = False) -> dict[str, Any]:
         f"replay_azure_conv_{minutes}min_null": null_slice,
         "tiny_vs_null_wall_ratio": round(tiny["wall_s"] / null_slice["wall_s"], 2),
     }
-    if not quick:
-        result["replay_azure_conv_full_hour_null"] = _replay_speed(
-            {"model": {"backend": "null"}, "workload": {"trace": "azure-conv"}}
+    if quick:
+        null_slice["phases"] = replay_phases(
+            {"model": {"backend": "null"}, "workload": {"trace": "azure-conv", "duration_s": 60 * minutes}}
         )
+    else:
+        hour = {"model": {"backend": "null"}, "workload": {"trace": "azure-conv"}}
+        result["replay_azure_conv_full_hour_null"] = _replay_speed(hour)
+        result["replay_azure_conv_full_hour_null"]["phases"] = replay_phases(hour)
     return result

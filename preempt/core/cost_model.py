@@ -533,6 +533,13 @@ class CostModel:
                 [math.log(t) for t in tokens],
                 [math.log(sec / a) for sec, a in zip(seconds, analytic, strict=True)],
             )
+        # The step's terms that depend on its token count alone (the GEMMs, elementwise
+        # kernels and all-reduces: ten roofline terms, each with its powers) and the
+        # lm_head's, on its sequence count alone, computed once per count: a replay's
+        # steps repeat the same few thousand counts (`max_num_batched_tokens` bounds
+        # them; the azure-conv hour has 1,819 over 479k steps).
+        self._token_terms: dict[int, tuple[float, float, float]] = {}
+        self._lm_head: dict[int, float] = {}
 
     @property
     def measured_ops(self) -> tuple[str, ...]:
@@ -604,19 +611,33 @@ class CostModel:
 
     def op_times(self, shape: StepShape) -> OpTimes:
         t = shape.num_tokens
-        m = self.target.model
-        num_layers = m.num_layers
+        num_layers = self.target.model.num_layers
         seqs = t if shape.num_seqs is None else min(shape.num_seqs, t)
-        linear = num_layers * sum(self.layer_linear_s(t).values())
-        elementwise = num_layers * sum(self.elementwise_s(op, t) for op in ELEMENTWISE_OPS)
-        elementwise += self.elementwise_s("emb", t)
+        terms = self._token_terms.get(t)
+        if terms is None:
+            terms = self._token_terms[t] = self._token_count_terms(t)
+        linear, elementwise, all_reduce = terms
         # prefill rows: new tokens beyond each sequence's first (none if num_seqs is unknown)
         attention = num_layers * self.attention_s(
             shape.sum_attn_ctx, shape.sum_kv_read, t - seqs, shape.sum_masked_ctx
         )
-        all_reduce = num_layers * 2 * self.all_reduce_s(t * self._allreduce_bytes_per_token)
-        lm_head = self.linear_s(seqs, m.hidden_size, m.vocab_size // self._tp) if seqs else 0.0
+        lm_head = self._lm_head.get(seqs)
+        if lm_head is None:
+            lm_head = self._lm_head[seqs] = self._lm_head_s(seqs)
         return OpTimes(linear, elementwise, attention, all_reduce, lm_head, self._dev.cpu_step_overhead_s)
+
+    def _token_count_terms(self, t: int) -> tuple[float, float, float]:
+        """(linear, elementwise, all_reduce) seconds of a step of `t` tokens."""
+        num_layers = self.target.model.num_layers
+        linear = num_layers * sum(self.layer_linear_s(t).values())
+        elementwise = num_layers * sum(self.elementwise_s(op, t) for op in ELEMENTWISE_OPS)
+        elementwise += self.elementwise_s("emb", t)
+        all_reduce = num_layers * 2 * self.all_reduce_s(t * self._allreduce_bytes_per_token)
+        return linear, elementwise, all_reduce
+
+    def _lm_head_s(self, seqs: int) -> float:
+        m = self.target.model
+        return self.linear_s(seqs, m.hidden_size, m.vocab_size // self._tp) if seqs else 0.0
 
     # ------------------------------------------------------------ public API
     def step_time_s(self, shape: StepShape) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -85,8 +86,10 @@ class Request:
                 f"got {self.target_output_tokens}"
             )
 
-    @property
+    @cached_property
     def num_prompt_tokens(self) -> int:
+        # Cached (the prompt is never replaced): the scheduler and the runner read it for
+        # every request in every step.
         return int(self.prompt_token_ids.shape[0])
 
     @property
@@ -105,7 +108,13 @@ class Request:
 
     @property
     def is_finished_generating(self) -> bool:
-        return self.stop_token_id is not None or len(self.output_token_ids) >= self.output_limit
+        # Reached `output_limit`, spelled out (read after every generated token).
+        num_output = len(self.output_token_ids)
+        return (
+            self.stop_token_id is not None
+            or num_output >= self.max_tokens
+            or num_output >= self.target_output_tokens
+        )
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens at positions [start, end)."""

@@ -225,7 +225,7 @@ class Scheduler:
             self._join_restored(now)
         first_record = len(self.records)
         budget = self.config.max_num_batched_tokens
-        chunks: dict[int, ScheduledChunk] = {}  # id(request) -> chunk, insertion ordered
+        chunks: dict[Request, ScheduledChunk] = {}  # insertion ordered (requests hash by identity)
         preempted: list[Request] = []
 
         victim = self._priority_preemption(now)
@@ -236,11 +236,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > budget:  # a prefill chunked to the step's budget
+                num_new = budget
             preempted_itself = False
             while not self._allocate_for(request, num_new):
                 victim = self.policy.select_victim(self._memory_candidates(), now)
-                victim_chunk = chunks.pop(id(victim), None)
+                victim_chunk = chunks.pop(victim, None)
                 if victim_chunk is not None:  # refund a victim scheduled earlier this step
                     budget += victim_chunk.num_new_tokens
                 victim_index = self.running.index(victim)
@@ -256,15 +258,15 @@ class Scheduler:
                 # As vLLM: a request that could only make room by preempting itself ends the
                 # pass over running requests; those after it wait for the next step.
                 break
-            chunks[id(request)] = ScheduledChunk(request, num_new)
+            chunks[request] = ScheduledChunk(request, num_new)
             budget -= num_new
             index += 1
 
         if not memory_preempted:
-            self._admit_waiting(chunks, budget, now)
+            budget = self._admit_waiting(chunks, budget, now)
 
         chunk_list = list(chunks.values())
-        num_tokens = sum(chunk.num_new_tokens for chunk in chunk_list)
+        num_tokens = self.config.max_num_batched_tokens - budget  # what the chunks took
         # Compute waits for copy-outs only where the batch itself reuses their blocks (a
         # READY request that does waits on its own; without async restores that is every
         # allocation, i.e. `copy_out.wait_until_s`).
@@ -301,13 +303,11 @@ class Scheduler:
         advances their computed tokens, appends their tokens, applies the sampling stop
         checks, stamps first-token and finish times, and takes the finished requests out
         (FINISHED, blocks freed). Returns them, in running order."""
-        for chunk in output.chunks:
-            chunk.request.slice_used_s += step_s
-            chunk.request.executed_s += step_s
         finished: list[Request] = []
-        for chunk, token in zip(output.chunks, tokens, strict=True):
-            request = chunk.request
-            request.num_computed_tokens += chunk.num_new_tokens
+        for (request, num_new), token in zip(output.chunks, tokens, strict=True):
+            request.slice_used_s += step_s
+            request.executed_s += step_s
+            request.num_computed_tokens += num_new
             if token is None:
                 continue
             if not isinstance(token, int):  # a Sample: the token with its logprobs
@@ -325,7 +325,9 @@ class Scheduler:
         return finished
 
     # ----------------------------------------------------------------- admission
-    def _admit_waiting(self, chunks: dict[int, ScheduledChunk], budget: int, now: float) -> None:
+    def _admit_waiting(self, chunks: dict[Request, ScheduledChunk], budget: int, now: float) -> int:
+        """Admit waiting requests into `chunks` (policy order, never skipping the head);
+        returns the token budget left."""
         while self._waiting and budget > 0 and self.num_seated < self.config.max_num_seqs:
             request = self._waiting[0][2]
             if self._held_by_backoff(request, now):
@@ -352,8 +354,9 @@ class Scheduler:
                 self.paused.remove(request)  # zero copy: its blocks never left
             request.kv_location = None
             self._seat(request)
-            chunks[id(request)] = ScheduledChunk(request, num_new)
+            chunks[request] = ScheduledChunk(request, num_new)
             budget -= num_new
+        return budget
 
     def _restore_in_background(self, request: Request, now: float) -> bool:
         """Start an async restore of an admitted request (its blocks allocated). True: it
@@ -433,11 +436,10 @@ class Scheduler:
         """Grow the request's block table to cover `num_new` more tokens, if possible,
         reclaiming paused requests' blocks first. `background`: for an async restore (not
         this step's batch: a reuse of copied-out blocks does not make the batch wait)."""
-        num_missing = blocks_needed(request.num_computed_tokens + num_new, self.block_size) - len(
-            request.block_ids
-        )
-        if num_missing <= 0:
-            return True
+        num_tokens = request.num_computed_tokens + num_new
+        if num_tokens <= len(request.block_ids) * self.block_size:
+            return True  # most calls: a decode step within its last block
+        num_missing = blocks_needed(num_tokens, self.block_size) - len(request.block_ids)
         if not self.block_pool.can_allocate(num_missing):
             self._reclaim_paused(num_missing, exclude=request)
             if not self.block_pool.can_allocate(num_missing):
