@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import types
 import weakref
 from contextlib import contextmanager
@@ -172,6 +173,11 @@ def test_dropped_engine_is_freed_by_refcount_alone(name):
         if hasattr(engine.runner, "kv_cache"):
             refs += [weakref.ref(engine.runner.kv_cache.kv), weakref.ref(engine.runner.model)]
         del engine
+        # On the wall clock a save still running on a worker holds what it copies until it
+        # ends (it was handed its own references): wait for it, gc still off.
+        deadline = time.monotonic() + 10
+        while any(ref() is not None for ref in refs) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert all(ref() is None for ref in refs)
         assert _our_cyclic_garbage() == []  # and nothing of it was left in a cycle
     # An unclosed wall-clock engine's workers exit once their executors are freed.
