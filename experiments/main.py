@@ -8,8 +8,8 @@
 5. `preempt ablate`: the `quick` matrix (baselines, the design's pieces one at a time,
    early saves with the trained predictor; the tiny arms run the trained LM with the
    importance plan), wandb runs, results table, plots.
-6. `preempt bench codec --no-speed --prompts 8`: the mixed-precision codec's size and
-   quality per plan on the trained LM, over 8 held-out prompts (the bench's default 16
+6. `preempt bench codec --no-speed --prompts 4`: the mixed-precision codec's size and
+   quality per plan on the trained LM, over 4 held-out prompts (the bench's default 16
    and its speed columns are the benchmark's own business).
 7. `preempt report`: claims vs measurements, from this run.
 
@@ -66,7 +66,10 @@ def run(out: Path, lm: Path, wandb: str) -> dict[str, float]:
         ),
         "importance": _step(
             "2/7 head importance -> plan",
-            ["importance", "--model", str(lm / "lm.pt"), "--out", str(plan)],
+            # the plan comes from the calibration scores; the masking check beside it is
+            # informational, run smaller here (the same plan as with the defaults)
+            ["importance", "--model", str(lm / "lm.pt"), "--out", str(plan), "--eval-bytes", "16384"]
+            + ["--num-random", "4"],
             stdout_to=out / "importance.json",
         ),
     }
