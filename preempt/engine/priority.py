@@ -6,6 +6,7 @@ turn". Plain Python over request fields a real server knows; never reads the fut
 
 Score (units are part of the definition, see PriorityWeights):
     score = age_s * w_age + sla_level * w_sla - remaining_ktokens * w_tokens
+with age_s capped at `age_cap_s` when the weights set one.
 Trigger: a challenger beats an incumbent when
     score_c - score_i > threshold * max(|score_i|, score_floor)
 A relative margin alone breaks down around zero (any epsilon beats 0 by "20%") and flips
@@ -32,11 +33,18 @@ def remaining_ktokens(request: Request) -> float:
 
 
 def priority_score(request: Request, now: float, weights: PriorityWeights) -> float:
-    return (
-        (now - request.arrival_s) * weights.age
-        + request.sla_level * weights.sla
-        - remaining_ktokens(request) * weights.tokens
-    )
+    age = now - request.arrival_s
+    if weights.age_cap_s is not None:
+        age = min(age, weights.age_cap_s)
+    return age * weights.age + request.sla_level * weights.sla - remaining_ktokens(request) * weights.tokens
+
+
+def age_terms(now: float, arrival: np.ndarray, weights: PriorityWeights) -> np.ndarray:
+    """The score's age term for many arrivals at once (capped at `age_cap_s` when set)."""
+    age = now - arrival
+    if weights.age_cap_s is not None:
+        age = np.minimum(age, weights.age_cap_s)
+    return age * weights.age
 
 
 def priority_scores(requests: Sequence[Request], now: float, weights: PriorityWeights) -> np.ndarray:
@@ -58,7 +66,7 @@ def priority_scores(requests: Sequence[Request], now: float, weights: PriorityWe
     ).reshape(len(requests), 6)
     arrival, sla, prompt, computed, max_tokens, output = fields.T
     remaining = (np.maximum(prompt - computed, 0) + np.maximum(max_tokens - output, 0)) / 1000.0
-    return (now - arrival) * weights.age + sla * weights.sla - remaining * weights.tokens
+    return age_terms(now, arrival, weights) + sla * weights.sla - remaining * weights.tokens
 
 
 def beats(challenger_score: float, incumbent_score: float, threshold: float, floor: float) -> bool:

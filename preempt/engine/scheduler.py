@@ -73,7 +73,7 @@ from preempt.core.config import PreemptionConfig, SchedulerConfig
 from preempt.core.limits import RATE_WINDOW_S, AdmissionBackoff, RateWindow
 from preempt.core.request import Request, RequestState, ScheduledChunk
 from preempt.engine.policies import SchedulingPolicy
-from preempt.engine.priority import remaining_ktokens, time_slice_s
+from preempt.engine.priority import priority_scores, remaining_ktokens, time_slice_s
 from preempt.kv.copy_out import CopyOut
 from preempt.kv.record import MODE_CODEC, KVMover, PreemptionRecord, RestoreResult
 
@@ -187,8 +187,11 @@ class Scheduler:
         """SPEC priority scores of all waiting requests at `now`, (N,) float64, in no
         particular order: O(N) numpy instead of N score evaluations (the feature logger
         and early-save policies need them every step)."""
+        weights = self.preemption.priority_weights
+        if weights.age_cap_s is not None:  # the age term is not linear in `now`: score each
+            return priority_scores(list(self._score_parts), now, weights)
         parts = np.fromiter(self._score_parts.values(), dtype=np.float64, count=len(self._score_parts))
-        return parts + now * self.preemption.priority_weights.age
+        return parts + now * weights.age
 
     def unfinished_requests(self) -> Iterator[Request]:
         """Every request not yet finished: running, READY, then waiting (heap order, not
@@ -608,7 +611,8 @@ class Scheduler:
         victim.num_preemptions += 1
         victim.slice_used_s = 0.0
         self.num_preemptions += 1
-        self._rate_window.record(self._now)
+        if not forced or self.preemption.rate_cap_counts == "all":
+            self._rate_window.record(self._now)
         self.add_request(victim)
         # Forced: memory had to be freed now (its KV dropped if the save failed). Either
         # way it is flagged after leaving `running`, so the record keeps its action.

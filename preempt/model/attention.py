@@ -17,7 +17,10 @@ slots) and in groups of a few MiB so the gathered K/V is still in cache when SDP
 (measured ~30% faster than one big group at batch 64, 1.3k context). Prefill chunks are
 few per step and long, so they run one sequence at a time with a causal mask offset by
 the tokens already cached. GQA goes through `enable_gqa=True`: `repeat_interleave` made
-decode ~10x slower.
+decode ~10x slower. Decode in a 16-bit dtype on CPU skips SDPA for two grouped matmuls
+(`_decode_attention_16bit`): torch's CPU SDPA is ~5x slower in bfloat16 than in float32
+for one query over a long context (5.9 vs 1.2 ms at 8 sequences x 1.5k keys, 8 heads over
+2), and it was half the tiny model's replay time.
 """
 
 from __future__ import annotations
@@ -257,6 +260,32 @@ def write_kv(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def _decode_attention_16bit(
+    q: torch.Tensor,  # (n, Hq, 1, D)
+    k: torch.Tensor,  # (n, Hkv, L, D), any strides
+    v: torch.Tensor,  # (n, Hkv, L, D)
+    attn_mask: torch.Tensor | None,  # (n, 1 or Hq, 1, L) bool, True = attend
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence, as SDPA with `enable_gqa=True` computes it: query head h
+    reads KV head h // group, so the group's queries stack into one matmul. Scores and
+    softmax in float32; the two matmuls accumulate in float32 and round to q's dtype, as
+    a 16-bit flash kernel's do (error within one 16-bit ulp of a float64 reference)."""
+    n, num_heads, _, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    # K made contiguous first: against the strided gather view the batched matmul is ~5x
+    # slower than the copy and a contiguous matmul together
+    scores = torch.matmul(q.view(n, num_kv_heads, group, head_dim), k.contiguous().transpose(-1, -2)).float()
+    scores.mul_(scale)  # (n, Hkv, group, L)
+    if attn_mask is not None:
+        # (n, 1, 1, L) masks every head alike; (n, Hq, 1, L) per head, grouped as the queries
+        heads = attn_mask.view(n, num_kv_heads, group, -1) if attn_mask.shape[1] > 1 else attn_mask
+        scores.masked_fill_(~heads, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).view(n, num_heads, 1, head_dim)
+
+
 def paged_attention(
     q: torch.Tensor,  # (T, Hq, D)
     k_cache: torch.Tensor,  # (num_blocks, bs, Hkv, D)
@@ -292,9 +321,12 @@ def paged_attention(
             query_pos = meta.seq_lens[group.seq_indices][:, None] - 1  # (n, 1)
             visible = _prefix_visible(masked[group.seq_indices], key_pos, query_pos, group_size)
             attn_mask = visible if attn_mask is None else visible & attn_mask  # (n, Hq, 1, L)
-        o = F.scaled_dot_product_attention(
-            q_dec, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=True
-        )  # (n, Hq, 1, D)
+        if q.dtype in (torch.bfloat16, torch.float16) and q.device.type == "cpu":
+            o = _decode_attention_16bit(q_dec, k, v, attn_mask, scale)
+        else:
+            o = F.scaled_dot_product_attention(
+                q_dec, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=True
+            )  # (n, Hq, 1, D)
         out.index_copy_(0, group.token_indices, o.squeeze(2))
     for chunk in meta.prefill_chunks:
         num_blocks = chunk.block_ids.shape[0]

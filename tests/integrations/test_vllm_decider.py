@@ -74,14 +74,41 @@ def test_priority_victim_falls_back_after_consecutive_preemptions():
     assert not decider.held_by_backoff(tired, 1.0)  # already ran: may resume
 
 
-def test_rate_cap_refuses_priority_preemptions():
-    decider = PreemptionDecider(PluginSettings(preemption=PreemptionConfig(max_preemption_per_min=1)))
+@pytest.mark.parametrize("counts", ["all", "priority"])
+def test_rate_cap_refuses_priority_preemptions(counts):
+    preemption = PreemptionConfig(max_preemption_per_min=1, rate_cap_counts=counts, min_time_slice_ms=0)
+    decider = PreemptionDecider(PluginSettings(preemption=preemption))
     rng = random.Random(1)
     challenger = RequestView(fake_request(0, rng, status="WAITING"), arrival_s=0.0)
     challenger.sla_level = 9
+    running = views(3, 2)
+    for view in running:
+        view.preemption_failed = False
+        view.slice_used_s = 1.0
     decider.on_preempted(RequestView(fake_request(5, rng), 0.0), "memory", 0.5, 10)
-    assert decider.priority_victim(challenger, views(3, 2), now=1.0) is None
-    assert decider.metrics.rate_limited == 1
+    # a forced preemption fills the window only when `all` preemptions count
+    blocked = decider.priority_victim(challenger, running, now=1.0) is None
+    assert blocked == (counts == "all")
+    assert decider.metrics.rate_limited == int(counts == "all")
+    decider.on_preempted(running[0], "priority", 1.0, 10)  # a priority one always counts
+    assert decider.priority_victim(challenger, running[1:], now=1.5) is None
+
+
+def test_plugin_defaults_lay_under_user_settings():
+    default = parse_settings(None).preemption
+    assert default.rate_cap_counts == "priority"
+    weights = default.priority_weights
+    assert weights.age * weights.age_cap_s < weights.sla  # age never outranks a level
+    # a nested section merges key by key: the user's threshold, the plugin's other defaults
+    merged = parse_settings({"preemption": {"threshold": 0.3, "priority_weights": {"age": 0.1}}}).preemption
+    assert merged.threshold == 0.3
+    assert merged.priority_weights.age == 0.1 and merged.priority_weights.age_cap_s == weights.age_cap_s
+    assert merged.rate_cap_counts == "priority"
+    engine_like = parse_settings(
+        {"preemption": {"rate_cap_counts": "all", "priority_weights": {"age": 1.2, "age_cap_s": None}}}
+    ).preemption
+    assert engine_like.rate_cap_counts == "all" and engine_like.priority_weights.age_cap_s is None
+    assert load_settings({}, {}).preemption == default
 
 
 def test_limits():

@@ -167,7 +167,8 @@ class PreemptionDecider:
 
     def on_preempted(self, view: RequestView, reason: str, now: float, num_tokens_dropped: int) -> None:
         """After vLLM preempted `view` (its counter already incremented)."""
-        self.rate_window.record(now)
+        if reason == "priority" or self.preemption.rate_cap_counts == "all":
+            self.rate_window.record(now)
         view.slice_used_s = 0.0
         view.preempted_at_s = now
         self.metrics.on_preemption(reason, num_tokens_dropped)
