@@ -34,10 +34,19 @@ $(PEER_STAMP):
 	$(PEER)/bin/python scripts/peer_vllm_metadata.py
 	touch $(PEER_STAMP)
 
-peer: $(PEER_STAMP)
+# preempt itself in the peer, editable and without dependencies (vLLM's environment has
+# what the plugin imports): `--scheduler-cls preempt...` resolves, and vLLM finds the
+# stat-logger entry point that puts the plugin's counters on /metrics. Redone when
+# pyproject.toml (its entry points) changes.
+PEER_PREEMPT := $(PEER)/.preempt
+$(PEER_PREEMPT): $(PEER_STAMP) pyproject.toml
+	$(PEER)/bin/pip install -q --no-deps --no-build-isolation -e .
+	touch $(PEER_PREEMPT)
+
+peer: $(PEER_PREEMPT)
 
 # Every bundled parity workload under both of vLLM's policies; exits 1 on any difference.
-parity: $(STAMP) $(PEER_STAMP)
+parity: $(STAMP) $(PEER_PREEMPT)
 	mkdir -p runs
 	$(BIN)/preempt parity vllm --bundled --policy both --summary > runs/parity.json
 
@@ -71,7 +80,7 @@ gpu-wheels: $(STAMP)
 # The whole suite: the vLLM peer (for parity and the plugin's tests) and guidellm (the
 # `load` extra) are installed first, so nothing skips but the GPU tests; REQUIRE turns a
 # missing one into a failure. The root conftest.py sets TRITON_INTERPRET=1 without CUDA.
-test: $(STAMP) $(PEER_STAMP)
+test: $(STAMP) $(PEER_PREEMPT)
 	PREEMPT_REQUIRE_PEER=1 PREEMPT_REQUIRE_LOADGEN=1 $(BIN)/python -m pytest
 
 lint: $(STAMP)

@@ -359,9 +359,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         options["speed"] = False
     if args.windows:
         options["windows"] = True
+    if args.http:
+        options["http"] = True
     takes = {
         "codec": {"model", "plan", "served_speed", "speed", "prompts"},
         "early": {"model", "windows"},
+        "vllm": {"http"},
     }.get(args.name, set())
     flags = {"served_speed": "no-served-speed", "speed": "no-speed"}
     for key in options:
@@ -683,6 +686,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--arms",
         help="early --windows: the arms to run beside the synchronous none baseline, comma-separated "
         "(lookahead, forecast, forecast_k4, lstm, lstm_capped; default all)",
+    )
+    bench.add_argument(
+        "--http",
+        action="store_true",
+        help="vllm: the peer's own `vllm serve` per arm (fcfs, priority, the plugin), driven over HTTP",
     )
     bench.add_argument(
         "--no-served-speed",

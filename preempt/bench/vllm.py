@@ -38,12 +38,24 @@ TOP_PRIORITY = 0  # vLLM's priority: smaller is more important; preempt reads sl
 LOW_PRIORITY = 3
 PLUGIN_SETTINGS = {"policy": "priority_score", "clock": "steps", "step_ms": 10.0}
 
+# The plugin's decisions are checked under its own defaults and under preempt's engine
+# defaults (every preemption fills the rate cap, the design's unbounded 1.2/s age term):
+# the second is what exercises the cap on the bundled workloads.
+DECISION_SETTINGS = {
+    "plugin_defaults": {},
+    "engine_defaults": {
+        "preemption": {"rate_cap_counts": "all", "priority_weights": {"age": 1.2, "age_cap_s": None}}
+    },
+}
+
 
 def llm_workload(seed: int = 0, quick: bool = False) -> dict:
     """Low-priority requests fill the KV pool first; top-priority ones arrive while it is
     full. Block size 32 (vLLM's CPU attention needs multiples of 32)."""
     rng = random.Random(seed)
-    num_low, num_high = (8, 4) if quick else (12, 6)
+    # quick: 8 then 4 (top ones from step 15, every 10); full: the shape of the HTTP run
+    # in docs/vllm_plugin.md, 60 then 20 (top ones after the 60th, every 5 steps)
+    num_low, num_high, first_high, every = (8, 4, 15, 10) if quick else (60, 20, 60, 5)
     requests = []
     for i in range(num_low):
         requests.append(
@@ -52,8 +64,8 @@ def llm_workload(seed: int = 0, quick: bool = False) -> dict:
         )  # fmt: skip
     for j in range(num_high):
         requests.append(
-            {"id": 100 + j, "priority": TOP_PRIORITY, "arrival_step": 15 + 10 * j, "max_tokens": 16,
-             "prompt_token_ids": [rng.randrange(3, 500) for _ in range(64)]}
+            {"id": 100 + j, "priority": TOP_PRIORITY, "arrival_step": first_high + every * j,
+             "max_tokens": 16, "prompt_token_ids": [rng.randrange(3, 500) for _ in range(64)]}
         )  # fmt: skip
     engine = {"block_size": 32, "num_gpu_blocks": 24, "max_model_len": 512, "max_num_seqs": 8,
               "max_num_batched_tokens": 256, "dtype": "bfloat16"}  # fmt: skip
@@ -61,11 +73,19 @@ def llm_workload(seed: int = 0, quick: bool = False) -> dict:
 
 
 def llm_job(model_dir: str | Path, seed: int = 0, quick: bool = False) -> dict:
+    # The full run's steps last 25 ms on the plugin's clock, the pace of `vllm serve` on
+    # this machine (~400 generated tokens/s over up to 8 requests, `bench vllm --http`):
+    # ages then grow as they do on a server's wall clock.
+    settings = PLUGIN_SETTINGS if quick else {**PLUGIN_SETTINGS, "step_ms": 25.0}
     arms = [
         {"name": "vllm_fcfs", "scheduler": "default", "policy": "fcfs"},
         {"name": "vllm_priority", "scheduler": "default", "policy": "priority"},
-        {"name": "plugin", "scheduler": "preempt", "policy": "priority", "settings": PLUGIN_SETTINGS},
-    ]
+        {"name": "plugin", "scheduler": "preempt", "policy": "priority", "settings": settings},
+        # the plugin's defaults before they were the plugin's own: every preemption fills
+        # the rate cap, and the design's unbounded 1.2/s age term
+        {"name": "plugin_engine_defaults", "scheduler": "preempt", "policy": "priority",
+         "settings": {**settings, **DECISION_SETTINGS["engine_defaults"]}},
+    ]  # fmt: skip
     return {"kind": "llm", "model_dir": str(model_dir), "arms": arms, **llm_workload(seed, quick)}
 
 
@@ -97,33 +117,38 @@ def summarize_llm(result: dict) -> dict[str, Any]:
     return summary
 
 
-def decision_jobs(names: Sequence[str]) -> tuple[list[dict], list]:
-    """Per workload: the plugin's job and preempt's engine run, both with the plugin's
-    default `preemption` section (its rate-cap counting and capped age included)."""
-    preemption = parse_settings(None).preemption.model_dump(mode="json", exclude={"mode"})
-    settings = {"policy": PLUGIN_SETTINGS["policy"], "preemption": preemption}
+def decision_jobs(
+    names: Sequence[str], variants: Sequence[str] = tuple(DECISION_SETTINGS)
+) -> tuple[list[dict], list]:
+    """Per workload and settings variant: the plugin's job and preempt's engine run, both
+    with the same effective `preemption` section (the plugin's, laid over its defaults)."""
     jobs, ours = [], []
-    for name in names:
-        workload = load_workload(name)
-        timed = run_ours_timed(workload, plugin_engine_config(workload, settings["policy"], preemption))
-        ours.append((workload, timed))
-        jobs.append(
-            {"kind": "decisions", "workload": workload.model_dump(), "settings": settings,
-             "clock": {"starts_s": timed.starts_s, "durations_s": timed.durations_s}}
-        )  # fmt: skip
+    for variant in variants:
+        extra = DECISION_SETTINGS[variant]
+        preemption = parse_settings(extra).preemption.model_dump(mode="json", exclude={"mode"})
+        settings = {"policy": PLUGIN_SETTINGS["policy"], "preemption": preemption}
+        for name in names:
+            workload = load_workload(name)
+            timed = run_ours_timed(workload, plugin_engine_config(workload, settings["policy"], preemption))
+            ours.append((workload, variant, timed))
+            jobs.append(
+                {"kind": "decisions", "workload": workload.model_dump(), "settings": settings,
+                 "clock": {"starts_s": timed.starts_s, "durations_s": timed.durations_s}}
+            )  # fmt: skip
     return jobs, ours
 
 
 def summarize_decisions(results: list[dict], ours: list) -> list[dict]:
     rows = []
-    for (workload, timed), result in zip(ours, results, strict=True):
+    for (workload, variant, timed), result in zip(ours, results, strict=True):
         if "error" in result:
-            rows.append({"workload": workload.name, "error": result["error"]})
+            rows.append({"workload": workload.name, "settings": variant, "error": result["error"]})
             continue
         report = compare_traces(result["trace"], timed.trace)
         rows.append(
             {
                 "workload": workload.name,
+                "settings": variant,
                 "identical": report["identical"],
                 "first_divergence": report["first_divergence"],
                 "totals": report["totals"],

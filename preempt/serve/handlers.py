@@ -83,9 +83,22 @@ def token_text(tokenizer: Any, token_id: int) -> str:
 
 
 def token_bytes(tokenizer: Any, token_id: int) -> list[int]:
-    if getattr(tokenizer, "vocab_size", None) == 256 and not hasattr(tokenizer, "_tokenizer"):
+    if _is_byte_tokenizer(tokenizer):
         return [token_id]  # the byte tokenizer: a token is one byte
     return list(tokenizer.decode([token_id]).encode("utf-8"))
+
+
+def _is_byte_tokenizer(tokenizer: Any) -> bool:
+    return getattr(tokenizer, "vocab_size", None) == 256 and not hasattr(tokenizer, "_tokenizer")
+
+
+def token_label(tokenizer: Any, token_id: int) -> str:
+    """A token as logprobs name it: its text, or, for a byte that is not UTF-8 by itself
+    (0x80-0xff: every one decodes to U+FFFD alone), OpenAI's `bytes:\\xNN` form, so that
+    different tokens never share a name (completions' top_logprobs is keyed by it)."""
+    if _is_byte_tokenizer(tokenizer) and token_id >= 0x80:
+        return f"bytes:\\x{token_id:02x}"
+    return token_text(tokenizer, token_id)
 
 
 class Handlers:
@@ -288,7 +301,15 @@ class Handlers:
         return max(1, min(limit - num_prompt_tokens, facts.max_model_len - 1))
 
     # ----------------------------------------------------------------- submit
+    def _check_token_ids(self, ids: Any, param: str) -> None:
+        vocab_size = self.loop.facts.vocab_size
+        bad = sorted(t for t in ids if not 0 <= int(t) < vocab_size)
+        if bad:
+            raise APIError(400, f"{param}: token id {bad[0]} is not in [0, {vocab_size})", param=param)
+
     def _sampling(self, body: _OpenAIBody, num_logprobs: int | None, index: int) -> SamplingParams:
+        self._check_token_ids(body.stop_token_ids or (), "stop_token_ids")
+        self._check_token_ids((int(k) for k in body.logit_bias or {}), "logit_bias")
         stop_ids = set(body.stop_token_ids or ())
         if not body.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -521,20 +542,20 @@ class Handlers:
         position = offset
         if echo:  # the prompt's tokens: their logprobs are not computed (null)
             for token_id in self.tokenizer.encode(echo):
-                tokens.append(token_text(self.tokenizer, token_id))
+                tokens.append(token_label(self.tokenizer, token_id))
                 token_logprobs.append(None)
                 top.append(None)
                 offsets.append(position)
-                position += len(tokens[-1])
+                position += len(token_text(self.tokenizer, token_id))
         for sample in delta.logprobs:
-            tokens.append(token_text(self.tokenizer, sample.token_id))
+            tokens.append(token_label(self.tokenizer, sample.token_id))
             token_logprobs.append(sample.logprob)
             entries: dict[str, float] = {}
-            for t, lp in sample.top_logprobs:  # most likely first: a shared text keeps the likelier
-                entries.setdefault(token_text(self.tokenizer, t), lp)
+            for t, lp in sample.top_logprobs:  # most likely first: a shared name keeps the likelier
+                entries.setdefault(token_label(self.tokenizer, t), lp)
             top.append(entries)
             offsets.append(position)
-            position += len(tokens[-1])
+            position += len(token_text(self.tokenizer, sample.token_id))
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
@@ -545,7 +566,7 @@ class Handlers:
     def _chat_logprobs(self, delta: Delta) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             return {
-                "token": token_text(self.tokenizer, token_id),
+                "token": token_label(self.tokenizer, token_id),
                 "logprob": logprob,
                 "bytes": token_bytes(self.tokenizer, token_id),
             }

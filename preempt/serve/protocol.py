@@ -129,13 +129,13 @@ class ContentPart(_OpenAIModel):
 
 class ChatMessage(_OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[ContentPart] | None = None
+    content: Text | list[ContentPart]
+    """Required: OpenAI lets an assistant turn carry tool calls instead, and this server
+    has no tools, so a message without content would be an empty turn said silently."""
     name: str | None = None
 
     @property
     def text(self) -> str:
-        if self.content is None:
-            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)

@@ -33,11 +33,14 @@ def test_plugin_makes_preempts_decisions_step_by_step(peer_run):
     for row in peer_run["decisions"]:
         assert "error" not in row, row
         assert row["identical"], (row["workload"], row["first_divergence"])
-    mix = next(row for row in peer_run["decisions"] if row["workload"] == "priority-mix")
-    # The workload exercises what the plugin adds, not only vLLM's memory preemption.
-    assert mix["plugin_metrics"]["preemptions"]["priority"] > 0
-    assert mix["plugin_metrics"]["failures"].get("consecutive_limit", 0) > 0
-    assert mix["plugin_metrics"]["rate_limited"] > 0
+    mix = {row["settings"]: row for row in peer_run["decisions"] if row["workload"] == "priority-mix"}
+    # The workload exercises what the plugin adds, not only vLLM's memory preemption: under
+    # its own defaults priority preemptions and fallbacks; under the engine's (memory
+    # preemptions fill the cap) the rate cap too.
+    for variant in ("plugin_defaults", "engine_defaults"):
+        assert mix[variant]["plugin_metrics"]["preemptions"]["priority"] > 0
+        assert mix[variant]["plugin_metrics"]["failures"]["consecutive_limit"] > 0
+    assert mix["engine_defaults"]["plugin_metrics"]["rate_limited"] > 0
 
 
 def test_greedy_outputs_equal_vllm_default_for_every_request(peer_run):

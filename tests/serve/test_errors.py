@@ -36,6 +36,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "suffix": "tail"}, 400),
     ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999": 1}}, 400),  # not in the vocabulary
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [256]}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400),  # no content
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, 400),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, 400),
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": 3}, 400),
     ("/v1/completions", {"prompt": []}, 400),
@@ -79,6 +83,21 @@ def test_bad_input_is_a_clear_4xx(live: LiveServer, path: str, body: Any, status
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["message"] and error["type"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [256]}, "stop_token_ids"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "content"),
+    ],
+)
+def test_lenient_cases_name_the_field(live: LiveServer, path: str, body: Any, field: str) -> None:
+    response = httpx.post(f"{live.url}{path}", json=body, headers=AUTH, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert field in error["message"] or field in (error["param"] or ""), error
 
 
 def test_engine_unaffected_by_bad_input(live: LiveServer) -> None:

@@ -94,9 +94,10 @@ def test_completion_logprobs_and_echo(client: openai.OpenAI) -> None:
     generated = lp.token_logprobs[3:]
     assert len(generated) == 6 and all(v <= 0 for v in generated)
     for token, chosen, top in zip(lp.tokens[3:], generated, lp.top_logprobs[3:], strict=True):
-        # Three entries, unless byte tokens decode to the same text: with the byte tokenizer
-        # only invalid UTF-8 bytes do (all "\ufffd"), and they share that one key.
-        assert token in top and (len(top) == 3 or (len(top) < 3 and "\ufffd" in top))
+        # Exactly three: bytes that are not UTF-8 alone are named `bytes:\xNN` (OpenAI's
+        # form), not by the "\ufffd" they all decode to, so no two entries share a key.
+        assert token in top and len(top) == 3
+        assert all("\ufffd" not in name for name in top)
         assert chosen == pytest.approx(max(top.values()))  # greedy: the chosen token is the top-1
         # most likely first, and real log-probabilities of distinct outcomes
         values = list(top.values())

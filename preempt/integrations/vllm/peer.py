@@ -27,7 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-PLUGIN_CLS = "preempt.integrations.vllm.scheduler.PreemptScheduler"
+from preempt.integrations.vllm.settings import PLUGIN_CLS
+
 TINY_LLAMA = {
     "vocab_size": 512,
     "hidden_size": 128,
@@ -51,6 +52,42 @@ def write_tiny_model(model_dir: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).to(torch.bfloat16)
     model.save_pretrained(model_dir)
+    return model_dir
+
+
+# The served model: bytes in and out, and enough compute per step (~3M parameters) that a
+# step's time is mostly the worker's matmuls on its own core, not Python on the core the
+# API server, the engine core and the client share: with the 0.2M-parameter TINY_LLAMA
+# over HTTP on 2 cores, the API server was the queue and fcfs = priority.
+SERVED_LLAMA = {**TINY_LLAMA, "vocab_size": 256, "hidden_size": 256, "intermediate_size": 768,
+                "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+
+# Byte-level chat turns for the served model: enough for /v1/chat/completions to render.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def write_served_model(model_dir: Path, seed: int = 0) -> Path:
+    """A random-weight Llama over UTF-8 bytes (vocabulary 256) with a Hugging Face
+    tokenizer whose ids are the bytes (`preempt.bench.load.write_byte_tokenizer`) and a
+    chat template: what `vllm serve` needs to take text prompts, offline (no download).
+    Every id the model can emit decodes, so streamed text is well defined."""
+    if (model_dir / "config.json").is_file():
+        return model_dir
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from preempt.bench.load import write_byte_tokenizer
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**SERVED_LLAMA)).to(torch.bfloat16)
+    model.save_pretrained(model_dir)
+    write_byte_tokenizer(model_dir)
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
     return model_dir
 
 
@@ -138,7 +175,8 @@ def run_arm(job: dict, arm: dict, model_dir: str) -> dict:
         return original(request, *args, **kw)
 
     scheduler._preempt_request = counting
-    before = _metric_values(("vllm:num_preemptions_total",))
+    names = ("vllm:num_preemptions_total", "preempt:preemptions_total", "preempt:recomputed_tokens_total")
+    before = _metric_values(names)  # counters are per process: arms before this one added to them
     uses_priority = arm["scheduler"] == "preempt" or arm.get("policy") == "priority"
     pending = sorted(job["requests"], key=lambda r: (r["arrival_step"], r["id"]))
     engine_obj = llm.llm_engine
@@ -179,7 +217,6 @@ def run_arm(job: dict, arm: dict, model_dir: str) -> dict:
         if step > 200_000:
             raise RuntimeError("no end after 200000 steps")
     run_s = time.perf_counter() - run_started
-    names = ("vllm:num_preemptions_total", "preempt:preemptions_total", "preempt:recomputed_tokens_total")
     after = _metric_values(names)
     metrics = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
     result = {

@@ -40,7 +40,7 @@ from vllm.v1.request import Request
 
 from preempt.integrations.vllm.clock import make_clock
 from preempt.integrations.vllm.decider import PreemptionDecider, RequestView
-from preempt.integrations.vllm.metrics import PrometheusExport
+from preempt.integrations.vllm.metrics import PrometheusExport, SnapshotWriter
 from preempt.integrations.vllm.settings import load_settings
 
 
@@ -115,7 +115,10 @@ class PreemptScheduler(Scheduler):
         self._num_steps = 0
         self._step_now = 0.0
         self._reason = "other"
+        # Both routes to `/metrics` (metrics.py): counters for a multiprocess directory or
+        # one process, snapshots for the API server's collector (stat_logger.py).
         self._export = PrometheusExport() if self.log_stats else None
+        self._snapshots = SnapshotWriter() if self.log_stats else None
 
     # ------------------------------------------------------------- queue seams
     def _admission_key(self, request: Request) -> tuple:
@@ -205,6 +208,7 @@ class PreemptScheduler(Scheduler):
             self.views = {rid: view for rid, view in self.views.items() if rid in self.requests}
         if self._export is not None:
             self._export.sync(self.decider.metrics)
+            self._snapshots.write(self.decider.metrics)
         return result
 
     def plugin_metrics(self) -> dict:

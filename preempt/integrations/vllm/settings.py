@@ -34,6 +34,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from preempt.core.config import PreemptionConfig, format_validation_error
 from preempt.engine.policies import POLICIES
 
+PLUGIN_CLS = "preempt.integrations.vllm.scheduler.PreemptScheduler"
+"""What `--scheduler-cls` names (a string: vLLM imports the class itself)."""
 ENV_VAR = "PREEMPT_VLLM_CONFIG"
 ADDITIONAL_CONFIG_KEY = "preempt"
 

@@ -1,0 +1,349 @@
+"""`preempt bench vllm --http`: the plugin in a real `vllm serve`, driven over HTTP.
+
+Each arm starts the peer's own `vllm serve` CLI (`make peer`: vLLM 0.32.0's CPU build with
+preempt installed into it) on a tiny local byte-level Llama (`peer.write_served_model`,
+no download), sends the same requests with the openai client on the wall clock (streamed
+`/v1/completions`, greedy, vLLM's `priority` field), scrapes `/metrics`, and stops the
+server with SIGTERM. Arms: vLLM fcfs, vLLM `--scheduling-policy priority`, and the plugin
+(`--scheduler-cls ...PreemptScheduler`, its default settings). Per arm: TTFT per priority
+class, wall time, vLLM's `vllm:num_preemptions_total` beside the plugin's `preempt:*`
+families, and every request's output token ids (greedy: a policy changes order, never
+tokens). This module never imports vLLM; the servers are subprocesses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from preempt.integrations.vllm.settings import PLUGIN_CLS
+
+TOP_PRIORITY, LOW_PRIORITY = 0, 3  # vLLM's priority: smaller is more important
+START_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class ServeArm:
+    name: str
+    policy: str  # vLLM's --scheduling-policy: fcfs | priority
+    plugin: bool = False
+    settings: dict = field(default_factory=dict)  # the plugin's --additional-config "preempt"
+
+
+ARMS = (
+    ServeArm("vllm_fcfs", "fcfs"),
+    ServeArm("vllm_priority", "priority"),
+    ServeArm("plugin", "priority", plugin=True),
+)
+
+# The engine shape of `preempt bench vllm`'s in-process run: 24 KV blocks of 32 tokens
+# (vLLM's CPU attention needs multiples of 32), 8 seats, no prefix cache.
+ENGINE = {"block_size": 32, "num_gpu_blocks": 24, "max_model_len": 512, "max_num_seqs": 8,
+          "max_num_batched_tokens": 256}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HttpRequest:
+    id: int
+    priority: int
+    at_s: float  # sent this long after the run starts
+    prompt: str
+    max_tokens: int
+
+
+def http_workload(num_low: int = 60, num_high: int = 20, seed: int = 0) -> list[HttpRequest]:
+    """The issue's run: `num_low` requests of priority 3 fill the pool, then `num_high` of
+    priority 0 arrive while it is full. Prompts are printable ASCII (one byte, one token),
+    different per request, from `seed`."""
+    import random
+
+    rng = random.Random(seed)
+
+    def text(n: int) -> str:
+        return "".join(chr(rng.randrange(32, 127)) for _ in range(n))
+
+    low = [HttpRequest(i, LOW_PRIORITY, 0.02 * i, text(96), 48) for i in range(num_low)]
+    start = 0.02 * num_low
+    high = [HttpRequest(1000 + j, TOP_PRIORITY, start + 0.1 * j, text(64), 16) for j in range(num_high)]
+    return low + high
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_command(
+    vllm_bin: Path, model_dir: Path, port: int, arm: ServeArm, engine: dict = ENGINE
+) -> list[str]:
+    """`vllm serve` as a user types it (docs/vllm_plugin.md), plus the tiny engine's shape."""
+    command = [
+        str(vllm_bin), "serve", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
+        "--dtype", "bfloat16", "--enforce-eager", "--seed", "0", "--no-enable-prefix-caching",
+        "--block-size", str(engine["block_size"]),
+        "--num-gpu-blocks-override", str(engine["num_gpu_blocks"]),
+        "--max-model-len", str(engine["max_model_len"]),
+        "--max-num-seqs", str(engine["max_num_seqs"]),
+        "--max-num-batched-tokens", str(engine["max_num_batched_tokens"]),
+        "--scheduling-policy", arm.policy,
+        # first token at once, then 16 at a time: on 2 shared cores per-token SSE for 80
+        # streams made the API server, not the scheduler, decide who waited (TTFT spread
+        # 0.03-2.7 s between seeds of one arm)
+        "--stream-interval", "16",
+    ]  # fmt: skip
+    if arm.plugin:
+        command += ["--scheduler-cls", PLUGIN_CLS]
+        command += ["--additional-config", json.dumps({"preempt": arm.settings})]
+    return command
+
+
+def server_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREEMPT_VLLM", "PROMETHEUS_MULTIPROC"))}
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",  # GiB; vLLM's CPU backend would otherwise reserve most of RAM
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
+    env.pop("PYTHONPATH", None)  # the peer runs its installed preempt, as a user's would
+    return env
+
+
+class ServerError(RuntimeError):
+    """`vllm serve` exited or never became healthy; the message holds its log's tail."""
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+    returncode: int | None = None  # set when stopped
+
+
+@contextlib.contextmanager
+def vllm_server(
+    command: Sequence[str], log_path: Path, timeout_s: float = START_TIMEOUT_S
+) -> Iterator[Server]:
+    """Start `command`, wait for GET /health, yield the server; SIGTERM on exit (vLLM's
+    graceful shutdown), SIGKILL after 60 s. Raises ServerError with the log's tail."""
+    port = command[command.index("--port") + 1]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            list(command), stdout=log, stderr=subprocess.STDOUT, env=server_env(), start_new_session=True
+        )
+    server = Server(f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise ServerError(f"vllm serve exited {proc.returncode}:\n{_tail(log_path)}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{server.url}/health", timeout=2.0).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise ServerError(f"vllm serve not healthy after {timeout_s:.0f} s:\n{_tail(log_path)}")
+            time.sleep(0.5)
+        yield server
+    finally:
+        server.returncode = stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen, grace_s: float = 60.0) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+async def _one(client, request: HttpRequest, started: float) -> dict:
+    await asyncio.sleep(max(0.0, started + request.at_s - time.perf_counter()))
+    sent = time.perf_counter()
+    first = None
+    token_ids: list[int] = []
+    stream = await client.completions.create(
+        model="tiny",
+        prompt=request.prompt,
+        max_tokens=request.max_tokens,
+        temperature=0.0,
+        stream=True,
+        extra_body={"priority": request.priority, "ignore_eos": True, "return_token_ids": True},
+    )
+    async for chunk in stream:
+        ids = getattr(chunk.choices[0], "token_ids", None) if chunk.choices else None
+        if ids:
+            if first is None:
+                first = time.perf_counter()
+            token_ids.extend(ids)
+    done = time.perf_counter()
+    return {
+        "id": request.id,
+        "priority": request.priority,
+        "sent_s": sent - started,
+        "ttft_s": (first or done) - sent,
+        "latency_s": done - sent,
+        "token_ids": token_ids,
+    }
+
+
+async def drive(url: str, requests: Sequence[HttpRequest]) -> list[dict]:
+    """Every request at its time, concurrently, through the openai client."""
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600.0) as client:
+        started = time.perf_counter()
+        return list(await asyncio.gather(*(_one(client, r, started) for r in requests)))
+
+
+def scrape(url: str) -> dict[str, float]:
+    """`/metrics` samples of vLLM's preemption counter and preempt's families, by name
+    (with the label, if any, as `name{label=value}`), summed over vLLM's engine labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:num_preemptions_total" or sample.name.startswith("preempt:"):
+                own = {k: v for k, v in sample.labels.items() if k in ("reason", "failure")}
+                key = sample.name + "".join(f"{{{k}={v}}}" for k, v in own.items())
+                values[key] = values.get(key, 0.0) + sample.value
+    return values
+
+
+def ttft_by_priority(records: Sequence[dict]) -> dict[str, float]:
+    by: dict[int, list[float]] = {}
+    for r in records:
+        by.setdefault(r["priority"], []).append(r["ttft_s"])
+    return {f"priority_{p}": statistics.fmean(v) for p, v in sorted(by.items())}
+
+
+def run_arms(
+    vllm_bin: Path,
+    model_dir: Path,
+    arms: Sequence[ServeArm],
+    workloads: Sequence[Sequence[HttpRequest]],
+    log_dir: Path,
+) -> list[dict]:
+    """One `vllm serve` per arm, one at a time (with three up at once the machine ran
+    ~16 runnable threads on 2 cores and the client's own reads decided TTFT), warmed up,
+    then every workload in turn. Per arm: per workload its records and mean TTFT per
+    class, the `/metrics` scrape at the end (counters over warm-up and all workloads),
+    the exit code."""
+    results = []
+    for arm in arms:
+        command = serve_command(vllm_bin, model_dir, _free_port(), arm)
+        started = time.perf_counter()
+        with vllm_server(command, log_dir / f"{arm.name}.log") as server:
+            up_s = time.perf_counter() - started
+            # a server's first requests pay one-time costs: not measured
+            asyncio.run(drive(server.url, http_workload(num_low=8, num_high=2, seed=-1)))
+            runs = []
+            for requests in workloads:
+                run_started = time.perf_counter()
+                records = asyncio.run(drive(server.url, requests))
+                runs.append(
+                    {
+                        "wall_s": round(time.perf_counter() - run_started, 2),
+                        "ttft_s": ttft_by_priority(records),
+                        "requests": sorted(records, key=lambda r: r["id"]),
+                    }
+                )
+            metrics = scrape(server.url)
+        results.append(
+            {
+                "name": arm.name,
+                "command": command,
+                "start_s": round(up_s, 1),
+                "runs": runs,
+                "metrics": metrics,
+                "exit_code": server.returncode,
+                "pid": server.proc.pid,  # the API server's (`vllm serve` itself, one API server)
+            }
+        )
+    return results
+
+
+def write_model(peer_python: Path, model_dir: Path) -> Path:
+    """The served model, written by the peer (it has transformers)."""
+    code = "import sys; from pathlib import Path; from preempt.integrations.vllm.peer import "
+    code += "write_served_model as w; w(Path(sys.argv[1]))"
+    subprocess.run([str(peer_python), "-c", code, str(model_dir)], check=True, env=server_env())
+    return model_dir
+
+
+def bench_vllm_http(
+    peer_python: Path, work_dir: Path, quick: bool = False, arms: Sequence[ServeArm] = ARMS
+) -> dict[str, Any]:
+    """Every arm on the same workloads (5 seeds; `quick`: 2 seeds of a smaller one):
+    top-class TTFT per arm as a mean over seeds with a 95% t-interval, and each arm's
+    difference from vLLM's priority scheduler paired by seed."""
+    from experiments.stats import t_interval
+
+    num_seeds, sizes = (2, (16, 6)) if quick else (5, (60, 20))
+    workloads = [http_workload(*sizes, seed=seed) for seed in range(num_seeds)]
+    model_dir = write_model(peer_python, work_dir / "tiny-byte-llama")
+    results = run_arms(peer_python.parent / "vllm", model_dir, arms, workloads, work_dir)
+    top = f"priority_{TOP_PRIORITY}"
+    by_name = {r["name"]: r for r in results}
+    reference = by_name[arms[0].name]
+    bar = by_name.get("vllm_priority")
+    summary = {}
+    for result in results:
+        runs = result["runs"]
+        tops = [run["ttft_s"][top] for run in runs]
+        same = sum(
+            a["token_ids"] == b["token_ids"]
+            for run, ref in zip(result["runs"], reference["runs"], strict=True)
+            for a, b in zip(run["requests"], ref["requests"], strict=True)
+        )
+        row = {
+            "ttft_top_s": t_interval(tops)._asdict(),
+            "ttft_top_s_per_seed": [round(t, 3) for t in tops],
+            "ttft_low_s": t_interval(
+                [run["ttft_s"][f"priority_{LOW_PRIORITY}"] for run in result["runs"]]
+            )._asdict(),
+            "wall_s": t_interval([run["wall_s"] for run in result["runs"]])._asdict(),
+            "preemptions": result["metrics"].get("vllm:num_preemptions_total"),
+            "plugin_metrics": {k: v for k, v in result["metrics"].items() if k.startswith("preempt:")},
+            f"outputs_equal_{reference['name']}": f"{same}/{sum(len(run['requests']) for run in runs)}",
+            "exit_code": result["exit_code"],
+        }
+        if bar is not None and result is not bar:
+            diffs = [
+                run["ttft_s"][top] - b["ttft_s"][top]
+                for run, b in zip(result["runs"], bar["runs"], strict=True)
+            ]
+            row["ttft_top_minus_vllm_priority_s"] = t_interval(diffs)._asdict()
+        summary[result["name"]] = row
+    best = min(summary, key=lambda name: summary[name]["ttft_top_s"]["mean"])
+    return {
+        "workload": {"seeds": num_seeds, "priority_3": sizes[0], "priority_0": sizes[1], "engine": ENGINE},
+        "arms": summary,
+        "best_for_top_class": best,
+        "start_s": results[0]["start_s"],
+    }

@@ -1,0 +1,64 @@
+"""The plugin in the peer's own `vllm serve`, over HTTP: the documented command starts,
+mixed-priority requests through the openai client, `/metrics` scraped, greedy outputs
+equal plain vLLM's, SIGTERM drains cleanly. Two servers (plain vLLM fcfs, then the
+plugin) on a tiny local byte-level Llama; skipped without a peer unless
+PREEMPT_REQUIRE_PEER=1 (CI), like tests/parity.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from preempt.bench.vllm_http import ARMS, TOP_PRIORITY, http_workload, run_arms, write_model
+from preempt.integrations.vllm.metrics import snapshot_dir
+from tests.parity.test_vllm_parity import peer  # noqa: F401 - the shared fixture
+
+REQUESTS = http_workload(num_low=16, num_high=6)
+
+
+@pytest.fixture(scope="module")
+def served(peer, tmp_path_factory):  # noqa: F811
+    work = tmp_path_factory.mktemp("vllm-serve")
+    model = write_model(peer, work / "model")
+    arms = [arm for arm in ARMS if arm.name in ("vllm_fcfs", "plugin")]
+    results = run_arms(peer.parent / "vllm", model, arms, [REQUESTS], work)
+    return {result["name"]: {**result, **result["runs"][0]} for result in results}
+
+
+def test_documented_command_serves_every_request_and_stops_cleanly(served):
+    wanted = {r.id: r.max_tokens for r in REQUESTS}
+    for result in served.values():
+        assert result["exit_code"] == 0, result["name"]  # SIGTERM: vLLM's graceful shutdown
+        assert {r["id"]: len(r["token_ids"]) for r in result["requests"]} == wanted
+    assert "--scheduler-cls" in served["plugin"]["command"]
+    # the API server's snapshot directory goes with it
+    assert not snapshot_dir(served["plugin"]["pid"]).exists()
+
+
+def test_plugin_metrics_on_metrics_equal_vllms_own(served):
+    metrics = served["plugin"]["metrics"]
+    families = {key.split("{")[0] for key in metrics}
+    assert {
+        "preempt:preemptions_total",
+        "preempt:preemption_failures_total",
+        "preempt:recomputed_tokens_total",
+        "preempt:preemption_stall_seconds_total",
+        "preempt:rate_limited_total",
+        "preempt:saved_bytes_total",
+    } <= families
+    by_reason = sum(v for k, v in metrics.items() if k.startswith("preempt:preemptions_total"))
+    assert metrics["vllm:num_preemptions_total"] > 0  # the pool is small: preemptions happened
+    assert by_reason == metrics["vllm:num_preemptions_total"]
+    # a plain vLLM server shows no preempt:* families (no scheduler wrote snapshots)
+    assert not any(k.startswith("preempt:") for k in served["vllm_fcfs"]["metrics"])
+
+
+def test_greedy_outputs_equal_plain_vllm(served):
+    plain = {r["id"]: r["token_ids"] for r in served["vllm_fcfs"]["requests"]}
+    for r in served["plugin"]["requests"]:
+        assert r["token_ids"] == plain[r["id"]], r["id"]
+
+
+def test_top_class_first_tokens_earlier_than_fcfs(served):
+    top = f"priority_{TOP_PRIORITY}"
+    assert served["plugin"]["ttft_s"][top] < served["vllm_fcfs"]["ttft_s"][top]
