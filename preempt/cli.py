@@ -347,6 +347,23 @@ def cmd_importance(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tokenizer(args: argparse.Namespace) -> int:
+    """The served tiny model's tokenizer as a Hugging Face directory: token id i is byte
+    i, as `preempt.model.tokenizer.ByteTokenizer` (an `hf` checkpoint's directory already
+    holds its own). Load generators count tokens with it, offline."""
+    from preempt.bench.load import write_byte_tokenizer
+
+    try:
+        write_byte_tokenizer(args.out)
+    except ImportError as err:
+        return _missing(f"preempt tokenizer needs {err.name} (pip install tokenizers): {err}")
+    except OSError as err:
+        print(f"preempt tokenizer: error: cannot write {args.out}: {err.strerror}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out / 'tokenizer.json'} and {args.out / 'tokenizer_config.json'}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from preempt.bench import BENCHMARKS
 
@@ -662,6 +679,13 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_serve_arguments(serve)
         serve.set_defaults(func=cmd_serve)
+
+    tokenizer = sub.add_parser(
+        "tokenizer",
+        help="write the tiny model's byte-level tokenizer (tokenizer.json) for load generators",
+    )
+    tokenizer.add_argument("--out", type=Path, required=True, help="a directory; guidellm's --processor")
+    tokenizer.set_defaults(func=cmd_tokenizer)
 
     bench = sub.add_parser("bench", help="micro/macro benchmarks; one JSON object on stdout")
     bench.add_argument("name", choices=sorted(BENCHMARKS))

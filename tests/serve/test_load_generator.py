@@ -30,15 +30,24 @@ def require_guidellm() -> None:
     pytest.skip(message)
 
 
+@pytest.mark.parametrize("written_by", ["function", "cli"])
 def test_byte_tokenizer_file_is_the_servers_tokenizer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, written_by: str
 ) -> None:
     """Loaded the way guidellm loads it (AutoTokenizer on a local directory, offline), the
-    file maps text to the byte ids the tiny backend uses, and any ids back to its text."""
+    file maps text to the byte ids the tiny backend uses, and any ids back to its text;
+    `preempt tokenizer --out DIR` (the serving docs' first command) writes the same."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(write_byte_tokenizer(tmp_path)))
+    if written_by == "cli":
+        from preempt.cli import main
+
+        assert main(["tokenizer", "--out", str(tmp_path / "tok")]) == 0
+        directory = tmp_path / "tok"
+    else:
+        directory = write_byte_tokenizer(tmp_path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
     byte = ByteTokenizer()
     assert len(tokenizer) == byte.vocab_size
     assert tokenizer.all_special_ids == []
