@@ -351,7 +351,7 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
     """The served tiny model's tokenizer as a Hugging Face directory: token id i is byte
     i, as `preempt.model.tokenizer.ByteTokenizer` (an `hf` checkpoint's directory already
     holds its own). Load generators count tokens with it, offline."""
-    from preempt.bench.load import write_byte_tokenizer
+    from preempt.model.tokenizer import write_byte_tokenizer
 
     try:
         write_byte_tokenizer(args.out)
@@ -410,23 +410,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 return 2
     from preempt.parity.harness import PeerError
 
+    result: dict[str, Any]
     try:
-        if args.windows:  # experiments/ judges the windows by intervals
+        if args.http:  # experiments/ judges the seeds by intervals
+            import tempfile
+
+            from experiments.vllm_http import bench_vllm_http
+            from preempt.parity.harness import peer_python
+
+            with tempfile.TemporaryDirectory(prefix="preempt-bench-vllm-http-") as tmp:
+                result = bench_vllm_http(peer_python(None), Path(tmp), args.quick)
+        elif args.windows:  # experiments/ judges the windows by intervals
             from experiments.early_windows import bench_early_windows
 
             arms = args.arms.split(",") if args.arms is not None else None
             try:
-                result: dict[str, Any] = bench_early_windows(
-                    args.quick, models, args.trace or "azure-conv", arms
-                )
+                result = bench_early_windows(args.quick, models, args.trace or "azure-conv", arms)
             except ValueError as err:  # --arms names an arm it does not run
                 print(f"preempt: error: {err}", file=sys.stderr)
                 return 2
         else:
             result = BENCHMARKS[args.name](args.quick, **options)
-    except PeerError as err:  # bench vllm: no peer virtualenv, or it failed
+    except PeerError as err:  # bench vllm: no peer virtualenv, it failed, or `vllm serve` did
         print(f"preempt: error: {err}", file=sys.stderr)
         return 2
+
     if args.json:
         print(json.dumps(result))
     else:

@@ -38,10 +38,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 # Run as programs (`python -m ...`), imported by nothing: they may import anything.
 ENTRY_POINTS = frozenset({"preempt.server", "preempt.serve.__main__", "experiments.main"})
-# Run in vLLM's own virtualenv with PYTHONPATH=repo (preempt/parity/harness.py): what
-# they import at module level must exist there.
+# Run in vLLM's own virtualenv (PYTHONPATH=repo, preempt/parity/harness.py, or preempt
+# installed there, `make peer`): what they import at module level must exist there.
+# prometheus_client: a dependency of vLLM itself (its /metrics).
 PEER_MODULES = ("preempt.parity.vllm_peer", "preempt.integrations.vllm")
-PEER_PACKAGES = frozenset({"vllm", "pydantic", "numpy", "yaml"})
+PEER_PACKAGES = frozenset({"vllm", "pydantic", "numpy", "yaml", "prometheus_client"})
 
 
 def module_files() -> dict[str, Path]:

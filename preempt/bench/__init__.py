@@ -68,16 +68,7 @@ def _clock(quick: bool) -> dict[str, Any]:
     return bench_clock(quick)
 
 
-def _vllm(quick: bool, http: bool = False) -> dict[str, Any]:
-    if http:
-        import tempfile
-        from pathlib import Path
-
-        from preempt.bench.vllm_http import bench_vllm_http
-        from preempt.parity.harness import peer_python
-
-        with tempfile.TemporaryDirectory(prefix="preempt-bench-vllm-http-") as tmp:
-            return bench_vllm_http(Path(peer_python(None)), Path(tmp), quick)
+def _vllm(quick: bool) -> dict[str, Any]:
     from preempt.bench.vllm import bench_vllm
 
     return bench_vllm(quick)

@@ -25,6 +25,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from preempt.model.tokenizer import write_byte_tokenizer
+
 PERCENTILES = (50, 90, 99)
 INSTALL_HINT = "pip install -c constraints.txt -e '.[load]'"
 
@@ -51,39 +53,6 @@ class LoadRun(NamedTuple):
 
 def guidellm_installed() -> bool:
     return importlib.util.find_spec("guidellm") is not None
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map, which the `tokenizers` ByteLevel
-    pre-tokenizer applies before the model sees the text: vocabulary keys must be these
-    characters for token id b to mean byte b."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    codes = list(printable)
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            codes.append(256 + extra)
-            extra += 1
-    return {byte: chr(code) for byte, code in zip(printable, codes, strict=True)}
-
-
-def write_byte_tokenizer(directory: Path) -> Path:
-    """A Hugging Face tokenizer (tokenizer.json + tokenizer_config.json) whose ids are the
-    UTF-8 bytes, as `preempt.model.tokenizer.ByteTokenizer`'s: a BPE with the 256 byte
-    symbols and no merges, no regex split, no prefix space, no special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {symbol: byte for byte, symbol in _bytes_to_unicode().items()}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return directory
 
 
 def guidellm_command(

@@ -25,11 +25,11 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 from preempt.integrations.vllm.settings import PLUGIN_CLS
+from preempt.parity.harness import PeerError
 
 TOP_PRIORITY, LOW_PRIORITY = 0, 3  # vLLM's priority: smaller is more important
 START_TIMEOUT_S = 300.0
@@ -125,7 +125,7 @@ def server_env() -> dict[str, str]:
     return env
 
 
-class ServerError(RuntimeError):
+class ServerError(PeerError):
     """`vllm serve` exited or never became healthy; the message holds its log's tail."""
 
 
@@ -214,7 +214,13 @@ async def drive(url: str, requests: Sequence[HttpRequest]) -> list[dict]:
     """Every request at its time, concurrently, through the openai client."""
     from openai import AsyncOpenAI
 
-    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600.0) as client:
+    # No keep-alive: a pooled connection idle for the server's keep-alive timeout (5 s in
+    # vLLM) can be closed by the server just as the client reuses it, and a request then
+    # fails with a connection error; a fresh localhost connection per request costs ~nothing.
+    http = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), timeout=600.0)
+    async with AsyncOpenAI(
+        base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600.0, http_client=http
+    ) as client:
         started = time.perf_counter()
         return list(await asyncio.gather(*(_one(client, r, started) for r in requests)))
 
@@ -294,56 +300,3 @@ def write_model(peer_python: Path, model_dir: Path) -> Path:
     code += "write_served_model as w; w(Path(sys.argv[1]))"
     subprocess.run([str(peer_python), "-c", code, str(model_dir)], check=True, env=server_env())
     return model_dir
-
-
-def bench_vllm_http(
-    peer_python: Path, work_dir: Path, quick: bool = False, arms: Sequence[ServeArm] = ARMS
-) -> dict[str, Any]:
-    """Every arm on the same workloads (5 seeds; `quick`: 2 seeds of a smaller one):
-    top-class TTFT per arm as a mean over seeds with a 95% t-interval, and each arm's
-    difference from vLLM's priority scheduler paired by seed."""
-    from experiments.stats import t_interval
-
-    num_seeds, sizes = (2, (16, 6)) if quick else (5, (60, 20))
-    workloads = [http_workload(*sizes, seed=seed) for seed in range(num_seeds)]
-    model_dir = write_model(peer_python, work_dir / "tiny-byte-llama")
-    results = run_arms(peer_python.parent / "vllm", model_dir, arms, workloads, work_dir)
-    top = f"priority_{TOP_PRIORITY}"
-    by_name = {r["name"]: r for r in results}
-    reference = by_name[arms[0].name]
-    bar = by_name.get("vllm_priority")
-    summary = {}
-    for result in results:
-        runs = result["runs"]
-        tops = [run["ttft_s"][top] for run in runs]
-        same = sum(
-            a["token_ids"] == b["token_ids"]
-            for run, ref in zip(result["runs"], reference["runs"], strict=True)
-            for a, b in zip(run["requests"], ref["requests"], strict=True)
-        )
-        row = {
-            "ttft_top_s": t_interval(tops)._asdict(),
-            "ttft_top_s_per_seed": [round(t, 3) for t in tops],
-            "ttft_low_s": t_interval(
-                [run["ttft_s"][f"priority_{LOW_PRIORITY}"] for run in result["runs"]]
-            )._asdict(),
-            "wall_s": t_interval([run["wall_s"] for run in result["runs"]])._asdict(),
-            "preemptions": result["metrics"].get("vllm:num_preemptions_total"),
-            "plugin_metrics": {k: v for k, v in result["metrics"].items() if k.startswith("preempt:")},
-            f"outputs_equal_{reference['name']}": f"{same}/{sum(len(run['requests']) for run in runs)}",
-            "exit_code": result["exit_code"],
-        }
-        if bar is not None and result is not bar:
-            diffs = [
-                run["ttft_s"][top] - b["ttft_s"][top]
-                for run, b in zip(result["runs"], bar["runs"], strict=True)
-            ]
-            row["ttft_top_minus_vllm_priority_s"] = t_interval(diffs)._asdict()
-        summary[result["name"]] = row
-    best = min(summary, key=lambda name: summary[name]["ttft_top_s"]["mean"])
-    return {
-        "workload": {"seeds": num_seeds, "priority_3": sizes[0], "priority_0": sizes[1], "engine": ENGINE},
-        "arms": summary,
-        "best_for_top_class": best,
-        "start_s": results[0]["start_s"],
-    }

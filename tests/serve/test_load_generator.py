@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from preempt.bench.load import INSTALL_HINT, guidellm_installed, run_guidellm, summarize, write_byte_tokenizer
-from preempt.model.tokenizer import ByteTokenizer
+from preempt.bench.load import INSTALL_HINT, guidellm_installed, run_guidellm, summarize
+from preempt.model.tokenizer import ByteTokenizer, write_byte_tokenizer
 from tests.serve.conftest import running_server, serve_config
 
 NUM_REQUESTS = 12

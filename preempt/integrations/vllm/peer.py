@@ -71,7 +71,7 @@ CHAT_TEMPLATE = (
 
 def write_served_model(model_dir: Path, seed: int = 0) -> Path:
     """A random-weight Llama over UTF-8 bytes (vocabulary 256) with a Hugging Face
-    tokenizer whose ids are the bytes (`preempt.bench.load.write_byte_tokenizer`) and a
+    tokenizer whose ids are the bytes (`preempt.model.tokenizer.write_byte_tokenizer`) and a
     chat template: what `vllm serve` needs to take text prompts, offline (no download).
     Every id the model can emit decodes, so streamed text is well defined."""
     if (model_dir / "config.json").is_file():
@@ -79,7 +79,7 @@ def write_served_model(model_dir: Path, seed: int = 0) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from preempt.bench.load import write_byte_tokenizer
+    from preempt.model.tokenizer import write_byte_tokenizer
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**SERVED_LLAMA)).to(torch.bfloat16)
