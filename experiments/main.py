@@ -14,10 +14,8 @@
 7. `preempt report`: claims vs measurements, from this run.
 
 Thin on purpose: each step is the documented CLI command (printed before it runs), so a
-user can rerun any one of them alone. Steps 3-4 need neither the LM nor the plan: they run
-in child processes beside steps 1-2 (their output in OUT/predictor_steps.log). Step 1
-reuses `--lm` (runs/lm) when it holds an LM of the same training config; every other step
-reruns.
+user can rerun any one of them alone. Step 1 reuses `--lm` (runs/lm) when it holds an LM
+of the same training config; every other step reruns.
 
     python -m experiments.main [--out runs/main] [--wandb offline]
 """
@@ -28,9 +26,7 @@ import argparse
 import contextlib
 import json
 import shlex
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -62,70 +58,8 @@ def _step(title: str, argv: list[str], stdout_to: Path | None = None) -> float:
 TRAIN_WINDOWS_START_S = (1300, 1900, 2500)
 
 
-def _predictor_steps(out: Path, wandb: str) -> list[tuple[str, str, list[str]]]:
-    """Steps 3-4: (times key, title, argv) of the collects and the predictor's training."""
-    features = [out / f"features-{start}" for start in TRAIN_WINDOWS_START_S]
-    steps = [
-        (
-            "collect",
-            f"3/7 collect features ({i + 1}/{len(features)}: [{start}, {start + 200}) s)",
-            [
-                "collect",
-                "--config",
-                "experiments/configs/collect.yaml",
-                "--out",
-                str(out / f"collect-{start}"),
-                "--features",
-                str(path),
-                "--no-progress",
-                "--set",
-                f"workload.start_s={start}",
-            ],
-        )  # fmt: skip
-        for i, (start, path) in enumerate(zip(TRAIN_WINDOWS_START_S, features, strict=True))
-    ]
-    train = ["train", "--data", ",".join(str(path) for path in features), "--out", str(out / "predictor")]
-    steps.append(("train", "4/7 train the predictor", [*train, "--wandb", wandb, "--no-progress"]))
-    return steps
-
-
-def _run_beside(steps: list[tuple[str, str, list[str]]], log_path: Path) -> tuple[threading.Thread, dict]:
-    """Run `steps` one after another in a child `preempt` process each, in a thread, their
-    output to `log_path`: they need neither the LM nor the plan, so they overlap steps 1-2
-    (the LM's training keeps both cores only ~1.3x busy). Same commands, same seeds and
-    thread counts as in this process: same outputs."""
-    state: dict = {"times": {}, "error": None}
-
-    def chain() -> None:
-        with open(log_path, "w") as log:
-            for key, title, argv in steps:
-                log.write(f"\n== {title}\n$ preempt {shlex.join(argv)}\n")
-                log.flush()
-                started = time.perf_counter()
-                code = subprocess.call(
-                    [sys.executable, "-c", _CLI, *argv], stdout=log, stderr=subprocess.STDOUT
-                )
-                if code:
-                    state["error"] = f"main job: step '{title}' failed (exit {code}; its output: {log_path})"
-                    return
-                state["times"][key] = state["times"].get(key, 0.0) + time.perf_counter() - started
-
-    thread = threading.Thread(target=chain, name="predictor-steps", daemon=True)
-    thread.start()
-    return thread, state
-
-
-_CLI = "import sys; from preempt.cli import main; sys.exit(main(sys.argv[1:]))"
-
-
 def run(out: Path, lm: Path, wandb: str) -> dict[str, float]:
     plan = lm / "importance_plan.json"
-    log_path = out / "predictor_steps.log"
-    steps = _predictor_steps(out, wandb)
-    print(f"\n== 3-4/7 beside steps 1-2 (output: {log_path})", flush=True)
-    for _, _title, argv in steps:
-        print(f"$ preempt {shlex.join(argv)}", flush=True)
-    thread, beside = _run_beside(steps, log_path)
     times = {
         "lm": _step(
             "1/7 train the reference LM (cached)", ["lm", "train", "--out", str(lm), "--wandb", wandb]
@@ -139,16 +73,37 @@ def run(out: Path, lm: Path, wandb: str) -> dict[str, float]:
             stdout_to=out / "importance.json",
         ),
     }
-    waited = time.perf_counter()
-    thread.join()
-    if beside["error"]:
-        raise SystemExit(beside["error"])
-    times.update(beside["times"])
-    times["waited_for_3_4"] = time.perf_counter() - waited
-    print(
-        f"-- 3-4/7 collect {times['collect']:.0f} s, train {times['train']:.0f} s "
-        f"(beside steps 1-2; waited {times['waited_for_3_4']:.0f} s more)",
-        flush=True,
+    features = [out / f"features-{start}" for start in TRAIN_WINDOWS_START_S]
+    times["collect"] = sum(
+        _step(
+            f"3/7 collect features ({i + 1}/{len(features)}: [{start}, {start + 200}) s)",
+            [
+                "collect",
+                "--config",
+                "experiments/configs/collect.yaml",
+                "--out",
+                str(out / f"collect-{start}"),
+                "--features",
+                str(path),
+                "--no-progress",
+                "--set",
+                f"workload.start_s={start}",
+            ],
+        )
+        for i, (start, path) in enumerate(zip(TRAIN_WINDOWS_START_S, features, strict=True))
+    )
+    times["train"] = _step(
+        "4/7 train the predictor",
+        [
+            "train",
+            "--data",
+            ",".join(str(path) for path in features),
+            "--out",
+            str(out / "predictor"),
+            "--wandb",
+            wandb,
+            "--no-progress",
+        ],
     )
     times["ablate"] = _step(
         "5/7 ablation (quick)",
