@@ -22,7 +22,7 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,12 +89,17 @@ def llm_job(model_dir: str | Path, seed: int = 0, quick: bool = False) -> dict:
     return {"kind": "llm", "model_dir": str(model_dir), "arms": arms, **llm_workload(seed, quick)}
 
 
+def mean_by_priority(requests: Sequence[dict], value: Callable[[dict], float]) -> dict[str, float]:
+    """`value` of the requests averaged per vLLM priority: {"priority_<p>": mean}."""
+    by: dict[int, list[float]] = {}
+    for r in requests:
+        by.setdefault(r["priority"], []).append(value(r))
+    return {f"priority_{p}": statistics.fmean(v) for p, v in sorted(by.items())}
+
+
 def ttft_by_class(arm: dict) -> dict[str, float]:
     """Mean TTFT in engine steps (first-token step - arrival step) per vLLM priority."""
-    by: dict[int, list[int]] = {}
-    for r in arm["requests"]:
-        by.setdefault(r["priority"], []).append(r["first_token_step"] - r["arrival_step"])
-    return {f"priority_{p}": statistics.fmean(v) for p, v in sorted(by.items())}
+    return mean_by_priority(arm["requests"], lambda r: r["first_token_step"] - r["arrival_step"])
 
 
 def summarize_llm(result: dict) -> dict[str, Any]:

@@ -19,7 +19,6 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+from preempt.bench.vllm import mean_by_priority
 from preempt.integrations.vllm.settings import PLUGIN_CLS
 from preempt.parity.harness import PeerError
 
@@ -241,13 +241,6 @@ def scrape(url: str) -> dict[str, float]:
     return values
 
 
-def ttft_by_priority(records: Sequence[dict]) -> dict[str, float]:
-    by: dict[int, list[float]] = {}
-    for r in records:
-        by.setdefault(r["priority"], []).append(r["ttft_s"])
-    return {f"priority_{p}": statistics.fmean(v) for p, v in sorted(by.items())}
-
-
 def run_arms(
     vllm_bin: Path,
     model_dir: Path,
@@ -275,7 +268,7 @@ def run_arms(
                 runs.append(
                     {
                         "wall_s": round(time.perf_counter() - run_started, 2),
-                        "ttft_s": ttft_by_priority(records),
+                        "ttft_s": mean_by_priority(records, lambda r: r["ttft_s"]),
                         "requests": sorted(records, key=lambda r: r["id"]),
                     }
                 )

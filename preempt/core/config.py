@@ -370,6 +370,11 @@ class PreemptionConfig(_Section):
             )
         return self
 
+    def fills_rate_cap(self, forced: bool) -> bool:
+        """Whether a preemption (`forced`: by running out of KV blocks) is recorded in the
+        rate cap's window (`rate_cap_counts`)."""
+        return not forced or self.rate_cap_counts == "all"
+
 
 class EarlySaveConfig(_Section):
     """Speculative KV saves before a preemption happens (the predictor issue): when the

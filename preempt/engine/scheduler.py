@@ -611,7 +611,7 @@ class Scheduler:
         victim.num_preemptions += 1
         victim.slice_used_s = 0.0
         self.num_preemptions += 1
-        if not forced or self.preemption.rate_cap_counts == "all":
+        if self.preemption.fills_rate_cap(forced):
             self._rate_window.record(self._now)
         self.add_request(victim)
         # Forced: memory had to be freed now (its KV dropped if the save failed). Either

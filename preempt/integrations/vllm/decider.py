@@ -167,7 +167,7 @@ class PreemptionDecider:
 
     def on_preempted(self, view: RequestView, reason: str, now: float, num_tokens_dropped: int) -> None:
         """After vLLM preempted `view` (its counter already incremented)."""
-        if reason == "priority" or self.preemption.rate_cap_counts == "all":
+        if self.preemption.fills_rate_cap(forced=reason != "priority"):
             self.rate_window.record(now)
         view.slice_used_s = 0.0
         view.preempted_at_s = now

@@ -99,15 +99,14 @@ def _counters() -> dict:
 
 class PrometheusExport:
     """prometheus_client counters mirroring `PluginMetrics` (`COUNTERS`). `sync()` pushes
-    the deltas since the last call."""
+    the deltas of a `PluginMetrics.snapshot()` since the last call."""
 
     def __init__(self) -> None:
         self._counters = _counters()
         self._labels = {key: label for _, _, label, key in COUNTERS}
         self._last = PluginMetrics().snapshot()
 
-    def sync(self, metrics: PluginMetrics) -> None:
-        now = metrics.snapshot()
+    def sync(self, now: dict) -> None:
         for key, counter in self._counters.items():
             label = self._labels[key]
             if label is None:
@@ -136,8 +135,8 @@ class SnapshotWriter:
         self.path = self.directory / f"engine-{os.getpid()}.json"
         self._last: dict | None = None
 
-    def write(self, metrics: PluginMetrics) -> None:
-        snapshot = metrics.snapshot()
+    def write(self, snapshot: dict) -> None:
+        """`snapshot`: a `PluginMetrics.snapshot()`."""
         if snapshot == self._last:
             return
         try:

@@ -42,23 +42,24 @@ TINY_LLAMA = {
 }
 
 
-def write_tiny_model(model_dir: Path, seed: int = 0) -> Path:
-    """A random-weight Llama checkpoint (bf16 safetensors, ~0.5 MB), unless one is there."""
+def write_tiny_model(model_dir: Path, seed: int = 0, config: dict = TINY_LLAMA) -> Path:
+    """A random-weight Llama checkpoint (bf16 safetensors, ~0.5 MB for TINY_LLAMA),
+    unless one is there."""
     if (model_dir / "config.json").is_file():
         return model_dir
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).to(torch.bfloat16)
+    model = LlamaForCausalLM(LlamaConfig(**config)).to(torch.bfloat16)
     model.save_pretrained(model_dir)
     return model_dir
 
 
-# The served model: bytes in and out, and enough compute per step (~3M parameters) that a
-# step's time is mostly the worker's matmuls on its own core, not Python on the core the
-# API server, the engine core and the client share: with the 0.2M-parameter TINY_LLAMA
-# over HTTP on 2 cores, the API server was the queue and fcfs = priority.
+# The served model: bytes in and out, and more compute per step (~3M parameters) than
+# TINY_LLAMA, so that more of a step is the worker's matmuls on its own core and less the
+# Python that the API server, the engine core and the client share the other core with
+# (over HTTP on 2 cores with the 0.2M-parameter model, fcfs and priority measured equal).
 SERVED_LLAMA = {**TINY_LLAMA, "vocab_size": 256, "hidden_size": 256, "intermediate_size": 768,
                 "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
 
@@ -76,19 +77,13 @@ def write_served_model(model_dir: Path, seed: int = 0) -> Path:
     Every id the model can emit decodes, so streamed text is well defined."""
     if (model_dir / "config.json").is_file():
         return model_dir
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from preempt.model.tokenizer import write_byte_tokenizer
 
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**SERVED_LLAMA)).to(torch.bfloat16)
-    model.save_pretrained(model_dir)
     write_byte_tokenizer(model_dir)
     config_path = model_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
-    return model_dir
+    return write_tiny_model(model_dir, seed, SERVED_LLAMA)  # config.json last: the "is there" mark
 
 
 # ----------------------------------------------------------------- decisions

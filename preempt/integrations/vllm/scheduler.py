@@ -207,8 +207,9 @@ class PreemptScheduler(Scheduler):
         if len(self.views) > len(self.requests):
             self.views = {rid: view for rid, view in self.views.items() if rid in self.requests}
         if self._export is not None:
-            self._export.sync(self.decider.metrics)
-            self._snapshots.write(self.decider.metrics)
+            snapshot = self.decider.metrics.snapshot()
+            self._export.sync(snapshot)
+            self._snapshots.write(snapshot)
         return result
 
     def plugin_metrics(self) -> dict:
