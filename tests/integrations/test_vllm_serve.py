@@ -3,13 +3,21 @@ mixed-priority requests through the openai client, `/metrics` scraped, greedy ou
 equal plain vLLM's, SIGTERM drains cleanly. Two servers (plain vLLM fcfs, then the
 plugin) on a tiny local byte-level Llama; skipped without a peer unless
 PREEMPT_REQUIRE_PEER=1 (CI), like tests/parity.
+
+No test here compares the two servers' wall times. On 2 shared cores vLLM's engine
+busy-polls (sched_yield for 1 s after each message) and the client's event loop starved:
+sends lagged by up to 5.6 s, first tokens were stamped in bunches, and one CI run saw the
+urgent class's mean TTFT under the plugin above plain vLLM's (0.67 s against 0.50 s). That
+the plugin serves the urgent class first is tested on the step clock, where it is
+deterministic (tests/integrations/test_vllm_plugin.py); over HTTP it is the bench's
+measurement, over seeds with intervals (`preempt bench vllm --http`).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from preempt.bench.vllm_http import ARMS, TOP_PRIORITY, http_workload, run_arms, write_model
+from preempt.bench.vllm_http import ARMS, http_workload, run_arms, write_model
 from preempt.integrations.vllm.metrics import snapshot_dir
 from tests.parity.test_vllm_parity import peer  # noqa: F401 - the shared fixture
 
@@ -58,7 +66,3 @@ def test_greedy_outputs_equal_plain_vllm(served):
     for r in served["plugin"]["requests"]:
         assert r["token_ids"] == plain[r["id"]], r["id"]
 
-
-def test_top_class_first_tokens_earlier_than_fcfs(served):
-    top = f"priority_{TOP_PRIORITY}"
-    assert served["plugin"]["ttft_s"][top] < served["vllm_fcfs"]["ttft_s"][top]
