@@ -26,8 +26,10 @@ from preempt.bench.early import (
     hidden_share,
     horizon_of,
     run_arm,
+    training_windows_of,
     window_s,
 )
+from preempt.core.workload import TraceError, load_trace, resolve_trace
 
 FORECAST_ARMS = ("forecast", "forecast_k4")
 """preempt.bench.early's present-knowledge forecast arms (no checkpoint: one run a window)."""
@@ -43,7 +45,65 @@ TRACE_WINDOWS_S: dict[str, tuple[float, ...]] = {
     # and [2800, 3000) s preempts nothing at 4x (measured: 0 preemptions, nothing to judge).
     "azure-code": (1200.0, 1600.0, 2000.0, 2400.0),
 }
-"""`--windows --trace T`: each trace's held-out windows (collect.yaml's workload otherwise)."""
+"""`--windows --trace T`: the held-out windows of the traces docs/predictor.md trains on
+(collect.yaml's workload otherwise). Any other trace (a bundled name or an Azure CSV /
+Mooncake JSONL path) gets `NUM_WINDOWS` windows spread evenly over it; on every trace,
+windows a checkpoint was trained on are replaced (`choose_windows`)."""
+
+NUM_WINDOWS = 4
+
+
+def _trace_file(trace: str) -> str:
+    try:
+        return str(resolve_trace(trace).resolve())
+    except TraceError:
+        return trace  # a checkpoint's trace that is not on this machine: compared by name
+
+
+def _overlaps(start: float, end: float, window: dict[str, Any]) -> bool:
+    window_end = math.inf if window.get("end_s") is None else float(window["end_s"])
+    return start < window_end and float(window["start_s"]) < end
+
+
+def choose_windows(trace: str, duration: float, trained: list[dict[str, Any]]) -> list[float]:
+    """Starts of `NUM_WINDOWS` windows of `duration` s of `trace` (its own seconds) that
+    overlap no window in `trained` (the checkpoints' training windows; those of other
+    traces do not count): the trace's held-out windows (`TRACE_WINDOWS_S`) or windows
+    spread evenly over it, each one that overlaps training moved to the first free slot
+    of a scan in `duration` steps. Raises ValueError when fewer than 2 windows are free
+    (no interval from one), naming the training windows in the way."""
+    span = load_trace(trace)[-1].arrival_s
+    if span < duration:
+        raise ValueError(f"--trace {trace}: {span:.0f} s long, shorter than one {duration:.0f} s window")
+    mine = [w for w in trained if _trace_file(str(w["trace"])) == _trace_file(trace)]
+    if trace in TRACE_WINDOWS_S:
+        candidates = list(TRACE_WINDOWS_S[trace])
+    else:
+        step = (span - duration) / (NUM_WINDOWS - 1)
+        candidates = [round(k * step, 1) for k in range(NUM_WINDOWS)]
+
+    def free(start: float, taken: list[float]) -> bool:
+        end = start + duration
+        return not any(_overlaps(start, end, w) for w in mine) and not any(
+            start < t + duration and t < end for t in taken
+        )
+
+    chosen: list[float] = []
+    for start in candidates:
+        if free(start, chosen):
+            chosen.append(start)
+    scan = 0.0
+    while len(chosen) < len(candidates) and scan + duration <= span:
+        if free(scan, chosen):
+            chosen.append(scan)
+        scan += duration
+    if len(chosen) < 2:
+        spans = ", ".join(f"[{w['start_s']:.0f}, {w.get('end_s') or math.inf:.0f}) s" for w in mine)
+        raise ValueError(
+            f"--trace {trace}: the checkpoints were trained on {spans} of it, which leaves fewer "
+            f"than 2 free {duration:.0f} s windows to judge them on; bench them on another trace"
+        )
+    return sorted(chosen)
 
 
 WINDOW_ARMS = ("lookahead", *FORECAST_ARMS, *LSTM_ARMS)
@@ -55,7 +115,8 @@ def bench_early_windows(
     quick: bool, models: list[str], trace: str = "azure-conv", arms: list[str] | None = None
 ) -> dict[str, Any]:
     """`preempt bench early --windows`: the async-restore arms on every held-out window
-    (`HELD_OUT_WINDOWS_S`), so the targets are judged by intervals, not one window. Per
+    of `trace` (`choose_windows`: none that a checkpoint in `models` was trained on), so
+    the targets are judged by intervals, not one window. Per
     window and mode: `none` with synchronous restores (the baseline of `stall_hidden`),
     `lstm` and `lstm_capped` for each checkpoint in `models` (training seeds), the
     present-knowledge `forecast` (every step and every 4 steps), and the lookahead oracle
@@ -67,8 +128,7 @@ def bench_early_windows(
     of the oracle): held / did not hold only when the interval says so. `arms`: a subset of
     `WINDOW_ARMS` (None: all)."""
 
-    if trace not in TRACE_WINDOWS_S:
-        raise ValueError(f"--trace must be one of {', '.join(TRACE_WINDOWS_S)}; got '{trace}'")
+    resolve_trace(trace)  # TraceError (a ValueError) names an unknown trace
     chosen = WINDOW_ARMS if arms is None else tuple(arms)
     unknown = [arm for arm in chosen if arm not in WINDOW_ARMS]
     if unknown or not chosen:
@@ -77,8 +137,10 @@ def bench_early_windows(
     if len(horizons) != 1:
         raise ValueError("--windows: every checkpoint must share one horizon, feature set and stride")
     horizon = list(horizons.pop())
-    windows = TRACE_WINDOWS_S[trace][:2] if quick else TRACE_WINDOWS_S[trace]
     duration = window_s(quick)
+    trained = {model: training_windows_of(model) for model in models}
+    windows = choose_windows(trace, duration, [w for ws in trained.values() for w in ws or []])
+    windows = windows[:2] if quick else windows
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
 
@@ -105,6 +167,8 @@ def bench_early_windows(
     return {
         "workload": f"{COLLECT.name}, {duration} s windows of {trace} from {list(windows)} s",
         "models": models,
+        # None: a checkpoint older than the record, whose windows could not be avoided
+        "training_windows": trained,
         "arms": list(chosen),
         "waste_cap_setpoint": WASTE_CAP_SETPOINT,
         "horizon": horizon,

@@ -107,8 +107,28 @@ def _concat(tables: list[FeatureTable]) -> FeatureTable:
         if name == "group":
             values = [v + offset for v, offset in zip(values, offsets, strict=True)]
         columns[name] = np.concatenate(values)
-    meta = dict(first, sources=[t.meta.get("trace") for t in tables])
+    meta = dict(
+        first,
+        sources=[t.meta.get("trace") for t in tables],
+        windows=[w for t in tables for w in t.meta.get("windows", [])],
+    )
     return FeatureTable(meta=meta, **columns)
+
+
+def trace_window(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The trace window a dataset replayed, from its collect config: {"trace", "start_s",
+    "end_s"} in the trace's own seconds (before rate scaling; `end_s` None: to the end).
+    None for a dataset without a config (its window is unknown)."""
+    workload = (meta.get("config") or {}).get("workload")
+    if not workload:
+        return None
+    start = float(workload.get("start_s", 0.0))
+    duration = workload.get("duration_s")
+    return {
+        "trace": str(workload.get("trace", meta.get("trace"))),
+        "start_s": start,
+        "end_s": None if duration is None else start + float(duration),
+    }
 
 
 def _deployment(meta: dict[str, Any]) -> tuple[float, float, int]:
@@ -142,6 +162,8 @@ def _load_one(path: str | Path, index: int) -> FeatureTable:
     seed = table.column("seed").to_numpy() if "seed" in table.column_names else np.zeros_like(request_id)
     _, group = np.unique(np.stack([seed, request_id], axis=1), axis=0, return_inverse=True)
     meta = dataset_meta(dataset)
+    window = trace_window(meta)
+    meta["windows"] = [window] if window is not None else []
     num_rows = len(request_id)
     kv_bytes, rate, block_size = _deployment(meta)
     num_tokens = (

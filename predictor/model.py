@@ -47,6 +47,7 @@ class PreemptionLSTM(pl.LightningModule):
         every_k_steps: int = 1,
         horizon_steps: int = 0,
         feature_set: str = "v1",
+        training_windows: Sequence[dict] = (),
     ) -> None:
         super().__init__()
         # Everything needed to rebuild the data split and to use the model online lives
@@ -58,6 +59,8 @@ class PreemptionLSTM(pl.LightningModule):
         # logging period; online, one LSTM step must stand for the same k engine steps.
         # `horizon_steps` / `feature_set`: the labels' step horizon and the features'
         # set (preempt.engine.features.FEATURE_SETS); online, a different one is refused.
+        # `training_windows`: the trace windows of its data ({"trace", "start_s", "end_s"},
+        # predictor.data.trace_window), so that a bench can refuse to score it on them.
         self.save_hyperparameters()
         self.lstm = nn.LSTM(input_size=NUM_FEATURES, hidden_size=HIDDEN_SIZE, batch_first=True)
         self.head = nn.Linear(HIDDEN_SIZE, 1)

@@ -117,6 +117,7 @@ def train(data: str | Path, out_dir: str | Path, config: TrainConfig | None = No
         every_k_steps=int(table.meta.get("every_k_steps", 1)),
         horizon_steps=int(table.meta.get("horizon_steps", 0)),
         feature_set=str(table.meta.get("feature_set", "v1")),
+        training_windows=list(table.meta.get("windows", [])),
     )
     model.set_normalization(*datamodule.feature_stats())
 

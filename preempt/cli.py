@@ -426,7 +426,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             arms = args.arms.split(",") if args.arms is not None else None
             try:
                 result = bench_early_windows(args.quick, models, args.trace or "azure-conv", arms)
-            except ValueError as err:  # --arms names an arm it does not run
+            except ValueError as err:  # an unknown --arms or --trace, or no free windows
                 print(f"preempt: error: {err}", file=sys.stderr)
                 return 2
         else:
@@ -711,8 +711,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--trace",
-        choices=["azure-code", "azure-conv"],
-        help="early --windows: the trace whose held-out windows are replayed (default azure-conv)",
+        help="early --windows: the trace replayed, a bundled name (azure-conv, azure-code, "
+        "mooncake-synthetic) or an Azure CSV / Mooncake JSONL path (default azure-conv); its "
+        "windows avoid every window the checkpoints were trained on",
     )
     bench.add_argument(
         "--arms",

@@ -124,7 +124,7 @@ def test_swap_runs_are_reproducible_too(tmp_path):
         (["bench", "codec", "--windows"], "--windows does not apply to `bench codec`"),
         (["bench", "early", "--windows"], "--windows needs --model"),
         (["bench", "early", "--trace", "azure-code"], "--trace applies to `bench early --windows` only"),
-        (["bench", "early", "--windows", "--trace", "mooncake"], "invalid choice"),
+        (["bench", "early", "--windows", "--model", __file__, "--trace", "mooncake"], "trace 'mooncake'"),
         (["bench", "early", "--arms", "lstm"], "--arms applies to `bench early --windows` only"),
         (["bench", "early", "--windows", "--model", __file__, "--arms", "rule"], "--arms: choose from"),
         # every checkpoint of the list is checked (this file exists; b.ckpt does not)

@@ -100,6 +100,16 @@ def horizon_of(model: str) -> list[str]:
     ]
 
 
+def training_windows_of(model: str) -> list[dict[str, Any]] | None:
+    """The trace windows the checkpoint was trained on ({"trace", "start_s", "end_s"}, see
+    predictor.data.trace_window); None for a checkpoint that predates recording them."""
+    from preempt.engine.online_predictor import load_checkpoint
+
+    _, hparams = load_checkpoint(model)
+    windows = hparams.get("training_windows")
+    return None if windows is None else [dict(w) for w in windows]
+
+
 ARMS = ("none", "prefetch", "rule", "lookahead", "forecast", "forecast_k4", "oracle_log")
 """`forecast`: the lookahead's fork knowing only the present (preempt.engine.lookahead), at
 every step; `forecast_k4` the same forked every `FORECAST_EVERY_STEPS` steps or at once on

@@ -64,13 +64,39 @@ def test_windows_summary_judges_each_target_by_its_interval():
     assert zstd["lstm"]["waste_share"]["mean"] is None and "oracle_lead" not in zstd["lstm"]
 
 
-def test_the_cli_offers_exactly_the_traces_with_held_out_windows():
-    from experiments.early_windows import TRACE_WINDOWS_S
-    from preempt.cli import build_parser
+def test_windows_avoid_what_the_checkpoints_trained_on():
+    from experiments.early_windows import HELD_OUT_WINDOWS_S, choose_windows
 
-    bench = build_parser()._subparsers._group_actions[0].choices["bench"]
-    (trace,) = [action for action in bench._actions if action.dest == "trace"]
-    assert sorted(trace.choices) == sorted(TRACE_WINDOWS_S)
+    # no training on this trace: its held-out windows as they are
+    other = [{"trace": "azure-code", "start_s": 0.0, "end_s": 3000.0}]
+    assert choose_windows("azure-conv", 200.0, other) == list(HELD_OUT_WINDOWS_S)
+    # the main job's windows (azure-conv from 1300, 1900, 2500 s): 1800 and 2000 overlap
+    # [1900, 2100) and move to the first free slots of a 200 s scan (0 and 200 s)
+    main = [{"trace": "azure-conv", "start_s": s, "end_s": s + 200.0} for s in (1300.0, 1900.0, 2500.0)]
+    chosen = choose_windows("azure-conv", 200.0, main)
+    assert chosen == [0.0, 200.0, 1600.0, 2200.0]
+    for start in chosen:
+        assert not any(start < w["end_s"] and w["start_s"] < start + 200.0 for w in main)
+    # a window to the trace's end (end_s None) counts as such
+    to_the_end = [{"trace": "azure-conv", "start_s": 1000.0, "end_s": None}]
+    assert choose_windows("azure-conv", 200.0, to_the_end) == [0.0, 200.0, 400.0, 600.0]
+
+
+def test_windows_of_any_trace_spread_over_it_and_a_full_overlap_is_refused(tmp_path):
+    from experiments.early_windows import choose_windows
+
+    # mooncake-synthetic (1,022 s): four 200 s windows spread evenly, none overlapping
+    chosen = choose_windows("mooncake-synthetic", 200.0, [])
+    assert chosen[0] == 0.0 and chosen[-1] + 200.0 <= 1023.0 and len(chosen) == 4
+    assert all(b - a >= 200.0 for a, b in zip(chosen, chosen[1:], strict=False))
+    # a path: an Azure CSV of 34 requests over 990 s; trained on all of it -> refused
+    path = tmp_path / "mine.csv"
+    rows = [f"2023-11-16 18:{m:02d}:{s:02d}.0000000,100,20" for m in range(17) for s in (0, 30)][:34]
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    assert len(choose_windows(str(path), 200.0, [])) == 4
+    everything = [{"trace": str(path), "start_s": 0.0, "end_s": None}]
+    with pytest.raises(ValueError, match="trained on \\[0, inf\\) s of it"):
+        choose_windows(str(path), 200.0, everything)
 
 
 def test_arms_picks_what_runs_and_what_is_judged(monkeypatch):
@@ -86,11 +112,13 @@ def test_arms_picks_what_runs_and_what_is_judged(monkeypatch):
 
     monkeypatch.setattr(windows, "run_arm", fake_run)
     monkeypatch.setattr(windows, "horizon_of", lambda model: ["early_save.horizon_ms=50.0"])
+    monkeypatch.setattr(windows, "training_windows_of", lambda model: [])
     result = windows.bench_early_windows(True, ["a.ckpt", "b.ckpt"], arms=["lookahead", "lstm"])
     # quick: two windows; swap: none, lookahead, lstm x 2; swap_zstd: none, lstm x 2
     assert ran == ["none", "lookahead", "lstm", "lstm", "none", "lstm", "lstm"] * 2
     assert set(result["summary"]["swap"]) == {"lookahead", "lstm"}
     assert result["summary"]["swap"]["lstm"]["stall_hidden"]["mean"] == 0.5
     assert set(result["summary"]["swap_zstd"]) == {"lstm"} and result["arms"] == ["lookahead", "lstm"]
+    assert result["training_windows"] == {"a.ckpt": [], "b.ckpt": []}
     with pytest.raises(ValueError, match="--arms: choose from lookahead, forecast"):
         windows.bench_early_windows(True, ["a.ckpt"], arms=["lstm", "nope"])

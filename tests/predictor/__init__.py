@@ -15,13 +15,19 @@ COL = {name: i for i, name in enumerate(FEATURE_NAMES)}
 
 
 def synthetic_dataset(
-    path: Path, num_requests: int = 120, seed: int = 0, running: int = 6, with_tokens: bool = False
+    path: Path,
+    num_requests: int = 120,
+    seed: int = 0,
+    running: int = 6,
+    with_tokens: bool = False,
+    window: tuple[str, float, float] | None = None,
 ) -> Path:
     """Requests run in overlapping groups of `running`; at each step the lowest-ranked one
     is preempted within the horizon when the KV pool is nearly full (plus 2% label noise).
     Every row is a plausible feature vector; labels follow the features of the row's step
     and the one before (free KV falling), so both the LSTM and the baselines can learn.
-    `with_tokens`: also the `num_tokens` column (from seq_ktokens), for the expected value."""
+    `with_tokens`: also the `num_tokens` column (from seq_ktokens), for the expected value.
+    `window`: (trace, start_s, duration_s), recorded as a collect's workload config is."""
     rng = np.random.default_rng(seed)
     rows: dict[str, list] = {k: [] for k in ("request_id", "step", "t_s", "features", "label", "ttp")}
     step = 0
@@ -59,5 +65,10 @@ def synthetic_dataset(
     }
     if with_tokens:
         columns["num_tokens"] = (columns["features"][:, COL["seq_ktokens"]] * 1000).astype(np.int64)
-    save_dataset(columns, {"seed": seed, "horizon_ms": 50.0, "trace": "synthetic"}, path)
+    info: dict = {"seed": seed, "horizon_ms": 50.0, "trace": "synthetic"}
+    if window is not None:
+        trace, start, duration = window
+        workload = {"trace": trace, "start_s": start, "duration_s": duration}
+        info.update(trace=trace, config={"workload": workload})
+    save_dataset(columns, info, path)
     return path

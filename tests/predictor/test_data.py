@@ -120,3 +120,15 @@ def test_rule_ranks_slice_used_requests_by_score(data_path):
         if len(rows):
             best = rows[np.argmin(table.features[rows, COL["score_rank"]])]
             assert scores[best] == 1.0 and np.sum(scores[rows] == 1.0) == 1
+
+
+def test_a_mix_records_every_dataset_s_trace_window(tmp_path):
+    a = synthetic_dataset(tmp_path / "a", num_requests=30, window=("azure-conv", 1300.0, 200.0))
+    b = synthetic_dataset(tmp_path / "b", num_requests=30, seed=1, window=("azure-code", 0.0, 600.0))
+    assert load_table(a).meta["windows"] == [{"trace": "azure-conv", "start_s": 1300.0, "end_s": 1500.0}]
+    assert load_table(f"{a},{b}").meta["windows"] == [
+        {"trace": "azure-conv", "start_s": 1300.0, "end_s": 1500.0},
+        {"trace": "azure-code", "start_s": 0.0, "end_s": 600.0},
+    ]
+    # a dataset without its collect config: no window known, none made up
+    assert load_table(synthetic_dataset(tmp_path / "c", num_requests=30)).meta["windows"] == []

@@ -39,7 +39,8 @@ pytestmark = pytest.mark.usefixtures("no_wandb_network")
 
 @pytest.fixture(scope="module")
 def data_path(tmp_path_factory):
-    return synthetic_dataset(tmp_path_factory.mktemp("data") / "features", num_requests=300)
+    path = tmp_path_factory.mktemp("data") / "features"
+    return synthetic_dataset(path, num_requests=300, window=("azure-conv", 1300.0, 200.0))
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,16 @@ def trained(data_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
     config = TrainConfig(max_epochs=5, batch_size=256, seq_len=4, wandb="disabled", progress=False)
     return out, train(data_path, out, config)
+
+
+def test_the_checkpoint_records_its_training_window(trained):
+    from preempt.bench.early import training_windows_of
+
+    out, _ = trained
+    # what `preempt bench early --windows` reads to keep its windows off the training data
+    assert training_windows_of(str(out / "predictor.ckpt")) == [
+        {"trace": "azure-conv", "start_s": 1300.0, "end_s": 1500.0}
+    ]
 
 
 def _train_loss(model: PreemptionLSTM, data_path) -> float:
