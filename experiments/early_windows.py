@@ -31,8 +31,9 @@ from preempt.bench.early import (
 )
 from preempt.core.workload import TraceError, load_trace, resolve_trace
 
-FORECAST_ARMS = ("forecast", "forecast_k4")
-"""preempt.bench.early's present-knowledge forecast arms (no checkpoint: one run a window)."""
+FORECAST_ARMS = ("forecast", "forecast_k4", "projection")
+"""preempt.bench.early's present-knowledge forecast arms (no checkpoint: one run a window):
+the fork every step, every 4 steps or on news, and the cheap projection every step."""
 
 HELD_OUT_WINDOWS_S = (1600.0, 1800.0, 2000.0, 2200.0)
 """`--windows`: azure-conv windows (200 s each from these starts) that no recipe trains

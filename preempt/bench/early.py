@@ -110,12 +110,13 @@ def training_windows_of(model: str) -> list[dict[str, Any]] | None:
     return None if windows is None else [dict(w) for w in windows]
 
 
-ARMS = ("none", "prefetch", "rule", "lookahead", "forecast", "forecast_k4", "oracle_log")
+ARMS = ("none", "prefetch", "rule", "lookahead", "forecast", "forecast_k4", "projection", "oracle_log")
 """`forecast`: the lookahead's fork knowing only the present (preempt.engine.lookahead), at
 every step; `forecast_k4` the same forked every `FORECAST_EVERY_STEPS` steps or at once on
 news (an arrival, a finish before max_tokens; its picks kept between), at a fraction of
 the forks (`forks_per_step`); the `forecast` feature set's cadence, so `forecast_k4` is
-the forecast that set's LSTM reads."""
+the forecast that set's LSTM reads; `projection` the forecast without a fork
+(preempt.engine.projection), every step."""
 LSTM_ARMS = ("lstm", "lstm_capped")
 """With a checkpoint: `lstm` at its val-chosen threshold, fixed; `lstm_capped` from the
 same threshold, moved online to hold the waste share at `WASTE_CAP_SETPOINT`."""

@@ -381,14 +381,18 @@ class EarlySaveConfig(_Section):
     policy expects a running request to be preempted soon, its blocks are copied to the
     host in the background; the preemption then saves only the blocks written since."""
 
-    policy: Literal["none", "always", "rule", "lstm", "oracle", "lookahead", "forecast"] = "none"
+    policy: Literal[
+        "none", "always", "rule", "lstm", "oracle", "lookahead", "forecast", "projection"
+    ] = "none"  # fmt: skip
     """`always`: every running request (write-through, like SGLang HiCache); `rule`: the
     lowest-priority running request whose time slice is used up; `lstm`: the trained
     predictor (`checkpoint`) at p >= threshold; `oracle`: the preemptions of a reference
     run without early saves (`oracle_log`), within `horizon_ms`; `lookahead`: the true
     future, by simulating a fork of the engine ahead (preempt/engine/lookahead.py; virtual clock);
     `forecast`: the same fork knowing only the present (requests arrived by now, each run
-    to its `max_tokens`)."""
+    to its `max_tokens`); `projection`: the forecast without a fork, the scheduler's block
+    arithmetic stepped ahead from the present state (preempt/engine/projection.py; any
+    clock), every step."""
     checkpoint: str | None = None
     """`lstm`: the predictor checkpoint (`preempt train` writes predictor.ckpt)."""
     threshold: float | None = Field(None, gt=0, lt=1)

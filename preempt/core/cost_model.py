@@ -37,7 +37,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from importlib import resources
@@ -468,6 +468,22 @@ class StepShape(NamedTuple):
     # Key-query pairs causal masking removes inside the chunks (n(n-1)/2 for a chunk of n
     # new tokens), charged at the device's attn_masked_share; 0 when the caller does not say.
     sum_masked_ctx: int = 0
+
+
+def step_shape(chunks: Iterable[tuple[int, int]]) -> StepShape:
+    """The shape of a step that runs `chunks`: (tokens computed before, new tokens) per
+    scheduled sequence."""
+    num_tokens = sum_attn_ctx = sum_kv_read = sum_masked_ctx = num_seqs = 0
+    for start, num_new in chunks:
+        end = start + num_new
+        num_tokens += num_new
+        # token at position p attends to p+1 keys: sum_{p=start}^{end-1} (p+1)
+        sum_attn_ctx += (start + 1 + end) * num_new // 2
+        sum_kv_read += end
+        # the pairs causal masking removes inside the chunk (a kernel may still compute them)
+        sum_masked_ctx += num_new * (num_new - 1) // 2
+        num_seqs += 1
+    return StepShape(num_tokens, sum_attn_ctx, sum_kv_read, num_seqs, sum_masked_ctx)
 
 
 def smooth_max(a: float, b: float, p: float) -> float:

@@ -20,7 +20,7 @@ import numpy as np
 from preempt.core.block_pool import BlockPool
 from preempt.core.clock import make_clock
 from preempt.core.config import ConfigError, EngineConfig
-from preempt.core.cost_model import CostModel, StepShape, get_target
+from preempt.core.cost_model import CostModel, StepShape, get_target, step_shape
 from preempt.core.request import Request, RequestState
 from preempt.engine.policies import get_policy
 from preempt.engine.scheduler import Scheduler, SchedulerOutput
@@ -250,20 +250,7 @@ class Engine:
 
     @staticmethod
     def _step_shape(scheduled: SchedulerOutput) -> StepShape:
-        sum_attn_ctx = 0
-        sum_kv_read = 0
-        sum_masked_ctx = 0
-        for request, num_new in scheduled.chunks:
-            start = request.num_computed_tokens
-            end = start + num_new
-            # token at position p attends to p+1 keys: sum_{p=start}^{end-1} (p+1)
-            sum_attn_ctx += (start + 1 + end) * num_new // 2
-            sum_kv_read += end
-            # the pairs causal masking removes inside the chunk (a kernel may still compute them)
-            sum_masked_ctx += num_new * (num_new - 1) // 2
-        return StepShape(
-            scheduled.num_batched_tokens, sum_attn_ctx, sum_kv_read, len(scheduled.chunks), sum_masked_ctx
-        )
+        return step_shape((request.num_computed_tokens, num_new) for request, num_new in scheduled.chunks)
 
     # ----------------------------------------------------------------- loops
     def run(

@@ -118,11 +118,16 @@ class Lookahead:
 
     def within(self, forecast: Forecast) -> set[int]:
         """Request ids preempted within the horizon (time or steps, whichever is longer)."""
-        return {
-            rid
-            for rid, (dt, steps) in forecast.preempted.items()
-            if dt <= self.horizon_s + 1e-9 or steps <= self.horizon_steps
-        }
+        return within_horizon(forecast, self.horizon_s, self.horizon_steps)
+
+
+def within_horizon(forecast: Forecast, horizon_s: float, horizon_steps: int) -> set[int]:
+    """Request ids `forecast` preempts within `horizon_s` or `horizon_steps`, whichever is longer."""
+    return {
+        rid
+        for rid, (dt, steps) in forecast.preempted.items()
+        if dt <= horizon_s + 1e-9 or steps <= horizon_steps
+    }
 
 
 class RollingForecast:

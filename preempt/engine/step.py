@@ -19,17 +19,19 @@ module).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
 from preempt.core.block_pool import blocks_needed
+from preempt.core.cost_model import step_shape
 
 if TYPE_CHECKING:
     from preempt.core.clock import Clock
     from preempt.core.config import EngineConfig
     from preempt.core.request import Request
+    from preempt.engine.policies import SchedulingPolicy
     from preempt.engine.scheduler import Scheduler, SchedulerOutput
     from preempt.kv.record import PreemptionRecord
 
@@ -121,6 +123,27 @@ class EngineView:
     def next_to_admit(self, k: int) -> list[Request]:
         """The first `k` waiting requests in admission order."""
         return self._engine.scheduler.next_to_admit(k)
+
+    @property
+    def policy(self) -> SchedulingPolicy:
+        """The scheduling policy (a decider: its methods read requests, change nothing)."""
+        return self._engine.scheduler.policy
+
+    def step_time_s(self, chunks: Iterable[tuple[int, int]]) -> float | None:
+        """What a step running `chunks` ((tokens computed before, new tokens) per sequence)
+        lasts on the virtual clock (the engine's cost model); None on the wall clock."""
+        if self._engine.config.clock.kind != "virtual":
+            return None
+        return self._engine.cost_model.step_time_s(step_shape(chunks))
+
+    @property
+    def uses_failure_fallback(self) -> bool:
+        """Whether the scheduler applies the PREEMPTION_FAILED fallback (config or policy)."""
+        return self._engine.scheduler.uses_failure_fallback
+
+    def preemptions_in_window(self, now: float) -> int:
+        """Preemptions that count towards the rate cap in the minute before `now`."""
+        return self._engine.scheduler.preemptions_in_window(now)
 
     @property
     def records(self) -> Sequence[PreemptionRecord]:
