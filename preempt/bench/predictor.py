@@ -15,7 +15,10 @@ the engine's `lstm` policy then computes features and steps once per k steps).
 Also timed on the same engine: the present-knowledge `forecast` (preempt.engine.lookahead
 with `knows_future=False`: fork the engine, simulate the policy over the horizon), every
 `FORECAST_EVERY` iterations, as a fraction of the same engine step and amortized when it
-forks every k steps (`early_save.lookahead_every_steps`).
+forks every k steps (`early_save.lookahead_every_steps`); and the cheap forecast without
+a fork (preempt.engine.projection) at every iteration, against the `null` step on this CPU
+and against the step the virtual clock models for the target at this batch (the host
+work beside a real GPU step: the cost yardstick is <= 5% of it and <= one `null` step).
 
 The predictor has random weights: its cost does not depend on their values, and the
 benchmark must not need a trained checkpoint.
@@ -35,6 +38,7 @@ from preempt.bench.engine import decoding_engine
 from preempt.engine.features import engine_features
 from preempt.engine.lookahead import Lookahead
 from preempt.engine.online_predictor import HIDDEN_SIZE, NUM_FEATURES, OnlinePredictor
+from preempt.engine.projection import Projection
 
 TARGET_FRACTION = 0.05
 # The forecast's horizon: the deployed checkpoints' (docs/predictor.md: 50 ms or 4 steps).
@@ -83,10 +87,12 @@ def bench_predictor(quick: bool = False) -> dict[str, Any]:
         engine = decoding_engine(num_running, num_waiting)
         predictor = random_predictor()
         forecaster = Lookahead(FORECAST_HORIZON_MS, FORECAST_HORIZON_STEPS, knows_future=False)
+        projector = Projection(FORECAST_HORIZON_MS, FORECAST_HORIZON_STEPS)
         step_s, features_s, predictor_s, scale_free_s, forecast_s = [], [], [], [], []
+        projection_s, modelled_s = [], []
         for index in range(num_steps + 20):
             started = time.perf_counter()
-            engine.step()
+            output = engine.step()
             stepped = time.perf_counter()
             features = engine_features(engine.view)
             ids = [r.request_id for r in engine.scheduler.running]
@@ -100,9 +106,14 @@ def bench_predictor(quick: bool = False) -> dict[str, Any]:
                 features_s.append(featured - stepped)
                 predictor_s.append(done - featured)
                 scale_free_s.append(scaled - done)
+                modelled_s.append(output.step_s)
+                projected = time.perf_counter()
+                projector.forecast(engine.view, output.step_s)
+                projection_s.append(time.perf_counter() - projected)
                 if index % FORECAST_EVERY == 0:
+                    forked = time.perf_counter()
                     forecaster.forecast(engine.view)
-                    forecast_s.append(time.perf_counter() - scaled)
+                    forecast_s.append(time.perf_counter() - forked)
         assert len(engine.scheduler.running) == num_running and len(probs) == num_running
         cold_s = []
         for _ in range(5 if quick else 20):
@@ -115,6 +126,8 @@ def bench_predictor(quick: bool = False) -> dict[str, Any]:
         features_us = _median_us(features_s)
         scale_free_us = _median_us(scale_free_s)
         forecast_us = _median_us(forecast_s)
+        projection_us = _median_us(projection_s)
+        modelled_us = _median_us(modelled_s)
         return {
             "bench": "predictor",
             "num_running": num_running,
@@ -138,6 +151,10 @@ def bench_predictor(quick: bool = False) -> dict[str, Any]:
             "forecast_fraction_every_k_steps": {
                 str(k): round(forecast_us / k / step_us, 4) for k in (1, 4, 16, 64)
             },
+            "projection_us_median": projection_us,
+            "projection_fraction_of_null_step": round(projection_us / step_us, 4),
+            "modelled_step_us_median": modelled_us,
+            "projection_fraction_of_modelled_step": round(projection_us / modelled_us, 4),
             "target_fraction": TARGET_FRACTION,
             "meets_target": predictor_us / step_us <= TARGET_FRACTION,
             "predictor_first_step_256_new_us_median": _median_us(cold_s),

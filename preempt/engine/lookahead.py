@@ -48,16 +48,32 @@ class Forecast(NamedTuple):
     span_s: float
 
 
-class Lookahead:
-    """Forecasts preemptions by simulating a fork of the engine ahead."""
+class Horizon:
+    """How far a forecast looks: `horizon_ms` and `horizon_steps`, whichever is longer
+    (the predictor's labels count both, preempt.obs.dataset.label_rows)."""
 
-    def __init__(self, horizon_ms: float, horizon_steps: int = 0, knows_future: bool = True) -> None:
+    def __init__(self, horizon_ms: float, horizon_steps: int = 0) -> None:
         if not horizon_ms > 0:
             raise ValueError(f"horizon_ms must be > 0, got {horizon_ms}")
         if horizon_steps < 0:
             raise ValueError(f"horizon_steps must be >= 0, got {horizon_steps}")
         self.horizon_s = horizon_ms / 1000.0
         self.horizon_steps = horizon_steps
+
+    def within(self, forecast: Forecast) -> set[int]:
+        """Request ids preempted within the horizon (time or steps, whichever is longer)."""
+        return {
+            rid
+            for rid, (dt, steps) in forecast.preempted.items()
+            if dt <= self.horizon_s + 1e-9 or steps <= self.horizon_steps
+        }
+
+
+class Lookahead(Horizon):
+    """Forecasts preemptions by simulating a fork of the engine ahead."""
+
+    def __init__(self, horizon_ms: float, horizon_steps: int = 0, knows_future: bool = True) -> None:
+        super().__init__(horizon_ms, horizon_steps)
         self.knows_future = knows_future
         self.num_forks = 0
         self.num_fork_steps = 0
@@ -115,19 +131,6 @@ class Lookahead:
                 break
         self.wall_s += time.perf_counter() - started
         return Forecast(preempted, fork.num_steps - start_step, fork.clock.now() - start_s)
-
-    def within(self, forecast: Forecast) -> set[int]:
-        """Request ids preempted within the horizon (time or steps, whichever is longer)."""
-        return within_horizon(forecast, self.horizon_s, self.horizon_steps)
-
-
-def within_horizon(forecast: Forecast, horizon_s: float, horizon_steps: int) -> set[int]:
-    """Request ids `forecast` preempts within `horizon_s` or `horizon_steps`, whichever is longer."""
-    return {
-        rid
-        for rid, (dt, steps) in forecast.preempted.items()
-        if dt <= horizon_s + 1e-9 or steps <= horizon_steps
-    }
 
 
 class RollingForecast:

@@ -31,10 +31,11 @@ from typing import TYPE_CHECKING
 
 from preempt.core.block_pool import blocks_needed
 from preempt.core.request import RequestState
-from preempt.engine.lookahead import Forecast, within_horizon
+from preempt.engine.lookahead import Forecast, Horizon
 from preempt.engine.priority import time_slice_s
 
 if TYPE_CHECKING:
+    from preempt.core.config import PreemptionConfig
     from preempt.core.request import Request
     from preempt.engine.step import EngineView
 
@@ -50,9 +51,10 @@ class _Slot:
     num_output: int
     slice_used_s: float
     failed: bool  # PREEMPTION_FAILED: a victim of last resort only
+    slice_s: float  # its time slice, read once (it moves with the length class only)
 
     @classmethod
-    def of(cls, request: Request) -> _Slot:
+    def of(cls, request: Request, preemption: PreemptionConfig) -> _Slot:
         return cls(
             request,
             request.num_tokens,
@@ -61,6 +63,7 @@ class _Slot:
             request.num_output_tokens,
             request.slice_used_s,
             request.preemption_failed,
+            time_slice_s(request, preemption),
         )
 
 
@@ -81,19 +84,14 @@ def _waiting(view: EngineView, policy, num: int) -> list[_Slot]:
         else:
             merged.append(arrived[j])
             j += 1
-    return [_Slot.of(r) for r in merged]
+    return [_Slot.of(r, view.config.preemption) for r in merged]
 
 
-class Projection:
+class Projection(Horizon):
     """Forecasts preemptions by stepping the scheduler's block arithmetic ahead."""
 
     def __init__(self, horizon_ms: float, horizon_steps: int = 0) -> None:
-        if not horizon_ms > 0:
-            raise ValueError(f"horizon_ms must be > 0, got {horizon_ms}")
-        if horizon_steps < 0:
-            raise ValueError(f"horizon_steps must be >= 0, got {horizon_steps}")
-        self.horizon_s = horizon_ms / 1000.0
-        self.horizon_steps = horizon_steps
+        super().__init__(horizon_ms, horizon_steps)
         self.num_calls = 0
         self.last_reasons: dict[int, str] = {}  # request id -> "priority" | "memory", last forecast
         self.wall_s = 0.0  # host time spent projecting (the policy's cost)
@@ -109,12 +107,20 @@ class Projection:
         policy = view.policy
         block_size = view.block_size
         free = view.num_free_blocks
-        running = [_Slot.of(r) for r in view.running]
-        waiting = _waiting(view, policy, config.scheduler.max_num_seqs)
+        running = [_Slot.of(r, config.preemption) for r in view.running]
+        # The queue's heads, fetched a few at a time: with seats full only the head is
+        # read, and building all `max_num_seqs` of them was a third of the cost.
+        num_queued = view.num_waiting + len(view.upcoming_arrivals(view.now))
+        num_fetched = min(num_queued, 8 + max(0, view.max_num_seqs - len(running)))
+        waiting = _waiting(view, policy, num_fetched)
+        truncated = num_fetched < num_queued
+        admitted: set[int] = set()
         seats = view.max_num_seqs - len(view.restoring)
         cap = config.preemption.max_preemption_per_min
         fallback = view.uses_failure_fallback
         backoff_until_s = view.backoff_until_s
+        slices = policy.uses_time_slices
+        asked: list = [None, None]  # the last (head, candidates) the policy was asked, its answer
         num_in_window = view.preemptions_in_window(view.now)
         preempted: dict[int, tuple[float, int]] = {}
         now = view.now
@@ -131,7 +137,7 @@ class Projection:
 
         steps = 0
         elapsed = 0.0  # from now to this step's schedule
-        while running or waiting:
+        while running or waiting or truncated:
             steps += 1
             if elapsed > self.horizon_s + 1e-9 and steps > self.horizon_steps:
                 break
@@ -147,13 +153,17 @@ class Projection:
                         candidates = [
                             s.request
                             for s in running
-                            if not s.failed
-                            and (
-                                not policy.uses_time_slices
-                                or s.slice_used_s >= time_slice_s(s.request, config.preemption)
-                            )
+                            if not s.failed and (not slices or s.slice_used_s >= s.slice_s)
                         ]
-                        victim = policy.priority_victim(head.request, candidates, at) if candidates else None
+                        # scores are read at the present: the same head and candidates
+                        # give the same answer, so the policy is asked again only on change
+                        key = (head.request.request_id, tuple(id(r) for r in candidates))
+                        if key != asked[0]:
+                            answer = None
+                            if candidates:
+                                answer = policy.priority_victim(head.request, candidates, at)
+                            asked[:] = [key, answer]
+                        victim = asked[1]
                         if victim is None:
                             break
                         slot = next(s for s in running if s.request is victim)
@@ -201,7 +211,14 @@ class Projection:
                 index += 1
 
             # admission, only in a step without memory preemption
-            while not memory_preempted and waiting and budget > 0 and len(running) < seats:
+            while not memory_preempted and budget > 0 and len(running) < seats:
+                while not waiting and truncated:  # fetch more heads (the live queue is unchanged)
+                    num_fetched = min(2 * num_fetched, num_queued)
+                    fresh = _waiting(view, policy, num_fetched)
+                    waiting = [w for w in fresh if w.request.request_id not in admitted]
+                    truncated = num_fetched < num_queued
+                if not waiting:
+                    break
                 head = waiting[0]
                 if at < backoff_until_s and head.request.state is RequestState.WAITING:
                     break  # a preemption failure's backoff holds requests that never ran
@@ -211,10 +228,12 @@ class Projection:
                 if (config.scheduler.reserve_full_sequence and whole > free) or first > free:
                     break
                 waiting.pop(0)
+                admitted.add(head.request.request_id)
                 free -= max(first, 0)
                 head.num_blocks += max(first, 0)
                 head.slice_used_s = 0.0
                 running.append(head)
+                asked[0] = None  # a new candidate set
                 scheduled.append((head, num_new))
                 budget -= num_new
 
@@ -237,7 +256,3 @@ class Projection:
                 break  # nothing can run: the projection cannot move on
         self.wall_s += time.perf_counter() - started
         return Forecast(preempted, steps, elapsed)
-
-    def within(self, forecast: Forecast) -> set[int]:
-        """Request ids preempted within the horizon (time or steps, whichever is longer)."""
-        return within_horizon(forecast, self.horizon_s, self.horizon_steps)

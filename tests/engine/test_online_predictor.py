@@ -210,6 +210,10 @@ def test_bench_predictor_quick_reports_the_step_ratio():
     ratio = result["predictor_step_us_median"] / result["null_engine_step_us_median"]
     assert result["predictor_fraction_of_step"] == pytest.approx(ratio, abs=1e-4)
     assert result["meets_target"] == (ratio <= result["target_fraction"])
+    # the cheap forecast, against the null step and the step the clock models at this batch
+    assert result["projection_us_median"] > 0 and result["modelled_step_us_median"] > 0
+    modelled = result["projection_us_median"] / result["modelled_step_us_median"]
+    assert result["projection_fraction_of_modelled_step"] == pytest.approx(modelled, abs=1e-4)
 
 
 def test_a_checkpoint_for_another_horizon_feature_set_or_stride_is_refused_online(trained, tmp_path):

@@ -179,3 +179,17 @@ def test_baselines_have_no_failure_fallback_but_the_spec_design_does():
         assert max(r.num_preemptions for r in requests) >= 3
         assert any(r.preemption_failed for r in requests) is protected
         assert scheduler.backoff_until_s == 0.0 or protected
+
+
+def test_next_to_admit_is_the_admission_order_read_from_the_heap():
+    import random
+
+    rng = random.Random(0)
+    scheduler = make_scheduler(policy="vllm_priority")
+    for i in range(200):  # ties in level and arrival: the counter orders them
+        level, arrival = rng.randrange(3), float(rng.randrange(20))
+        scheduler.add_request(make_request(i, 4, 3, arrival_s=arrival, sla_level=level))
+    order = scheduler.waiting_requests()
+    for k in (0, 1, 2, 7, 64, 200, 500):
+        assert scheduler.next_to_admit(k) == order[:k]
+    assert scheduler.waiting_requests() == order  # read-only
