@@ -65,4 +65,3 @@ def test_greedy_outputs_equal_plain_vllm(served):
     plain = {r["id"]: r["token_ids"] for r in served["vllm_fcfs"]["requests"]}
     for r in served["plugin"]["requests"]:
         assert r["token_ids"] == plain[r["id"]], r["id"]
-
