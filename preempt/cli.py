@@ -718,7 +718,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--arms",
         help="early --windows: the arms to run beside the synchronous none baseline, comma-separated "
-        "(lookahead, forecast, forecast_k4, lstm, lstm_capped; default all)",
+        "(lookahead, forecast, forecast_k4, projection, lstm, lstm_capped; default all)",
     )
     bench.add_argument(
         "--http",
