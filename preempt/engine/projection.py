@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from preempt.engine.step import EngineView
 
 
-@dataclass
+@dataclass(slots=True)
 class _Slot:
     """One request's numbers in the projection (the request itself is only read)."""
 
@@ -157,7 +157,7 @@ class Projection(Horizon):
                         ]
                         # scores are read at the present: the same head and candidates
                         # give the same answer, so the policy is asked again only on change
-                        key = (head.request.request_id, tuple(id(r) for r in candidates))
+                        key = (head.request.request_id, tuple(map(id, candidates)))
                         if key != asked[0]:
                             answer = None
                             if candidates:
@@ -182,7 +182,14 @@ class Projection(Horizon):
             index = 0
             while index < len(running) and budget > 0:
                 slot = running[index]
-                num_new = min(slot.num_tokens - slot.num_computed, budget)
+                num_new = slot.num_tokens - slot.num_computed
+                if num_new == 1 and slot.num_computed < slot.num_blocks * block_size:
+                    # most calls: a decode within its last block needs no block
+                    scheduled.append((slot, 1))
+                    budget -= 1
+                    index += 1
+                    continue
+                num_new = min(num_new, budget)
                 need = blocks_needed(slot.num_computed + num_new, block_size) - slot.num_blocks
                 stopped = False
                 while need > free:
