@@ -67,12 +67,12 @@ class _Slot:
         )
 
 
-def _waiting(view: EngineView, policy, num: int) -> list[_Slot]:
+def _waiting(view: EngineView, policy, arrived: list[Request], num: int) -> list[_Slot]:
     """The first `num` requests to admit: the queue's heads merged, in the policy's
-    admission order, with requests that arrived during the last step (the next schedule
-    queues them; the fork adds them too). The queue keeps ties in arrival order."""
+    admission order, with `arrived` (those that arrived during the last step, sorted by
+    admission key: the next schedule queues them; the fork adds them too). The queue
+    keeps ties in arrival order."""
     heads = view.next_to_admit(num)
-    arrived = sorted(view.upcoming_arrivals(view.now), key=policy.admission_key)
     merged: list = []
     i = j = 0
     while len(merged) < num and (i < len(heads) or j < len(arrived)):
@@ -93,7 +93,6 @@ class Projection(Horizon):
     def __init__(self, horizon_ms: float, horizon_steps: int = 0) -> None:
         super().__init__(horizon_ms, horizon_steps)
         self.num_calls = 0
-        self.last_reasons: dict[int, str] = {}  # request id -> "priority" | "memory", last forecast
         self.wall_s = 0.0  # host time spent projecting (the policy's cost)
 
     def forecast(self, view: EngineView, step_s: float) -> Forecast:
@@ -110,9 +109,10 @@ class Projection(Horizon):
         running = [_Slot.of(r, config.preemption) for r in view.running]
         # The queue's heads, fetched a few at a time: with seats full only the head is
         # read, and building all `max_num_seqs` of them was a third of the cost.
-        num_queued = view.num_waiting + len(view.upcoming_arrivals(view.now))
+        arrived = sorted(view.upcoming_arrivals(view.now), key=policy.admission_key)
+        num_queued = view.num_waiting + len(arrived)
         num_fetched = min(num_queued, 8 + max(0, view.max_num_seqs - len(running)))
-        waiting = _waiting(view, policy, num_fetched)
+        waiting = _waiting(view, policy, arrived, num_fetched)
         truncated = num_fetched < num_queued
         admitted: set[int] = set()
         seats = view.max_num_seqs - len(view.restoring)
@@ -125,15 +125,11 @@ class Projection(Horizon):
         preempted: dict[int, tuple[float, int]] = {}
         now = view.now
 
-        reasons: dict[int, str] = {}
-        self.last_reasons = reasons
-
-        def preempt(slot: _Slot, elapsed: float, steps: int, reason: str) -> None:
+        def preempt(slot: _Slot, elapsed: float, steps: int) -> None:
             nonlocal free
             running.remove(slot)
             free += slot.num_blocks
             preempted.setdefault(slot.request.request_id, (elapsed, steps))
-            reasons.setdefault(slot.request.request_id, reason)
 
         steps = 0
         elapsed = 0.0  # from now to this step's schedule
@@ -171,7 +167,7 @@ class Projection(Horizon):
                         if fallback and victim.num_preemptions >= limit:
                             slot.failed = True  # the fallback keeps it running; ask again
                             continue
-                        preempt(slot, elapsed, steps, "priority")
+                        preempt(slot, elapsed, steps)
                         num_in_window += 1
                         break
 
@@ -202,7 +198,7 @@ class Projection(Horizon):
                             del scheduled[j]
                             break
                     victim_index = running.index(victim)
-                    preempt(victim, elapsed, steps, "memory")
+                    preempt(victim, elapsed, steps)
                     memory_preempted = True
                     if victim_index < index:
                         index -= 1
@@ -221,7 +217,7 @@ class Projection(Horizon):
             while not memory_preempted and budget > 0 and len(running) < seats:
                 while not waiting and truncated:  # fetch more heads (the live queue is unchanged)
                     num_fetched = min(2 * num_fetched, num_queued)
-                    fresh = _waiting(view, policy, num_fetched)
+                    fresh = _waiting(view, policy, arrived, num_fetched)
                     waiting = [w for w in fresh if w.request.request_id not in admitted]
                     truncated = num_fetched < num_queued
                 if not waiting:
@@ -240,7 +236,6 @@ class Projection(Horizon):
                 head.num_blocks += max(first, 0)
                 head.slice_used_s = 0.0
                 running.append(head)
-                asked[0] = None  # a new candidate set
                 scheduled.append((head, num_new))
                 budget -= num_new
 
