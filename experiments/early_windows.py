@@ -29,11 +29,13 @@ from preempt.bench.early import (
     training_windows_of,
     window_s,
 )
+from preempt.core.config import load_config
 from preempt.core.workload import TraceError, load_trace, resolve_trace
 
-FORECAST_ARMS = ("forecast", "forecast_k4", "projection")
-"""preempt.bench.early's present-knowledge forecast arms (no checkpoint: one run a window):
-the fork every step, every 4 steps or on news, and the cheap projection every step."""
+FORECAST_ARMS = ("forecast", "forecast_k4", "projection", "projection_learned")
+"""preempt.bench.early's forecast arms (no checkpoint: one run a window): the fork every
+step, every 4 steps or on news, the cheap projection every step, and the projection with
+the output-length model fitted outside the window."""
 
 HELD_OUT_WINDOWS_S = (1600.0, 1800.0, 2000.0, 2200.0)
 """`--windows`: azure-conv windows (200 s each from these starts) that no recipe trains
@@ -113,7 +115,11 @@ picks a subset (the oracle only in swap)."""
 
 
 def bench_early_windows(
-    quick: bool, models: list[str], trace: str = "azure-conv", arms: list[str] | None = None
+    quick: bool,
+    models: list[str],
+    trace: str = "azure-conv",
+    arms: list[str] | None = None,
+    max_tokens: str | None = None,
 ) -> dict[str, Any]:
     """`preempt bench early --windows`: the async-restore arms on every held-out window
     of `trace` (`choose_windows`: none that a checkpoint in `models` was trained on), so
@@ -127,14 +133,18 @@ def bench_early_windows(
     95% Student-t intervals over windows, the oracle's lead over the arm paired by
     window, and verdicts against the targets (hidden >= 0.80, waste <= 0.30, within 0.10
     of the oracle): held / did not hold only when the interval says so. `arms`: a subset of
-    `WINDOW_ARMS` (None: all)."""
+    `WINDOW_ARMS` (None: all). `max_tokens`: `workload.max_tokens_mode` (None:
+    collect.yaml's)."""
 
     resolve_trace(trace)  # TraceError (a ValueError) names an unknown trace
     chosen = WINDOW_ARMS if arms is None else tuple(arms)
     unknown = [arm for arm in chosen if arm not in WINDOW_ARMS]
     if unknown or not chosen:
         raise ValueError(f"--arms: choose from {', '.join(WINDOW_ARMS)}; got '{','.join(chosen)}'")
-    horizons = {tuple(horizon_of(model)) for model in models}
+    needs_models = [arm for arm in chosen if arm in LSTM_ARMS]
+    if needs_models and not models:
+        raise ValueError(f"--arms {','.join(needs_models)}: needs --model (predictor checkpoints)")
+    horizons = {tuple(horizon_of(model)) for model in models} if models else {()}
     if len(horizons) != 1:
         raise ValueError("--windows: every checkpoint must share one horizon, feature set and stride")
     horizon = list(horizons.pop())
@@ -147,7 +157,11 @@ def bench_early_windows(
 
         def run(mode: str, arm: str, model: str | None, start: float, async_restore: bool = True) -> dict:
             overrides = arm_overrides(mode, arm, model, start, duration, horizon, async_restore)
-            return run_arm([f"workload.trace={trace}", *overrides], Path(tmp) / arm)
+            learned = arm == "projection_learned"
+            regime = [] if max_tokens is None else [f"workload.max_tokens_mode={max_tokens}"]
+            return run_arm(
+                [f"workload.trace={trace}", *regime, *overrides], Path(tmp) / arm, learned_lengths=learned
+            )
 
         for start in windows:
             for mode in ASYNC_MODES:
@@ -167,6 +181,7 @@ def bench_early_windows(
 
     return {
         "workload": f"{COLLECT.name}, {duration} s windows of {trace} from {list(windows)} s",
+        "max_tokens_mode": max_tokens or load_config(COLLECT).workload.max_tokens_mode,
         "models": models,
         # None: a checkpoint older than the record, whose windows could not be avoided
         "training_windows": trained,
@@ -178,6 +193,10 @@ def bench_early_windows(
     }
 
 
+LEARNED_OVER = {"lstm": "forecast_k4", "lstm_capped": "forecast_k4", "projection_learned": "projection"}
+"""Each learned arm and the present-knowledge forecast it builds on (the `forecast` feature
+set's LSTM reads forecast_k4; the length model filters the projection)."""
+
 TARGETS = {"stall_hidden": 0.80, "waste_share": 0.30, "oracle_lead": 0.10}
 """Issue 15's targets: hidden >= 0.80, waste <= 0.30, the LSTM within 0.10 of the oracle."""
 
@@ -186,8 +205,8 @@ def summarize_windows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per mode and arm of `bench_early_windows`' rows: the mean over windows (of the mean
     over checkpoints for the LSTM arms) of `stall_hidden` and `waste_share`, each with its
     95% Student-t interval over windows; for the LSTM arms where the oracle ran, the
-    oracle's lead in `stall_hidden`, paired by window; where `forecast_k4` ran, each LSTM
-    arm minus it (hidden and waste, paired by window, no target); a verdict per target
+    oracle's lead in `stall_hidden`, paired by window; each learned arm minus the forecast
+    it builds on (`LEARNED_OVER`; hidden and waste, paired by window, no target); a verdict per target
     (`TARGETS`): 'held' / 'did not hold' when the whole interval is on one side, else None."""
 
     def mean_of(row: dict[str, Any], arm: str, key: str) -> float:
@@ -225,13 +244,12 @@ def summarize_windows(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 oracle = [mean_of(row, "lookahead", "stall_hidden") for row in of_mode]
                 lead = [o - h for o, h in zip(oracle, hidden, strict=True)]
                 entry["oracle_lead"] = judged(lead, "oracle_lead", "below")
-            if arm in LSTM_ARMS and "forecast_k4" in of_mode[0]["arms"]:
-                # What the learned model adds to the forecast it may read (no target):
-                # arm minus forecast_k4, paired by window.
-                entry["minus_forecast_k4"] = {
-                    key: interval(
-                        [mean_of(row, arm, key) - mean_of(row, "forecast_k4", key) for row in of_mode]
-                    )
+            base = LEARNED_OVER.get(arm)
+            if base is not None and base in of_mode[0]["arms"]:
+                # What the learned part adds to the forecast it reads (no target): arm
+                # minus that forecast, paired by window.
+                entry[f"minus_{base}"] = {
+                    key: interval([mean_of(row, arm, key) - mean_of(row, base, key) for row in of_mode])
                     for key in ("stall_hidden", "waste_share")
                 }
             summary[mode][arm] = entry

@@ -391,18 +391,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    for flag, value in (("trace", args.trace), ("arms", args.arms)):
+    for flag, value in (("trace", args.trace), ("arms", args.arms), ("max-tokens", args.max_tokens)):
         if value is not None and not args.windows:
             print(f"preempt: error: --{flag} applies to `bench early --windows` only", file=sys.stderr)
             return 2
-    if args.windows and "model" not in options:
+    lstm_asked = args.arms is None or any(arm.startswith("lstm") for arm in args.arms.split(","))
+    if args.windows and "model" not in options and args.arms is not None and lstm_asked:
         print(
-            "preempt: error: --windows needs --model (predictor checkpoints, comma-separated)",
+            "preempt: error: --windows with lstm arms needs --model (predictor checkpoints, comma-separated)",
             file=sys.stderr,
         )
         return 2
     # --windows takes several checkpoints (training seeds), comma-separated.
-    models = options["model"].split(",") if args.windows else [options.get("model")]
+    if args.windows:
+        models = options["model"].split(",") if "model" in options else []
+    else:
+        models = [options.get("model")]
     for key, values in (("model", models), ("plan", [options.get("plan")])):
         for value in values:
             if value is not None and not Path(value).is_file():
@@ -425,7 +429,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             arms = args.arms.split(",") if args.arms is not None else None
             try:
-                result = bench_early_windows(args.quick, models, args.trace or "azure-conv", arms)
+                if arms is None and not models:  # every arm that needs no checkpoint
+                    from experiments.early_windows import WINDOW_ARMS
+
+                    arms = [arm for arm in WINDOW_ARMS if not arm.startswith("lstm")]
+                result = bench_early_windows(
+                    args.quick, models, args.trace or "azure-conv", arms, args.max_tokens
+                )
             except ValueError as err:  # an unknown --arms or --trace, or no free windows
                 print(f"preempt: error: {err}", file=sys.stderr)
                 return 2
@@ -718,7 +728,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--arms",
         help="early --windows: the arms to run beside the synchronous none baseline, comma-separated "
-        "(lookahead, forecast, forecast_k4, projection, lstm, lstm_capped; default all)",
+        "(lookahead, forecast, forecast_k4, projection, projection_learned, lstm, lstm_capped; "
+        "default all; without --model, those without lstm)",
+    )
+    bench.add_argument(
+        "--max-tokens",
+        choices=["fixed", "noisy", "trace"],
+        help="early --windows: what clients send as max_tokens (workload.max_tokens_mode; default "
+        "collect.yaml's fixed 1024; trace: the true output length, an oracle's privilege)",
     )
     bench.add_argument(
         "--http",

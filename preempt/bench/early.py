@@ -36,6 +36,7 @@ alone (async restores on unless `--sync-restore`) and prints its row.
 
 from __future__ import annotations
 
+import math
 import statistics
 import tempfile
 import time
@@ -110,13 +111,18 @@ def training_windows_of(model: str) -> list[dict[str, Any]] | None:
     return None if windows is None else [dict(w) for w in windows]
 
 
-ARMS = ("none", "prefetch", "rule", "lookahead", "forecast", "forecast_k4", "projection", "oracle_log")
+ARMS = (
+    "none", "prefetch", "rule", "lookahead", "forecast", "forecast_k4", "projection",
+    "projection_learned", "oracle_log",
+)  # fmt: skip
 """`forecast`: the lookahead's fork knowing only the present (preempt.engine.lookahead), at
 every step; `forecast_k4` the same forked every `FORECAST_EVERY_STEPS` steps or at once on
 news (an arrival, a finish before max_tokens; its picks kept between), at a fraction of
 the forks (`forks_per_step`); the `forecast` feature set's cadence, so `forecast_k4` is
 the forecast that set's LSTM reads; `projection` the forecast without a fork
-(preempt.engine.projection), every step."""
+(preempt.engine.projection), every step; `projection_learned` the projection with a
+learned output-length model (`early_save.length_model`), fitted on the same trace outside
+the replayed window (`fit_lengths`)."""
 LSTM_ARMS = ("lstm", "lstm_capped")
 """With a checkpoint: `lstm` at its val-chosen threshold, fixed; `lstm_capped` from the
 same threshold, moved online to hold the waste share at `WASTE_CAP_SETPOINT`."""
@@ -139,6 +145,7 @@ def arm_overrides(
         "oracle_log": "oracle",
         "lstm_capped": "lstm",
         "forecast_k4": "forecast",
+        "projection_learned": "projection",
     }.get(arm, arm)
     return [
         f"workload.start_s={start_s:g}",
@@ -176,7 +183,8 @@ def _virtual(
             if arm == "oracle_log":
                 extra.append(f"early_save.oracle_log={Path(tmp) / 'prefetch' / 'preemptions.parquet'}")
             overrides = arm_overrides(mode, arm, model, WINDOW_START_S, duration, horizon, async_restore)
-            out["policies"][arm] = run_arm(overrides + extra, Path(tmp) / arm)
+            learned = arm == "projection_learned"
+            out["policies"][arm] = run_arm(overrides + extra, Path(tmp) / arm, learned_lengths=learned)
     base = (baseline or out)["policies"]["none"]
     own = out["policies"]["none"]
     for row in out["policies"].values():
@@ -362,11 +370,30 @@ def replay_measured(config: EngineConfig, out_dir: Path) -> tuple[dict[str, Any]
     return summary, probe.stats()
 
 
-def run_arm(overrides: list[str], out_dir: Path) -> dict[str, Any]:
+def run_arm(overrides: list[str], out_dir: Path, learned_lengths: bool = False) -> dict[str, Any]:
     """collect.yaml with `overrides`, replayed with the probe: the arm's row and its
-    save-stall split (`_arm_row` + `SaveStallCauses.stats`)."""
-    summary, causes = replay_measured(load_config(COLLECT, overrides), out_dir)
+    save-stall split (`_arm_row` + `SaveStallCauses.stats`). `learned_lengths`: first fit
+    the output-length model outside the replayed window (`fit_lengths`) and use it."""
+    config = load_config(COLLECT, overrides)
+    if learned_lengths:
+        config = load_config(COLLECT, [*overrides, f"early_save.length_model={fit_lengths(config, out_dir)}"])
+    summary, causes = replay_measured(config, out_dir)
     return {**_arm_row(summary), **causes}
+
+
+def fit_lengths(config: EngineConfig, out_dir: Path) -> Path:
+    """The `projection_learned` arm's output-length model: fitted on `config`'s trace
+    outside the window it replays (preempt.engine.lengths.LengthModel.from_trace), so it
+    is judged on requests it never saw; written to out_dir/lengths.json."""
+    from preempt.engine.lengths import LengthModel
+
+    workload = config.workload
+    end = math.inf if workload.duration_s is None else workload.start_s + workload.duration_s
+    model = LengthModel.from_trace(workload, config.seed, (workload.start_s, end))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "lengths.json"
+    model.save(path)
+    return path
 
 
 def one_arm(
@@ -389,7 +416,7 @@ def one_arm(
     horizon = horizon_of(model) if model else []
     overrides = arm_overrides(mode, arm, model, WINDOW_START_S, window_s(quick), horizon, async_restore)
     with tempfile.TemporaryDirectory() as tmp:
-        row = run_arm(overrides + (extra or []), Path(tmp))
+        row = run_arm(overrides + (extra or []), Path(tmp), learned_lengths=arm == "projection_learned")
     return {"mode": mode, "arm": arm, "async_restore": async_restore, **row}
 
 

@@ -428,6 +428,15 @@ class EarlySaveConfig(_Section):
     """`lookahead`/`forecast`: fork and simulate every this many steps (between, reuse the
     forecast). `forecast` also forks at once on news its last fork could not know (an
     arrival; a request ending before its max_tokens)."""
+    length_model: str | None = None
+    """`projection`: a learned output-length model (`preempt lengths fit` writes
+    lengths.json; preempt.engine.lengths). The projection runs every request to its
+    max_tokens; with this model it keeps only the preemptions it predicts within the
+    steps where no unforeseen finish is likely (`length_confidence`): a request ending
+    early frees the seat or blocks the predicted preemption needed. None: all kept."""
+    length_confidence: float = Field(0.6, gt=0, lt=1)
+    """`length_model`: the probability, under the model, that no running request ends
+    before a predicted preemption's step, that keeping the prediction needs."""
     prefetch: bool = False
     """Restore prefetch (preempt/engine/prefetch.py): start restoring the next requests to be
     admitted into free blocks before they are admitted (virtual clock)."""
@@ -459,6 +468,10 @@ class EarlySaveConfig(_Section):
         if self.waste_cap is not None and self.policy != "lstm":
             raise ValueError(
                 f"early_save.waste_cap moves the lstm policy's threshold; policy is '{self.policy}'"
+            )
+        if self.length_model is not None and self.policy != "projection":
+            raise ValueError(
+                f"early_save.length_model informs the projection policy; policy is '{self.policy}'"
             )
         if self.policy == "oracle" and not self.oracle_log:
             raise ValueError("policy 'oracle' needs early_save.oracle_log (a reference preemptions.parquet)")

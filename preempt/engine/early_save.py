@@ -32,11 +32,14 @@ new full block, and refuses beyond its speculation budget and in-flight bound):
   arrival; a request ending before its max_tokens).
 - `projection`: the forecast without a fork (preempt.engine.projection): the scheduler's
   block arithmetic and preemption rules stepped ahead from the present state, every step,
-  at a tenth of a fork's host time; on any clock.
+  at a tenth of a fork's host time; on any clock. With a learned output-length model
+  (`early_save.length_model`) it keeps a predicted preemption only as many steps ahead
+  as no unforeseen finish is likely (a finish frees what the preemption needed).
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -49,6 +52,7 @@ from preempt.engine.features import FEATURE_NAMES, Features
 from preempt.kv.record import is_preemption
 
 if TYPE_CHECKING:
+    from preempt.engine.lengths import LengthModel
     from preempt.engine.lookahead import Lookahead
     from preempt.engine.step import EngineView, StepOutput
 
@@ -266,12 +270,22 @@ class LookaheadPolicy(EarlySavePolicy):
 
 
 class ProjectionPolicy(EarlySavePolicy):
-    """The cheap forecast (preempt.engine.projection), projected again every step."""
+    """The cheap forecast (preempt.engine.projection), projected again every step. With a
+    learned output-length model (preempt.engine.lengths), a predicted preemption is kept
+    only within the steps the model trusts the projection for (`confident_steps`)."""
 
-    def __init__(self, horizon_ms: float, horizon_steps: int) -> None:
+    def __init__(
+        self,
+        horizon_ms: float,
+        horizon_steps: int,
+        lengths: LengthModel | None = None,
+        confidence: float = 0.6,
+    ) -> None:
         from preempt.engine.projection import Projection
 
         self.projection = Projection(horizon_ms, horizon_steps)
+        self.lengths = lengths
+        self.budget = -math.log(confidence)  # expected unforeseen ends a kept prediction allows
         self.chosen: set[int] = set()
         self._last_now: float | None = None
 
@@ -281,7 +295,13 @@ class ProjectionPolicy(EarlySavePolicy):
         now = view.now
         step_s = now - self._last_now if self._last_now is not None else 0.0
         self._last_now = now
-        self.chosen = self.projection.within(self.projection.forecast(view, step_s))
+        forecast = self.projection.forecast(view, step_s)
+        chosen = self.projection.within(forecast)
+        if chosen and self.lengths is not None:
+            furthest = max(forecast.preempted[rid][1] for rid in chosen)
+            trusted = self.lengths.confident_steps(view.running, self.budget, furthest)
+            chosen = {rid for rid in chosen if forecast.preempted[rid][1] <= trusted}
+        self.chosen = chosen
 
     def select(self, running: Sequence[Request], features: np.ndarray | None, now: float) -> list[Request]:
         return [r for r in running if r.request_id in self.chosen]
@@ -323,7 +343,15 @@ def make_policy(config: EarlySaveConfig) -> EarlySavePolicy | None:
             knows_future=config.policy == "lookahead",
         )
     if config.policy == "projection":
-        return ProjectionPolicy(config.horizon_ms, config.horizon_steps)
+        lengths = None
+        if config.length_model is not None:
+            from preempt.engine.lengths import LengthModel
+
+            try:
+                lengths = LengthModel.load(config.length_model)
+            except ValueError as exc:
+                raise ConfigError(f"config key 'early_save.length_model': {exc}") from None
+        return ProjectionPolicy(config.horizon_ms, config.horizon_steps, lengths, config.length_confidence)
     return OraclePolicy(config.oracle_log, config.horizon_ms)
 
 
