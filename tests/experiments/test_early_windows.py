@@ -106,9 +106,13 @@ def test_arms_picks_what_runs_and_what_is_judged(monkeypatch):
 
     ran = []
 
-    def fake_run(overrides, out_dir):
+    def fake_run(overrides, out_dir, learned_lengths=False):
         ran.append(out_dir.name)
+        assert learned_lengths == (out_dir.name == "projection_learned")
+        regimes.update(o for o in overrides if o.startswith("workload.max_tokens_mode="))
         return {"stall_total_s": 1.0 if out_dir.name == "none" else 0.5, "waste_share": 0.1}
+
+    regimes: set[str] = set()
 
     monkeypatch.setattr(windows, "run_arm", fake_run)
     monkeypatch.setattr(windows, "horizon_of", lambda model: ["early_save.horizon_ms=50.0"])
@@ -122,3 +126,11 @@ def test_arms_picks_what_runs_and_what_is_judged(monkeypatch):
     assert result["training_windows"] == {"a.ckpt": [], "b.ckpt": []}
     with pytest.raises(ValueError, match="--arms: choose from lookahead, forecast"):
         windows.bench_early_windows(True, ["a.ckpt"], arms=["lstm", "nope"])
+    # the forecasts need no checkpoint; the learned projection is judged against its own
+    ran.clear()
+    result = windows.bench_early_windows(True, [], arms=["projection", "projection_learned"], max_tokens="noisy")
+    assert ran == ["none", "projection", "projection_learned"] * 4 and regimes == {"workload.max_tokens_mode=noisy"}
+    assert result["max_tokens_mode"] == "noisy" and result["horizon"] == []
+    assert result["summary"]["swap"]["projection_learned"]["minus_projection"]["stall_hidden"]["mean"] == 0.0
+    with pytest.raises(ValueError, match="needs --model"):
+        windows.bench_early_windows(True, [], arms=["lstm"])
