@@ -120,6 +120,7 @@ def bench_early_windows(
     trace: str = "azure-conv",
     arms: list[str] | None = None,
     max_tokens: str | None = None,
+    lengths: str | None = None,
 ) -> dict[str, Any]:
     """`preempt bench early --windows`: the async-restore arms on every held-out window
     of `trace` (`choose_windows`: none that a checkpoint in `models` was trained on), so
@@ -134,7 +135,9 @@ def bench_early_windows(
     window, and verdicts against the targets (hidden >= 0.80, waste <= 0.30, within 0.10
     of the oracle): held / did not hold only when the interval says so. `arms`: a subset of
     `WINDOW_ARMS` (None: all). `max_tokens`: `workload.max_tokens_mode` (None:
-    collect.yaml's)."""
+    collect.yaml's). `lengths`: the `projection_learned` arm's output-length model
+    (`preempt lengths` writes one; its windows are avoided like a checkpoint's); None:
+    one fitted on the trace outside each window (`preempt.bench.early.fit_lengths`)."""
 
     resolve_trace(trace)  # TraceError (a ValueError) names an unknown trace
     chosen = WINDOW_ARMS if arms is None else tuple(arms)
@@ -150,6 +153,10 @@ def bench_early_windows(
     horizon = list(horizons.pop())
     duration = window_s(quick)
     trained = {model: training_windows_of(model) for model in models}
+    if lengths is not None:
+        from preempt.engine.lengths import LengthModel
+
+        trained[lengths] = LengthModel.load(lengths).windows
     windows = choose_windows(trace, duration, [w for ws in trained.values() for w in ws or []])
     windows = windows[:2] if quick else windows
     rows: list[dict[str, Any]] = []
@@ -159,8 +166,12 @@ def bench_early_windows(
             overrides = arm_overrides(mode, arm, model, start, duration, horizon, async_restore)
             learned = arm == "projection_learned"
             regime = [] if max_tokens is None else [f"workload.max_tokens_mode={max_tokens}"]
+            if learned and lengths is not None:
+                regime.append(f"early_save.length_model={lengths}")
             return run_arm(
-                [f"workload.trace={trace}", *regime, *overrides], Path(tmp) / arm, learned_lengths=learned
+                [f"workload.trace={trace}", *regime, *overrides],
+                Path(tmp) / arm,
+                learned_lengths=learned and lengths is None,
             )
 
         for start in windows:
@@ -254,3 +265,43 @@ def summarize_windows(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 }
             summary[mode][arm] = entry
     return summary
+
+
+def render_windows(result: dict[str, Any]) -> str:
+    """`bench_early_windows`' summary as markdown: per mode, each arm's stall hidden and
+    early bytes wasted (means over windows, 95% intervals, verdicts against `TARGETS`),
+    and what each learned arm adds to the forecast it builds on (`LEARNED_OVER`)."""
+
+    def cell(entry: dict[str, Any] | None, digits: int = 3) -> str:
+        if entry is None or entry.get("mean") is None:
+            return "–"
+        text = f"{entry['mean']:.{digits}f}"
+        if entry.get("lo") is not None:
+            text += f" [{entry['lo']:.{digits}f}, {entry['hi']:.{digits}f}]"
+        verdict = entry.get("verdict")
+        return text + (f" ({verdict})" if verdict else "")
+
+    lines = [
+        f"{result['workload']}; max_tokens `{result.get('max_tokens_mode', '?')}`; restores "
+        "asynchronous, hidden against the same window's synchronous `none`. Targets: hidden >= "
+        f"{TARGETS['stall_hidden']}, waste <= {TARGETS['waste_share']}.",
+        "",
+    ]
+    for mode, arms in result["summary"].items():
+        lines += [
+            f"`{mode}`:",
+            "",
+            "| arm | stall hidden | early bytes wasted | vs the forecast it builds on (hidden, waste) |",
+            "| --- | --- | --- | --- |",
+        ]
+        for arm, entry in arms.items():
+            base = LEARNED_OVER.get(arm)
+            added = entry.get(f"minus_{base}") if base else None
+            versus = "–"
+            if added is not None:
+                versus = f"{base}: {cell(added['stall_hidden'])}, {cell(added['waste_share'])}"
+            lines.append(
+                f"| {arm} | {cell(entry['stall_hidden'])} | {cell(entry['waste_share'])} | {versus} |"
+            )
+        lines.append("")
+    return "\n".join(lines)

@@ -5,13 +5,19 @@
 3. `preempt collect`: scheduling features + preemption labels from replays of three
    trace windows that no ablation replays.
 4. `preempt train`: the LSTM preemption predictor on all three (Lightning, wandb offline).
-5. `preempt ablate`: the `quick` matrix (baselines, the design's pieces one at a time,
+5. `preempt lengths`: the output-length model on the same three runs' finished requests
+   (the projection's learned part, preempt.engine.lengths).
+6. `preempt bench early --windows --quick`: the early-save policies side by side on
+   held-out windows, max_tokens as clients send it (a fixed 1024): the rule, the fork's
+   forecast, the projection, the projection with the length model, the LSTM and the
+   lookahead oracle.
+7. `preempt ablate`: the `quick` matrix (baselines, the design's pieces one at a time,
    early saves with the trained predictor; the tiny arms run the trained LM with the
    importance plan), wandb runs, results table, plots.
-6. `preempt bench codec --no-speed --prompts 4`: the mixed-precision codec's size and
+8. `preempt bench codec --no-speed --prompts 4`: the mixed-precision codec's size and
    quality per plan on the trained LM, over 4 held-out prompts (the bench's default 16
    and its speed columns are the benchmark's own business).
-7. `preempt report`: claims vs measurements, from this run.
+9. `preempt report`: claims vs measurements, from this run, with step 6's table.
 
 Thin on purpose: each step is the documented CLI command (printed before it runs), so a
 user can rerun any one of them alone. Step 1 reuses `--lm` (runs/lm) when it holds an LM
@@ -57,15 +63,20 @@ def _step(title: str, argv: list[str], stdout_to: Path | None = None) -> float:
 # choose a threshold with any confidence (docs/predictor.md).
 TRAIN_WINDOWS_START_S = (1300, 1900, 2500)
 
+EARLY_ARMS = "rule,forecast_k4,projection,projection_learned,lstm,lookahead"
+"""Step 6's arms: the scheduler's next victim, the fork knowing only the present, the
+projection without and with the learned length model, the LSTM (the design's arm), and
+the lookahead oracle (the true future: the upper bound)."""
+
 
 def run(out: Path, lm: Path, wandb: str) -> dict[str, float]:
     plan = lm / "importance_plan.json"
     times = {
         "lm": _step(
-            "1/7 train the reference LM (cached)", ["lm", "train", "--out", str(lm), "--wandb", wandb]
+            "1/9 train the reference LM (cached)", ["lm", "train", "--out", str(lm), "--wandb", wandb]
         ),
         "importance": _step(
-            "2/7 head importance -> plan",
+            "2/9 head importance -> plan",
             # the plan comes from the calibration scores; the masking check beside it is
             # informational, run smaller here (the same plan as with the defaults)
             ["importance", "--model", str(lm / "lm.pt"), "--out", str(plan), "--eval-bytes", "16384"]
@@ -76,7 +87,7 @@ def run(out: Path, lm: Path, wandb: str) -> dict[str, float]:
     features = [out / f"features-{start}" for start in TRAIN_WINDOWS_START_S]
     times["collect"] = sum(
         _step(
-            f"3/7 collect features ({i + 1}/{len(features)}: [{start}, {start + 200}) s)",
+            f"3/9 collect features ({i + 1}/{len(features)}: [{start}, {start + 200}) s)",
             [
                 "collect",
                 "--config",
@@ -93,7 +104,7 @@ def run(out: Path, lm: Path, wandb: str) -> dict[str, float]:
         for i, (start, path) in enumerate(zip(TRAIN_WINDOWS_START_S, features, strict=True))
     )
     times["train"] = _step(
-        "4/7 train the predictor",
+        "4/9 train the predictor",
         [
             "train",
             "--data",
@@ -105,8 +116,32 @@ def run(out: Path, lm: Path, wandb: str) -> dict[str, float]:
             "--no-progress",
         ],
     )
+    lengths = out / "lengths.json"
+    times["lengths"] = _step(
+        "5/9 fit the output-length model",
+        [
+            "lengths",
+            *(str(out / f"collect-{start}") for start in TRAIN_WINDOWS_START_S),
+            "--out",
+            str(lengths),
+        ],
+    )
+    times["early"] = _step(
+        "6/9 early saves side by side (held-out windows)",
+        [
+            "bench",
+            "early",
+            "--windows",
+            "--quick",
+            "--json",
+            "--model",
+            str(out / "predictor" / "predictor.ckpt"),
+        ]
+        + ["--lengths", str(lengths), "--arms", EARLY_ARMS],
+        stdout_to=out / "early.json",
+    )
     times["ablate"] = _step(
-        "5/7 ablation (quick)",
+        "7/9 ablation (quick)",
         [
             "ablate",
             "--config",
@@ -124,7 +159,7 @@ def run(out: Path, lm: Path, wandb: str) -> dict[str, float]:
         ],
     )
     times["codec"] = _step(
-        "6/7 codec quality per plan",
+        "8/9 codec quality per plan",
         # size and quality per plan; speed is the bench's own business (`preempt bench codec`)
         [
             "bench",
@@ -141,7 +176,16 @@ def run(out: Path, lm: Path, wandb: str) -> dict[str, float]:
         stdout_to=out / "codec.json",
     )
     times["report"] = _step(
-        "7/7 report", ["report", "--quick", str(out / "ablate"), "--out", str(out / "results.md")]
+        "9/9 report",
+        [
+            "report",
+            "--quick",
+            str(out / "ablate"),
+            "--early",
+            str(out / "early.json"),
+            "--out",
+            str(out / "results.md"),
+        ],
     )
     return times
 
@@ -165,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  ablation table : {args.out / 'ablate' / 'results.md'}")
     print(f"  plots          : {args.out / 'ablate' / 'plots'}/")
     print(f"  claims report  : {args.out / 'results.md'}")
+    print(f"  early saves    : {args.out / 'early.json'} (side by side in the report)")
     print(f"  codec per plan : {args.out / 'codec.json'}")
     print(f"  wandb (offline): wandb sync {args.out}/ablate/wandb/offline-run-*  (and {args.out}/predictor)")
     return 0

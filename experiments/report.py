@@ -791,10 +791,12 @@ def report(
     paper: str | Path | None = None,
     command: str = "",
     sweeps: list[str | Path] = (),
+    early: str | Path | None = None,
 ) -> Path:
     """Write the report to `out` (plots copied to `out`'s stem directory); returns `out`.
     `sweeps`: more ablation directories (regime sweeps), each judged per grid point and
-    labelled by its ablation's name."""
+    labelled by its ablation's name. `early`: a `preempt bench early --windows --json`
+    result, shown as the early-save policies side by side."""
     out = Path(out)
     sources = [Source.load("quick", quick)]
     if paper is not None:
@@ -810,5 +812,12 @@ def report(
             "experiments/configs/paper.yaml --out runs/ablate-paper [--ray-address ADDR]` "
             "(docs/regimes.md: its time on N Ray workers), then add `--paper runs/ablate-paper`.\n"
         )
+    if early is not None:
+        import json
+
+        from experiments.early_windows import render_windows
+
+        result = json.loads(Path(early).read_text())
+        text += "\n## Early saves, side by side\n\n" + render_windows(result)
     out.write_text(text)
     return out

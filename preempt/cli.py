@@ -364,6 +364,42 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lengths(args: argparse.Namespace) -> int:
+    """Fit the output-length model (preempt.engine.lengths) on runs' finished requests:
+    `early_save.length_model` for the projection policy. Each run's trace window (from
+    its summary.json's config) is recorded, so a bench can avoid it."""
+    from preempt.engine.lengths import LengthModel
+
+    windows = []
+    for run in args.runs:
+        try:
+            workload = json.loads((run / "summary.json").read_text())["config"]["workload"]
+        except (OSError, ValueError, KeyError, TypeError):
+            workload = None  # a run without its config: its window is not known
+        if workload is not None:
+            duration = workload.get("duration_s")
+            start = float(workload.get("start_s", 0.0))
+            windows.append(
+                {
+                    "trace": str(workload.get("trace")),
+                    "start_s": start,
+                    "end_s": None if duration is None else start + float(duration),
+                }
+            )
+    try:
+        model = LengthModel.from_requests([run / "requests.parquet" for run in args.runs], windows)
+        model.save(args.out)
+    except ValueError as err:
+        print(f"preempt lengths: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"preempt lengths: error: cannot write {args.out}: {err.strerror}", file=sys.stderr)
+        return 2
+    print(json.dumps({"num_requests": model.num_requests, "num_cells": len(model.cells), "windows": windows}))
+    print(f"wrote {args.out}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from preempt.bench import BENCHMARKS
 
@@ -391,7 +427,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    for flag, value in (("trace", args.trace), ("arms", args.arms), ("max-tokens", args.max_tokens)):
+    for flag, value in (
+        ("trace", args.trace),
+        ("arms", args.arms),
+        ("max-tokens", args.max_tokens),
+        ("lengths", args.lengths),
+    ):
         if value is not None and not args.windows:
             print(f"preempt: error: --{flag} applies to `bench early --windows` only", file=sys.stderr)
             return 2
@@ -433,8 +474,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     from experiments.early_windows import WINDOW_ARMS
 
                     arms = [arm for arm in WINDOW_ARMS if not arm.startswith("lstm")]
+                if args.lengths is not None and not Path(args.lengths).is_file():
+                    print(f"preempt: error: --lengths: no such file: {args.lengths}", file=sys.stderr)
+                    return 2
                 result = bench_early_windows(
-                    args.quick, models, args.trace or "azure-conv", arms, args.max_tokens
+                    args.quick, models, args.trace or "azure-conv", arms, args.max_tokens, args.lengths
                 )
             except ValueError as err:  # an unknown --arms or --trace, or no free windows
                 print(f"preempt: error: {err}", file=sys.stderr)
@@ -530,9 +574,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     paper = f" --paper {args.paper}" if args.paper else ""
     paper += "".join(f" --sweep {path}" for path in args.sweep)
+    paper += f" --early {args.early}" if args.early else ""
     command = f"preempt report --quick {args.quick}{paper} --out {args.out}"
     try:
-        path = report(args.quick, args.out, paper=args.paper, command=command, sweeps=args.sweep)
+        path = report(
+            args.quick, args.out, paper=args.paper, command=command, sweeps=args.sweep, early=args.early
+        )
     except FileNotFoundError as err:
         print(f"preempt: error: {err}", file=sys.stderr)
         return 2
@@ -705,6 +752,15 @@ def build_parser() -> argparse.ArgumentParser:
     tokenizer.add_argument("--out", type=Path, required=True, help="a directory; guidellm's --processor")
     tokenizer.set_defaults(func=cmd_tokenizer)
 
+    lengths = sub.add_parser(
+        "lengths", help="fit the output-length model on runs' finished requests (early_save.length_model)"
+    )
+    lengths.add_argument(
+        "runs", nargs="+", type=Path, help="run directories (`preempt run`/`collect --out`: requests.parquet)"
+    )
+    lengths.add_argument("--out", type=Path, required=True, help="the model file to write (lengths.json)")
+    lengths.set_defaults(func=cmd_lengths)
+
     bench = sub.add_parser("bench", help="micro/macro benchmarks; one JSON object on stdout")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("--json", action="store_true", help="compact JSON on one line")
@@ -730,6 +786,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="early --windows: the arms to run beside the synchronous none baseline, comma-separated "
         "(lookahead, forecast, forecast_k4, projection, projection_learned, lstm, lstm_capped; "
         "default all; without --model, those without lstm)",
+    )
+    bench.add_argument(
+        "--lengths",
+        help="early --windows: the projection_learned arm's output-length model (`preempt lengths` "
+        "writes one; default: fitted on the trace outside each window)",
     )
     bench.add_argument(
         "--max-tokens",
@@ -828,6 +889,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--paper", type=Path, help="output directory of the paper ablation")
     report.add_argument(
         "--sweep", type=Path, action="append", default=[], help="a regime sweep's output dir (repeatable)"
+    )
+    report.add_argument(
+        "--early", type=Path, help="a `preempt bench early --windows --json` result: early saves side by side"
     )
     report.add_argument("--out", type=Path, default=Path("docs/results.md"), help="(docs/results.md)")
     report.set_defaults(func=cmd_report)

@@ -18,7 +18,10 @@ with `knows_future=False`: fork the engine, simulate the policy over the horizon
 forks every k steps (`early_save.lookahead_every_steps`); and the cheap forecast without
 a fork (preempt.engine.projection) at every iteration, against the `null` step on this CPU
 and against the step the virtual clock models for the target at this batch (the host
-work beside a real GPU step: the cost yardstick is <= 5% of it and <= one `null` step).
+work beside a real GPU step: the cost yardstick is <= 5% of it and <= one `null` step),
+alone and with the learned output-length model's check (preempt.engine.lengths,
+`confident_steps` over every projected step: the `projection_learned` policy's whole
+host cost; the model fitted on azure-conv with max_tokens 1024).
 
 The predictor has random weights: its cost does not depend on their values, and the
 benchmark must not need a trained checkpoint.
@@ -36,6 +39,7 @@ import torch
 
 from preempt.bench.engine import decoding_engine
 from preempt.engine.features import engine_features
+from preempt.engine.lengths import LengthModel
 from preempt.engine.lookahead import Lookahead
 from preempt.engine.online_predictor import HIDDEN_SIZE, NUM_FEATURES, OnlinePredictor
 from preempt.engine.projection import Projection
@@ -60,6 +64,13 @@ def random_predictor(seed: int = 0) -> OnlinePredictor:
     state["feature_mean"] = torch.zeros(NUM_FEATURES)
     state["feature_std"] = torch.ones(NUM_FEATURES)
     return OnlinePredictor(state, threshold=0.5)
+
+
+def _length_model() -> LengthModel:
+    from preempt.core.config import WorkloadConfig
+
+    workload = WorkloadConfig(trace="azure-conv", max_tokens_mode="fixed")
+    return LengthModel.from_trace(workload, seed=0, exclude=(0.0, 0.0))
 
 
 def _median_us(samples: list[float]) -> float:
@@ -89,7 +100,8 @@ def bench_predictor(quick: bool = False) -> dict[str, Any]:
         forecaster = Lookahead(FORECAST_HORIZON_MS, FORECAST_HORIZON_STEPS, knows_future=False)
         projector = Projection(FORECAST_HORIZON_MS, FORECAST_HORIZON_STEPS)
         step_s, features_s, predictor_s, scale_free_s, forecast_s = [], [], [], [], []
-        projection_s, modelled_s = [], []
+        projection_s, learned_s, modelled_s = [], [], []
+        lengths = _length_model()
         for index in range(num_steps + 20):
             started = time.perf_counter()
             output = engine.step()
@@ -108,8 +120,11 @@ def bench_predictor(quick: bool = False) -> dict[str, Any]:
                 scale_free_s.append(scaled - done)
                 modelled_s.append(output.step_s)
                 projected = time.perf_counter()
-                projector.forecast(engine.view, output.step_s)
-                projection_s.append(time.perf_counter() - projected)
+                forecast = projector.forecast(engine.view, output.step_s)
+                checked = time.perf_counter()
+                lengths.confident_steps(engine.view.running, 0.69, forecast.num_steps)
+                projection_s.append(checked - projected)
+                learned_s.append(time.perf_counter() - projected)
                 if index % FORECAST_EVERY == 0:
                     forked = time.perf_counter()
                     forecaster.forecast(engine.view)
@@ -127,6 +142,7 @@ def bench_predictor(quick: bool = False) -> dict[str, Any]:
         scale_free_us = _median_us(scale_free_s)
         forecast_us = _median_us(forecast_s)
         projection_us = _median_us(projection_s)
+        learned_us = _median_us(learned_s)
         modelled_us = _median_us(modelled_s)
         return {
             "bench": "predictor",
@@ -155,6 +171,9 @@ def bench_predictor(quick: bool = False) -> dict[str, Any]:
             "projection_fraction_of_null_step": round(projection_us / step_us, 4),
             "modelled_step_us_median": modelled_us,
             "projection_fraction_of_modelled_step": round(projection_us / modelled_us, 4),
+            "projection_learned_us_median": learned_us,
+            "projection_learned_fraction_of_null_step": round(learned_us / step_us, 4),
+            "projection_learned_fraction_of_modelled_step": round(learned_us / modelled_us, 4),
             "target_fraction": TARGET_FRACTION,
             "meets_target": predictor_us / step_us <= TARGET_FRACTION,
             "predictor_first_step_256_new_us_median": _median_us(cold_s),

@@ -434,7 +434,7 @@ class EarlySaveConfig(_Section):
     max_tokens; with this model it keeps only the preemptions it predicts within the
     steps where no unforeseen finish is likely (`length_confidence`): a request ending
     early frees the seat or blocks the predicted preemption needed. None: all kept."""
-    length_confidence: float = Field(0.6, gt=0, lt=1)
+    length_confidence: float = Field(0.5, gt=0, lt=1)
     """`length_model`: the probability, under the model, that no running request ends
     before a predicted preemption's step, that keeping the prediction needs."""
     prefetch: bool = False

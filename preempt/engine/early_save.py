@@ -279,7 +279,7 @@ class ProjectionPolicy(EarlySavePolicy):
         horizon_ms: float,
         horizon_steps: int,
         lengths: LengthModel | None = None,
-        confidence: float = 0.6,
+        confidence: float = 0.5,
     ) -> None:
         from preempt.engine.projection import Projection
 

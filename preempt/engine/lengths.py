@@ -40,6 +40,7 @@ PRIOR_REQUESTS = 50.0
 requests (per position bin: the pool's exposure there per request, times this)."""
 _POSITION_BINS_PER_OCTAVE = 4
 _MAX_POSITION = 1 << 17
+_MAX_CACHED = 1 << 16  # request ids whose cell is remembered (then forgotten at once)
 _MAX_LOG2 = 17  # prompt and max_tokens bins: [1, 2), [2, 4), ... up to 2^17 and above
 
 
@@ -92,9 +93,14 @@ class LengthModel:
         self.cells = cells  # (prompt bin, max_tokens bin) -> (bins,) shrunk hazard
         self.num_requests = num_requests
         self.windows = windows or []  # the trace windows the requests came from
-        # hazard tables as lists: a Python float lookup is what the projection does per slot
+        # hazard tables as lists (one lookup: `hazard`) and stacked (vectorised: `expected_ends`)
         self._pooled = pooled.tolist()
         self._cells = {key: table.tolist() for key, table in cells.items()}
+        keys = sorted(cells)
+        self._row = {key: i for i, key in enumerate(keys)}
+        self._pooled_row = len(keys)
+        self._matrix = np.stack([*(cells[key] for key in keys), pooled])
+        self._row_of: dict[int, int] = {}  # request id -> its row of _matrix
 
     @classmethod
     def fit(
@@ -128,12 +134,16 @@ class LengthModel:
         return cls(pooled, cells, len(output), windows)
 
     @classmethod
-    def from_requests(cls, paths: Sequence[str | Path], windows: list[dict[str, Any]] | None = None) -> LengthModel:
+    def from_requests(
+        cls, paths: Sequence[str | Path], windows: list[dict[str, Any]] | None = None
+    ) -> LengthModel:
         """From runs' requests.parquet (preempt.obs.results): the requests that finished."""
         import pyarrow.parquet as pq
 
         columns = {"prompt_tokens": [], "max_tokens": [], "output_tokens": []}
         for path in paths:
+            if not Path(path).is_file():
+                raise ValueError(f"no such file: {path} (a run's requests.parquet)")
             try:
                 table = pq.read_table(path, columns=[*columns, "final_state"]).to_pydict()
             except (OSError, ValueError) as exc:
@@ -181,29 +191,37 @@ class LengthModel:
             return 1.0
         return self.table(prompt_tokens, max_tokens)[_position_bin(num_output + 1)]
 
-    def expected_ends(self, running: Sequence[Request], num_tokens: int) -> list[float]:
-        """Expected natural ends among `running` within each of the next 1..num_tokens
-        tokens (cumulative): the sum of each decoding request's hazards. A request's end
-        at its `max_tokens` is certain and the projection models it, so it is not counted
-        (nor anything after it); a request still prefilling produces no token to end on."""
-        totals = [0.0] * num_tokens
+    def expected_ends(self, running: Sequence[Request], num_tokens: int) -> np.ndarray:
+        """(num_tokens,) expected natural ends among `running` within each of the next
+        1..num_tokens tokens (cumulative): the sum of each decoding request's hazards. A
+        request's end at its `max_tokens` is certain and the projection models it, so it
+        is not counted (nor anything after it); a request still prefilling produces no
+        token to end on. Vectorised over requests x tokens (it runs every engine step)."""
+        rows, outputs, caps = [], [], []
+        row_of = self._row_of
+        if len(row_of) > _MAX_CACHED:
+            row_of.clear()
         for request in running:
-            if request.num_computed_tokens < request.num_tokens - 1:
+            num_output = len(request.output_token_ids)
+            if request.num_computed_tokens < request.num_prompt_tokens + num_output - 1:
                 continue  # still prefilling
-            table = self.table(request.num_prompt_tokens, request.max_tokens)
-            num_output, cap = request.num_output_tokens, request.max_tokens
-            total = 0.0
-            for t in range(num_tokens):
-                position = num_output + 1 + t
-                if position >= cap:
-                    break
-                total += table[_position_bin(position)]
-                totals[t] += total
-            else:
-                continue
-            for rest in range(t, num_tokens):  # the cap ended it: its hazard stops growing
-                totals[rest] += total
-        return totals
+            row = row_of.get(request.request_id)
+            if row is None:  # its cell, once: prompt length and max_tokens do not change
+                key = (_log2_bin(request.num_prompt_tokens), _log2_bin(request.max_tokens))
+                row = row_of[request.request_id] = self._row.get(key, self._pooled_row)
+            rows.append(row)
+            outputs.append(num_output)
+            caps.append(request.max_tokens)
+        if not rows or num_tokens <= 0:
+            return np.zeros(max(num_tokens, 0))
+        positions = np.asarray(outputs)[:, None] + 1 + np.arange(num_tokens)[None, :]  # (R, T)
+        bins = _BIN_OF[np.minimum(positions, len(_BIN_OF) - 1)]
+        far = positions >= len(_BIN_OF)
+        if far.any():  # beyond the lookup table: search the edges
+            bins[far] = np.minimum(np.searchsorted(_EDGES, positions[far], side="right") - 1, len(_EDGES) - 2)
+        hazards = self._matrix[np.asarray(rows)[:, None], bins]
+        hazards[positions >= np.asarray(caps)[:, None]] = 0.0  # the cap ends it: the projection knows
+        return np.cumsum(hazards.sum(axis=0))
 
     def confident_steps(self, running: Sequence[Request], budget: float, max_steps: int) -> int:
         """How many steps ahead a projection that runs every request to its max_tokens can
@@ -212,12 +230,7 @@ class LengthModel:
         `budget`, i.e. P(none of them ends) >= exp(-budget). The next schedule (k = 1)
         sees no new token, so it is always trusted."""
         totals = self.expected_ends(running, max(max_steps - 1, 0))
-        steps = 1
-        for total in totals:
-            if total > budget:
-                break
-            steps += 1
-        return steps
+        return 1 + int(np.searchsorted(totals, budget, side="right"))
 
     def save(self, path: str | Path) -> None:
         doc = {
@@ -241,7 +254,9 @@ class LengthModel:
         if doc.get("position_edges") != _EDGES.tolist():
             raise ValueError(f"{path} was fitted with other position bins; fit it again")
         cells = {(int(p), int(c)): np.asarray(table, dtype=np.float64) for p, c, table in doc["cells"]}
-        return cls(np.asarray(doc["pooled"], dtype=np.float64), cells, int(doc["num_requests"]), doc["windows"])
+        return cls(
+            np.asarray(doc["pooled"], dtype=np.float64), cells, int(doc["num_requests"]), doc["windows"]
+        )
 
 
 def _fill(ends: np.ndarray, exposure: np.ndarray) -> np.ndarray:

@@ -39,7 +39,9 @@ def test_an_output_stopped_by_its_cap_is_censored_and_the_cap_is_certain():
     assert model.hazard(10, 64, 10) == 0.0  # no natural end was ever seen
     assert model.hazard(10, 64, 63) == 1.0  # the 64th token is the last, by the cap
     # half stop at 32 by themselves, half run into a 1024 cap: ends at 32 only
-    mixed = LengthModel.fit(np.full(1000, 10), np.full(1000, 1024), np.r_[np.full(500, 32), np.full(500, 1024)])
+    mixed = LengthModel.fit(
+        np.full(1000, 10), np.full(1000, 1024), np.r_[np.full(500, 32), np.full(500, 1024)]
+    )
     assert mixed.hazard(10, 1024, 31) > 0.0 and mixed.hazard(10, 1024, 100) == 0.0
 
 
@@ -70,7 +72,9 @@ def test_bad_fits_name_the_problem():
 
 def test_a_model_round_trips_and_a_corrupt_file_is_refused(tmp_path):
     lengths = _geometric(0.05, 2000)
-    model = LengthModel.fit(np.full(2000, 300), np.full(2000, 1024), np.minimum(lengths, 1024), [{"trace": "t"}])
+    model = LengthModel.fit(
+        np.full(2000, 300), np.full(2000, 1024), np.minimum(lengths, 1024), [{"trace": "t"}]
+    )
     path = tmp_path / "lengths.json"
     model.save(path)
     again = LengthModel.load(path)
@@ -96,12 +100,14 @@ def test_fitting_on_a_trace_leaves_out_the_judged_window():
 class _Running:
     """What `expected_ends` reads of a running request."""
 
+    ids = iter(range(10**9))
+
     def __init__(self, num_output: int, max_tokens: int, prefilling: bool = False) -> None:
+        self.request_id = next(self.ids)
         self.num_prompt_tokens = 100
-        self.num_output_tokens = num_output
+        self.output_token_ids = [0] * num_output
         self.max_tokens = max_tokens
-        self.num_tokens = 100 + num_output
-        self.num_computed_tokens = 0 if prefilling else self.num_tokens - 1
+        self.num_computed_tokens = 0 if prefilling else 100 + num_output - 1
 
 
 def test_expected_ends_count_decoding_requests_until_their_cap():
@@ -110,8 +116,11 @@ def test_expected_ends_count_decoding_requests_until_their_cap():
     model = LengthModel.fit(np.full(20_000, 100), np.full(20_000, 10**6), lengths)
     h = model.hazard(100, 10**6, 10)
     one = model.expected_ends([_Running(10, 10**6)], 3)
-    assert one == pytest.approx([h, 2 * h, 3 * h], rel=0.01)
-    assert model.expected_ends([_Running(10, 10**6, prefilling=True)], 3) == [0.0, 0.0, 0.0]
+    assert list(one) == pytest.approx([h, 2 * h, 3 * h], rel=0.01)
+    assert list(model.expected_ends([_Running(10, 10**6, prefilling=True)], 3)) == [0.0, 0.0, 0.0]
+    assert list(model.expected_ends([_Running(5000, 10**6)], 2)) == pytest.approx(
+        [model.hazard(100, 10**6, 5000), model.hazard(100, 10**6, 5000) + model.hazard(100, 10**6, 5001)]
+    )  # past the position lookup table
     capped = model.expected_ends([_Running(10, 12)], 4)  # its 12th token is its cap
     assert capped[0] == pytest.approx(h) and capped[1] == capped[2] == capped[3]
     many = [_Running(10, 10**6) for _ in range(50)]  # one end expected per step

@@ -128,8 +128,12 @@ def test_arms_picks_what_runs_and_what_is_judged(monkeypatch):
         windows.bench_early_windows(True, ["a.ckpt"], arms=["lstm", "nope"])
     # the forecasts need no checkpoint; the learned projection is judged against its own
     ran.clear()
-    result = windows.bench_early_windows(True, [], arms=["projection", "projection_learned"], max_tokens="noisy")
-    assert ran == ["none", "projection", "projection_learned"] * 4 and regimes == {"workload.max_tokens_mode=noisy"}
+    result = windows.bench_early_windows(
+        True, [], arms=["projection", "projection_learned"], max_tokens="noisy"
+    )
+    assert ran == ["none", "projection", "projection_learned"] * 4 and regimes == {
+        "workload.max_tokens_mode=noisy"
+    }
     assert result["max_tokens_mode"] == "noisy" and result["horizon"] == []
     assert result["summary"]["swap"]["projection_learned"]["minus_projection"]["stall_hidden"]["mean"] == 0.0
     with pytest.raises(ValueError, match="needs --model"):
