@@ -1,7 +1,7 @@
 """`preempt bench early --windows`: the async-restore arms of `preempt bench early` on
 every held-out trace window, with each issue-15 target judged by a 95% interval over
 windows (one window is an anecdote: the same checkpoint wasted 30-49% of its early bytes
-on seven unseen windows of azure-conv, docs/predictor.md).
+on seven unseen windows of azure-conv, docs/archive/predictor-history.md).
 
 Owns: the held-out windows, the per-window runs and their summary (`summarize_windows`).
 The arms themselves are preempt.bench.early's (`arm_overrides`, `run_arm`); the
@@ -39,16 +39,16 @@ the output-length model fitted outside the window."""
 
 HELD_OUT_WINDOWS_S = (1600.0, 1800.0, 2000.0, 2200.0)
 """`--windows`: azure-conv windows (200 s each from these starts) that no recipe trains
-on: the collects of docs/predictor.md use [0, 1200) and [2400, 3000) s, and [1200, 1600) s
+on: the collects of docs/archive/predictor-history.md use [0, 1200) and [2400, 3000) s, and [1200, 1600) s
 were the dev windows its choices (`WASTE_CAP_SETPOINT`, the gain) were made on."""
 
 TRACE_WINDOWS_S: dict[str, tuple[float, ...]] = {
     "azure-conv": HELD_OUT_WINDOWS_S,
-    # The collects of docs/predictor.md use azure-code [0, 1200) s; the trace is ~3,430 s,
+    # The collects of docs/archive/predictor-history.md use azure-code [0, 1200) s; the trace is ~3,430 s,
     # and [2800, 3000) s preempts nothing at 4x (measured: 0 preemptions, nothing to judge).
     "azure-code": (1200.0, 1600.0, 2000.0, 2400.0),
 }
-"""`--windows --trace T`: the held-out windows of the traces docs/predictor.md trains on
+"""`--windows --trace T`: the held-out windows of the traces docs/archive/predictor-history.md trains on
 (collect.yaml's workload otherwise). Any other trace (a bundled name or an Azure CSV /
 Mooncake JSONL path) gets `NUM_WINDOWS` windows spread evenly over it; on every trace,
 windows a checkpoint was trained on are replaced (`choose_windows`)."""

@@ -60,7 +60,7 @@ def _step(title: str, argv: list[str], stdout_to: Path | None = None) -> float:
 # replays 200 s), none overlapping a window an ablation replays (quick: the minutes of
 # quick.yaml's `replicate`; the sweeps: a minute from 0, 600, ..., 2400 s), so `early_lstm`
 # is judged out of sample. Three windows: from one, val holds too few request epochs to
-# choose a threshold with any confidence (docs/predictor.md).
+# choose a threshold with any confidence (docs/archive/predictor-history.md).
 TRAIN_WINDOWS_START_S = (1300, 1900, 2500)
 
 EARLY_ARMS = "rule,forecast_k4,projection,projection_learned,lstm,lookahead"

@@ -59,7 +59,7 @@ WASTE_WEIGHT = 1.0
 are never claimed costs as much as a second of stall avoided. That overcharges waste on
 this engine: early copies run on a lane that demand saves overtake (preempt.kv.timing), so
 a wasted copy never delays a preemption's own copy-out, only later early copies (what
-`preempt bench early` reports as the `queued` part of the save stall; docs/predictor.md).
+`preempt bench early` reports as the `queued` part of the save stall; docs/archive/predictor-history.md).
 Hence the default rule, `waste_capped`."""
 
 MAX_WASTE_SHARE = 0.30
@@ -72,7 +72,7 @@ over the cap beyond doubt: the lower end of its 95% Wilson interval, taking the 
 epochs it warned as the samples, is above the cap. A share measured on a few dozen epochs
 is noisy (+-0.15 at 30), and ending the walk at the first estimate over the cap made the
 rule choose never to warn on the default collect (the first point warning 30 epochs
-wasted 0.308 of its bytes against a 0.30 cap; docs/predictor.md)."""
+wasted 0.308 of its bytes against a 0.30 cap; docs/archive/predictor-history.md)."""
 
 
 def wilson_lower(share: float, n: float, z: float = WASTE_BOUND_Z) -> float:
@@ -121,7 +121,7 @@ def expected_value_curve(
     # Positives are ~1% of rows: quantiles dense towards the top, where thresholds live.
     # 160 points: with 40, neighbours near a 30% waste cap lay ~7 points of waste share
     # apart (runs/pred15b/lstm-deploy: 23.9% and 30.5%), so `waste_capped` stopped well
-    # short of its cap (docs/predictor.md).
+    # short of its cap (docs/archive/predictor-history.md).
     quantiles = np.r_[np.linspace(0.0, 0.9, 10), 1.0 - np.geomspace(0.1, 1e-5, max(2, num_points - 10)), 1.0]
     candidates = np.unique(np.quantile(scores, quantiles)) if len(scores) else []
     curve = []

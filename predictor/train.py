@@ -33,7 +33,7 @@ CHECKPOINT_NAME = "predictor.ckpt"
 @dataclass(frozen=True)
 class TrainConfig:
     """Defaults chosen by val AUPRC on the default collect data (experiments/configs/
-    collect.yaml, azure-conv; docs/predictor.md), (batch_size, max_epochs, seq_len):
+    collect.yaml, azure-conv; docs/archive/predictor-history.md), (batch_size, max_epochs, seq_len):
     (4096, 6, 64) 0.54, (1024, 6, 64) 0.56, (1024, 12, 64) 0.71, (512, 12, 64) 0.67,
     (1024, 12, 16) 0.55, (1024, 12, 256) 0.72, (1024, 12, whole) 0.69, (2048, 16, 256)
     0.69; one split, so +-0.05 is noise. (1024, 12, 256) fits in ~25 s on one thread."""

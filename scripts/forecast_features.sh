@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The LSTM that reads the forecast (issue 15; docs/predictor.md, "The LSTM reads the
+# The LSTM that reads the forecast (issue 15; docs/archive/predictor-history.md, "The LSTM reads the
 # forecast"): the `forecast` feature set collected on the 11 deployment-regime windows of
 # the lstm-deploy3 recipe (azure-conv [0, 1200) and [2400, 3000) s, azure-code [0, 1200) s;
 # async restores and prefetch), three training seeds with the waste cap chosen on the dev

@@ -4,7 +4,7 @@ the early saver (where the `lstm` policy computes its features and the lookahead
 policies fork); the feature logger, an `on_step` hook, reads the state after the step.
 The policy must read what the logger trains on (until 2026-12-02 the early saver ran
 before the prefetcher: 3,733 of 227,942 rows of [0, 200) s differed, and 2 of 3,327
-oracle forecasts were wrong; docs/predictor.md).
+oracle forecasts were wrong; docs/archive/predictor-history.md).
 
 One replay of a window of experiments/configs/collect.yaml (raw swap, async restores,
 prefetch, no early saves), reading the engine at both points of every step that ran

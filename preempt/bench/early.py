@@ -40,6 +40,7 @@ import math
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +58,7 @@ if TYPE_CHECKING:
 
 COLLECT = Path(__file__).resolve().parents[2] / "experiments" / "configs" / "collect.yaml"
 # The trace window replayed: one that no recipe here trains a predictor on (the collects
-# of docs/predictor.md use azure-conv [0, 1200) and [2400, 3000) s, the main job [3000,
+# of docs/archive/predictor-history.md use azure-conv [0, 1200) and [2400, 3000) s, the main job [3000,
 # 3200) s), so the `lstm` arm is scored on requests it never saw. collect.yaml's own
 # window starts at 0.
 WINDOW_START_S = 1600.0
@@ -352,12 +353,17 @@ class SaveStallCauses:
         }
 
 
-def replay_measured(config: EngineConfig, out_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def replay_measured(
+    config: EngineConfig, out_dir: Path, setup: Callable[[Engine], None] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """One replay as `preempt.replay.replay` runs it, with `SaveStallCauses` watching
     every step: (summary, the probe's counters). Writes only preemptions.parquet (the
-    `oracle_log` arm reads the `prefetch` arm's)."""
+    `oracle_log` arm reads the `prefetch` arm's). `setup(engine)`: a measurement's change
+    to the engine before it runs (scripts/projection_ceiling.py)."""
     started = time.perf_counter()
     engine = Engine(config)
+    if setup is not None:
+        setup(engine)
     requests = build_workload(config.workload, seed=config.seed, vocab_size=engine.runner.vocab_size)
     probe = SaveStallCauses(engine)
     try:
@@ -370,14 +376,20 @@ def replay_measured(config: EngineConfig, out_dir: Path) -> tuple[dict[str, Any]
     return summary, probe.stats()
 
 
-def run_arm(overrides: list[str], out_dir: Path, learned_lengths: bool = False) -> dict[str, Any]:
+def run_arm(
+    overrides: list[str],
+    out_dir: Path,
+    learned_lengths: bool = False,
+    setup: Callable[[Engine], None] | None = None,
+) -> dict[str, Any]:
     """collect.yaml with `overrides`, replayed with the probe: the arm's row and its
     save-stall split (`_arm_row` + `SaveStallCauses.stats`). `learned_lengths`: first fit
-    the output-length model outside the replayed window (`fit_lengths`) and use it."""
+    the output-length model outside the replayed window (`fit_lengths`) and use it.
+    `setup`: as `replay_measured`'s."""
     config = load_config(COLLECT, overrides)
     if learned_lengths:
         config = load_config(COLLECT, [*overrides, f"early_save.length_model={fit_lengths(config, out_dir)}"])
-    summary, causes = replay_measured(config, out_dir)
+    summary, causes = replay_measured(config, out_dir, setup)
     return {**_arm_row(summary), **causes}
 
 

@@ -45,7 +45,7 @@ from preempt.engine.online_predictor import HIDDEN_SIZE, NUM_FEATURES, OnlinePre
 from preempt.engine.projection import Projection
 
 TARGET_FRACTION = 0.05
-# The forecast's horizon: the deployed checkpoints' (docs/predictor.md: 50 ms or 4 steps).
+# The forecast's horizon: the deployed checkpoints' (docs/archive/predictor-history.md: 50 ms or 4 steps).
 FORECAST_HORIZON_MS, FORECAST_HORIZON_STEPS = 50.0, 4
 FORECAST_EVERY = 10  # iterations between timed forecasts (a fork costs ~15 steps)
 

@@ -407,7 +407,7 @@ class EarlySaveConfig(_Section):
     waste_cap_gain: float = Field(0.2, gt=0)
     """`waste_cap`: logit units the threshold moves per step in which early copies were
     claimed or wasted, per unit of error in the recent waste share. 0.2 was chosen on dev
-    windows (azure-conv [1200, 1600) s; docs/predictor.md): 0.02-0.1 followed a shift too
+    windows (azure-conv [1200, 1600) s; docs/archive/predictor-history.md): 0.02-0.1 followed a shift too
     slowly, 0.4 overshot and hid less."""
     oracle_log: str | None = None
     """`oracle`: preemptions.parquet of a run with the same config and early_save none."""

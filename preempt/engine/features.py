@@ -124,7 +124,7 @@ FORECAST_EVERY_STEPS = 4
 `every_k_steps`) and at once on news. Part of the set's definition, and recorded nowhere
 else: checkpoints are checked by feature names, so changing it means a new set name, or
 old checkpoints would read another feature. (At stride 1, the cadence of `preempt bench
-early`'s `forecast_k4` arm: 0.27 forks a step on azure-conv, docs/predictor.md.)"""
+early`'s `forecast_k4` arm: 0.27 forks a step on azure-conv, docs/archive/predictor-history.md.)"""
 
 FEATURE_SETS: dict[str, tuple[str, ...]] = {
     "v1": FEATURE_NAMES,

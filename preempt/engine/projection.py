@@ -26,6 +26,7 @@ scheduler holds them.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -90,8 +91,14 @@ def _waiting(view: EngineView, policy, arrived: list[Request], num: int) -> list
 class Projection(Horizon):
     """Forecasts preemptions by stepping the scheduler's block arithmetic ahead."""
 
-    def __init__(self, horizon_ms: float, horizon_steps: int = 0) -> None:
+    def __init__(
+        self, horizon_ms: float, horizon_steps: int = 0, end_of: Callable[[Request], int] | None = None
+    ) -> None:
         super().__init__(horizon_ms, horizon_steps)
+        # The output length at which a request leaves the projection: its max_tokens (what a
+        # server knows); a measurement may pass the true length (`Request.output_limit`) to
+        # price what knowing it would be worth (scripts/projection_ceiling.py).
+        self.end_of = end_of
         self.num_calls = 0
         self.wall_s = 0.0  # host time spent projecting (the policy's cost)
 
@@ -124,6 +131,7 @@ class Projection(Horizon):
         num_in_window = view.preemptions_in_window(view.now)
         preempted: dict[int, tuple[float, int]] = {}
         now = view.now
+        end_of = self.end_of
 
         def preempt(slot: _Slot, elapsed: float, steps: int) -> None:
             nonlocal free
@@ -251,7 +259,8 @@ class Projection(Horizon):
                 if slot.num_computed >= slot.num_tokens:
                     slot.num_tokens += 1
                     slot.num_output += 1
-                    if slot.num_output >= slot.request.max_tokens:
+                    end = slot.request.max_tokens if end_of is None else end_of(slot.request)
+                    if slot.num_output >= end:
                         running.remove(slot)
                         free += slot.num_blocks
             if not scheduled:

@@ -71,3 +71,26 @@ def test_the_projection_runs_on_the_wall_clock():
         clock={"kind": "wall"}, preemption={"mode": "swap"}, early_save={"policy": "projection"}
     )
     assert config.early_save.policy == "projection"
+
+
+def test_the_projection_ends_requests_where_it_is_told():
+    """`end_of`: where each request leaves the projection. Told that every request ends at
+    its next token, nothing is preempted past the next schedule (which comes before any
+    token); told the true lengths, it names no more than with max_tokens on the loose
+    workload (requests end sooner, freeing what a preemption needed)."""
+    told_now = Projection(20.0, 3, end_of=lambda r: r.num_output_tokens + 1)
+    told_true = Projection(20.0, 3, end_of=lambda r: r.output_limit)
+    plain = Projection(20.0, 3)
+    counts = {"now_later": 0, "plain": 0, "true": 0}
+
+    def compare(engine) -> None:
+        view = engine.view
+        if not view.running:
+            return
+        counts["now_later"] += sum(1 for _, steps in told_now.forecast(view, 0.01).preempted.values() if steps > 1)
+        counts["plain"] += len(plain.within(plain.forecast(view, 0.01)))
+        counts["true"] += len(told_true.within(told_true.forecast(view, 0.01)))
+
+    _trace(Engine(_config()), _loose_workload(), hook=compare)
+    assert counts["now_later"] == 0 and counts["plain"] >= 10
+    assert counts["true"] <= counts["plain"], counts

@@ -132,7 +132,7 @@ def test_waste_capped_walk_ends_only_where_the_waste_is_over_the_cap_beyond_doub
             "warned_epochs": epochs,
         }
 
-    # The default collect's val curve (docs/predictor.md): 0.308 wasted over 30 epochs is
+    # The default collect's val curve (docs/archive/predictor-history.md): 0.308 wasted over 30 epochs is
     # within noise of a 0.30 cap, so it is skipped (not picked) and the walk goes on to
     # 0.88; 0.44 over 58 epochs is over it beyond doubt and ends the walk before the dip.
     curve = [
