@@ -17,6 +17,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from preempt.core.registry import EARLY_SAVE_POLICIES, SCHEDULING_POLICIES
+
 
 class ConfigError(ValueError):
     """A configuration problem, with a message that names the key."""
@@ -86,26 +88,14 @@ class SglangConfig(_Section):
     the user's choosing; SLA levels here are 0-2, so 0: any higher level)."""
 
 
-POLICY_NAMES: tuple[str, ...] = (
-    "vllm_fcfs",
-    "vllm_priority",
-    "sglang_fcfs",
-    "sglang_priority",
-    "priority_score",
-    "fastserve_mlfq",
-)
-"""The values of `scheduler.policy`. Named here, below the engine, so that a config is
-validated without importing it; `preempt.engine.policies.POLICIES` maps each name to its
-class, and refuses to import when the two differ."""
-
-
 class SchedulerConfig(_Section):
     max_num_seqs: int = Field(128, gt=0)
     """Most requests in one batch."""
     max_num_batched_tokens: int = Field(2048, gt=0)
     """Token budget of one step (decode tokens + prefill chunks)."""
     policy: str = "vllm_fcfs"
-    """Victim/admission policy by name (one of `POLICY_NAMES`)."""
+    """Victim/admission policy: a name of `preempt.core.registry.SCHEDULING_POLICIES`, or
+    the import path of a user's own `SchedulingPolicy` subclass (`my_module:MyPolicy`)."""
     reserve_full_sequence: bool = True
     """Admit a waiting (or preempted) request only when blocks for its whole current
     sequence (prompt + tokens generated so far) are free, although blocks are still
@@ -118,9 +108,7 @@ class SchedulerConfig(_Section):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, name: str) -> str:
-        if name not in POLICY_NAMES:
-            raise ValueError(f"unknown policy '{name}'; choose one of {sorted(POLICY_NAMES)}")
-        return name
+        return SCHEDULING_POLICIES.check(name)
 
 
 class ClockConfig(_Section):
@@ -381,18 +369,18 @@ class EarlySaveConfig(_Section):
     policy expects a running request to be preempted soon, its blocks are copied to the
     host in the background; the preemption then saves only the blocks written since."""
 
-    policy: Literal[
-        "none", "always", "rule", "lstm", "oracle", "lookahead", "forecast", "projection"
-    ] = "none"  # fmt: skip
-    """`always`: every running request (write-through, like SGLang HiCache); `rule`: the
-    lowest-priority running request whose time slice is used up; `lstm`: the trained
-    predictor (`checkpoint`) at p >= threshold; `oracle`: the preemptions of a reference
-    run without early saves (`oracle_log`), within `horizon_ms`; `lookahead`: the true
-    future, by simulating a fork of the engine ahead (preempt/engine/lookahead.py; virtual clock);
-    `forecast`: the same fork knowing only the present (requests arrived by now, each run
-    to its `max_tokens`); `projection`: the forecast without a fork, the scheduler's block
-    arithmetic stepped ahead from the present state (preempt/engine/projection.py; any
-    clock), every step."""
+    policy: str = "none"
+    """A name of `preempt.core.registry.EARLY_SAVE_POLICIES`, or the import path of a
+    user's own `EarlySavePolicy` subclass. `always`: every running request (write-through,
+    like SGLang HiCache); `rule`: the lowest-priority running request whose time slice is
+    used up; `lstm`: the trained predictor (`checkpoint`) at p >= threshold; `oracle`: the
+    preemptions of a reference run without early saves (`oracle_log`), within
+    `horizon_ms`; `lookahead`: the true future, by simulating a fork of the engine ahead
+    (preempt/engine/lookahead.py; virtual clock); `forecast`: the same fork knowing only
+    the present (requests arrived by now, each run to its `max_tokens`); `projection`: the
+    forecast without a fork, the scheduler's block arithmetic stepped ahead from the
+    present state (preempt/engine/projection.py; any clock), every step, with
+    `length_model` if given (docs/predictor.md: the recommended policy)."""
     checkpoint: str | None = None
     """`lstm`: the predictor checkpoint (`preempt train` writes predictor.ckpt)."""
     threshold: float | None = Field(None, gt=0, lt=1)
@@ -453,6 +441,11 @@ class EarlySaveConfig(_Section):
     """Host bytes that speculative copies may hold at once; demand saves always come first."""
     max_inflight: int = Field(4, gt=0)
     """Early saves queued or running at once (the bounded queue)."""
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        return EARLY_SAVE_POLICIES.check(name)
 
     @field_validator("host_budget", "prefetch_host_budget")
     @classmethod

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from preempt.core.config import ConfigError, EarlySaveConfig
+from preempt.core.registry import EARLY_SAVE_POLICIES
 from preempt.core.request import Request
 from preempt.engine.features import FEATURE_NAMES, Features
 from preempt.kv.record import is_preemption
@@ -66,6 +67,11 @@ class EarlySavePolicy(ABC):
     reads none, and is passed None)."""
 
     features: Features | None = None
+
+    @classmethod
+    def from_config(cls, config: EarlySaveConfig) -> EarlySavePolicy:
+        """The policy `early_save` asks for (a user's subclass may read any of its keys)."""
+        return cls()
 
     @property
     def lookahead(self) -> Lookahead | None:
@@ -108,6 +114,10 @@ class RulePolicy(EarlySavePolicy):
 
 
 class LSTMPolicy(EarlySavePolicy):
+    @classmethod
+    def from_config(cls, config: EarlySaveConfig) -> LSTMPolicy:
+        return cls(config)
+
     def __init__(self, config: EarlySaveConfig) -> None:
         from preempt.engine.online_predictor import (  # torch, only when asked for
             OnlinePredictor,
@@ -230,6 +240,10 @@ def _logit(p: float) -> float:
 
 
 class OraclePolicy(EarlySavePolicy):
+    @classmethod
+    def from_config(cls, config: EarlySaveConfig) -> OraclePolicy:
+        return cls(config.oracle_log, config.horizon_ms)
+
     def __init__(self, oracle_log: str, horizon_ms: float) -> None:
         self.events = load_preemption_times(oracle_log)
         self.horizon_s = horizon_ms / 1000.0
@@ -247,6 +261,12 @@ class OraclePolicy(EarlySavePolicy):
 
 
 class LookaheadPolicy(EarlySavePolicy):
+    knows_future = True  # the fork sees the requests that have not arrived yet
+
+    @classmethod
+    def from_config(cls, config: EarlySaveConfig) -> LookaheadPolicy:
+        return cls(config.horizon_ms, config.horizon_steps, config.lookahead_every_steps, cls.knows_future)
+
     def __init__(
         self, horizon_ms: float, horizon_steps: int, every_steps: int = 1, knows_future: bool = True
     ) -> None:
@@ -269,10 +289,28 @@ class LookaheadPolicy(EarlySavePolicy):
         return [r for r in running if r.request_id in chosen]
 
 
+class ForecastPolicy(LookaheadPolicy):
+    """The fork knowing only the present (requests arrived by now, each run to max_tokens)."""
+
+    knows_future = False
+
+
 class ProjectionPolicy(EarlySavePolicy):
     """The cheap forecast (preempt.engine.projection), projected again every step. With a
     learned output-length model (preempt.engine.lengths), a predicted preemption is kept
     only within the steps the model trusts the projection for (`confident_steps`)."""
+
+    @classmethod
+    def from_config(cls, config: EarlySaveConfig) -> ProjectionPolicy:
+        lengths = None
+        if config.length_model is not None:
+            from preempt.engine.lengths import LengthModel
+
+            try:
+                lengths = LengthModel.load(config.length_model)
+            except ValueError as exc:
+                raise ConfigError(f"config key 'early_save.length_model': {exc}") from None
+        return cls(config.horizon_ms, config.horizon_steps, lengths, config.length_confidence)
 
     def __init__(
         self,
@@ -326,33 +364,20 @@ def load_preemption_times(path: str) -> dict[int, np.ndarray]:
 
 
 def make_policy(config: EarlySaveConfig) -> EarlySavePolicy | None:
-    """The policy of `early_save.policy`; None for `none`."""
-    if config.policy == "none":
+    """The policy of `early_save.policy` (preempt.core.registry.EARLY_SAVE_POLICIES, or an
+    import path); None for `none`."""
+    try:
+        policy_cls = EARLY_SAVE_POLICIES.resolve(EARLY_SAVE_POLICIES.check(config.policy))
+    except ValueError as exc:
+        raise ConfigError(f"config key 'early_save.policy': {exc}") from None
+    if policy_cls is None:
         return None
-    if config.policy == "always":
-        return AlwaysPolicy()
-    if config.policy == "rule":
-        return RulePolicy()
-    if config.policy == "lstm":
-        return LSTMPolicy(config)
-    if config.policy in ("lookahead", "forecast"):
-        return LookaheadPolicy(
-            config.horizon_ms,
-            config.horizon_steps,
-            config.lookahead_every_steps,
-            knows_future=config.policy == "lookahead",
+    if not (isinstance(policy_cls, type) and issubclass(policy_cls, EarlySavePolicy)):
+        raise ConfigError(
+            f"config key 'early_save.policy': '{config.policy}' is not a "
+            "preempt.engine.early_save.EarlySavePolicy subclass"
         )
-    if config.policy == "projection":
-        lengths = None
-        if config.length_model is not None:
-            from preempt.engine.lengths import LengthModel
-
-            try:
-                lengths = LengthModel.load(config.length_model)
-            except ValueError as exc:
-                raise ConfigError(f"config key 'early_save.length_model': {exc}") from None
-        return ProjectionPolicy(config.horizon_ms, config.horizon_steps, lengths, config.length_confidence)
-    return OraclePolicy(config.oracle_log, config.horizon_ms)
+    return policy_cls.from_config(config)
 
 
 class EarlySaver:

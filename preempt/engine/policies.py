@@ -2,7 +2,8 @@
 
 Owns: the small interface the scheduler consults when it must order the waiting queue,
 pick a request to preempt when KV blocks run out, or decide whether a waiting request
-may take a running one's place; and the registry of named policies. Policies read only
+may take a running one's place; and the built-in policies (their names:
+preempt.core.registry.SCHEDULING_POLICIES). Policies read only
 what a real server knows (arrival, SLA level, max_tokens, progress); they never look at
 `target_output_tokens` and never mutate a request.
 """
@@ -12,7 +13,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from preempt.core.config import POLICY_NAMES, PreemptionConfig
+from preempt.core.config import PreemptionConfig
+from preempt.core.registry import SCHEDULING_POLICIES
 from preempt.core.request import Request
 from preempt.engine.priority import beats, priority_score
 
@@ -32,7 +34,6 @@ class SchedulingPolicy(ABC):
       baseline named after a system keeps it off unless that system has one.
     """
 
-    name: str
     loop: str = "vllm"  # whose scheduling loop runs it: "vllm" (Scheduler) or "sglang"
     uses_time_slices: bool = False
     uses_failure_fallback: bool = False
@@ -59,8 +60,6 @@ class VllmFcfsPolicy(SchedulingPolicy):
     """vLLM V1 FCFS (vllm/v1/core/sched/scheduler.py, 0.32.0): admit by arrival; the victim
     is the last admitted request (`self.running.pop()`)."""
 
-    name = "vllm_fcfs"
-
     def admission_key(self, request: Request) -> tuple:
         # A victim arrived before every request still waiting under FCFS, so sorting by
         # arrival puts it back at the head, as vLLM's `appendleft` does.
@@ -76,8 +75,6 @@ class VllmPriorityPolicy(SchedulingPolicy):
     arrival_time))`, so among equals the earliest in running order. vLLM's smaller
     `priority` value is more important; our `sla_level` is the opposite, hence the
     negation. Preempts only for memory."""
-
-    name = "vllm_priority"
 
     def admission_key(self, request: Request) -> tuple:
         return (-request.sla_level, request.arrival_s, request.request_id)
@@ -96,7 +93,6 @@ class SglangFcfsPolicy(SchedulingPolicy):
     longest prompt, then to the last in the batch (ScheduleBatch._get_decode_retraction_order
     sorts by (len(output_ids), -len(origin_input_ids)) descending and pops the end)."""
 
-    name = "sglang_fcfs"
     loop = "sglang"
     priority_scheduling = False
 
@@ -114,7 +110,6 @@ class SglangPriorityPolicy(SglangFcfsPolicy):
     priority preemption when the running batch is full (`PrefillAdder.preempt_to_schedule`,
     threshold `scheduler.sglang.priority_preemption_threshold`)."""
 
-    name = "sglang_priority"
     priority_scheduling = True
 
 
@@ -123,7 +118,6 @@ class PriorityScorePolicy(SchedulingPolicy):
     victim is the lowest-scored running request that has used its time slice, and it is
     displaced only when the challenger beats it by the threshold margin."""
 
-    name = "priority_score"
     uses_time_slices = True
     uses_failure_fallback = True
 
@@ -172,8 +166,6 @@ class FastServeMlfqPolicy(SchedulingPolicy):
     the scheduler's rule). Memory victims: the lowest queue, latest arrival. FastServe
     swaps KV out proactively; here what happens to the KV is `preemption.mode`'s."""
 
-    name = "fastserve_mlfq"
-
     def level(self, request: Request) -> int:
         """The request's queue: 0 is the highest. A pure function of what the request has
         done (prompt length, executed time), so a waiting request's level cannot move."""
@@ -203,24 +195,11 @@ class FastServeMlfqPolicy(SchedulingPolicy):
         return victim if self.level(challenger) < self.level(victim) else None
 
 
-POLICIES: dict[str, type[SchedulingPolicy]] = {
-    policy.name: policy
-    for policy in (
-        VllmFcfsPolicy,
-        VllmPriorityPolicy,
-        SglangFcfsPolicy,
-        SglangPriorityPolicy,
-        PriorityScorePolicy,
-        FastServeMlfqPolicy,
-    )
-}
-if tuple(POLICIES) != POLICY_NAMES:  # the config validates names against POLICY_NAMES
-    raise ImportError(f"policies {tuple(POLICIES)} differ from config.POLICY_NAMES {POLICY_NAMES}")
-
-
 def get_policy(name: str, config: PreemptionConfig | None = None) -> SchedulingPolicy:
-    try:
-        policy_cls = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown scheduler.policy '{name}'; choose one of {sorted(POLICIES)}") from None
+    """The policy `name` (preempt.core.registry.SCHEDULING_POLICIES, or an import path)."""
+    policy_cls = SCHEDULING_POLICIES.resolve(SCHEDULING_POLICIES.check(name))
+    if not (isinstance(policy_cls, type) and issubclass(policy_cls, SchedulingPolicy)):
+        raise ValueError(
+            f"scheduler.policy '{name}' is not a preempt.engine.policies.SchedulingPolicy subclass"
+        )
     return policy_cls(config or PreemptionConfig())

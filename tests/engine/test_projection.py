@@ -87,7 +87,9 @@ def test_the_projection_ends_requests_where_it_is_told():
         view = engine.view
         if not view.running:
             return
-        counts["now_later"] += sum(1 for _, steps in told_now.forecast(view, 0.01).preempted.values() if steps > 1)
+        counts["now_later"] += sum(
+            1 for _, steps in told_now.forecast(view, 0.01).preempted.values() if steps > 1
+        )
         counts["plain"] += len(plain.within(plain.forecast(view, 0.01)))
         counts["true"] += len(told_true.within(told_true.forecast(view, 0.01)))
 

@@ -32,7 +32,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from preempt.core.config import PreemptionConfig, format_validation_error
-from preempt.engine.policies import POLICIES
+from preempt.core.registry import SCHEDULING_POLICIES
 
 PLUGIN_CLS = "preempt.integrations.vllm.scheduler.PreemptScheduler"
 """What `--scheduler-cls` names (a string: vLLM imports the class itself)."""
@@ -56,7 +56,8 @@ class PluginSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     policy: str = "priority_score"
-    """A `scheduler.policy` of preempt (`preempt.engine.policies.POLICIES`)."""
+    """A `scheduler.policy` of preempt (`preempt.core.registry.SCHEDULING_POLICIES`, or
+    the import path of a user's own policy)."""
     preemption: PreemptionConfig = PreemptionConfig()
     """preempt's `preemption` section: weights, threshold, slices, rate cap, fallback.
     vLLM drops a victim's KV and recomputes it, so `mode` must be `recompute`. Read
@@ -70,9 +71,7 @@ class PluginSettings(BaseModel):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, value: str) -> str:
-        if value not in POLICIES:
-            raise ValueError(f"unknown policy '{value}'; choose one of {sorted(POLICIES)}")
-        return value
+        return SCHEDULING_POLICIES.check(value)
 
     @field_validator("preemption")
     @classmethod

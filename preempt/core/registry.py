@@ -1,0 +1,116 @@
+"""Registries: the one home of each kind of plug-in's names.
+
+A registry maps a name (what a config says: `scheduler.policy: priority_score`) to the
+import path of its class ("preempt.engine.policies:PriorityScorePolicy"). Config
+validation reads the names without importing the engine (`check`); the engine imports a
+class when it builds one (`resolve`). A user's own class lives in the user's own file and
+is used without editing preempt, in either of two ways:
+
+- an import path as the name, as vLLM's `--scheduler-cls` takes one:
+  `scheduler.policy: my_policies:ShortestFirst` (`module:Class`, or `module.Class`);
+- `REGISTRY.register("shortest_first")` as a class decorator, in a module imported before
+  the config is validated.
+
+Plain Python: no torch, nothing imported until asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+
+class Registry:
+    """Names of one kind (`kind`: the config key they are chosen by; `noun`: what its
+    errors call one, the config error names the key) -> import paths."""
+
+    def __init__(self, kind: str, noun: str, entries: dict[str, str | None]) -> None:
+        self.kind = kind
+        self.noun = noun
+        self._paths: dict[str, str | None] = dict(entries)  # None: a name that builds nothing
+        self._classes: dict[str, Any] = {}
+
+    def names(self) -> list[str]:
+        return list(self._paths)
+
+    def register(self, name: str) -> Callable[[type], type]:
+        """A class decorator: `@SCHEDULING_POLICIES.register("mine")`."""
+
+        def add(cls: type) -> type:
+            if name in self._paths and self._classes.get(name) is not cls:
+                raise ValueError(f"{self.kind}: {self.noun} '{name}' is already registered")
+            self._paths[name] = f"{cls.__module__}:{cls.__qualname__}"
+            self._classes[name] = cls
+            return cls
+
+        return add
+
+    def check(self, name: str) -> str:
+        """`name` if it is registered or an import path that resolves; else ValueError
+        naming the choices (what a config validator raises)."""
+        if name in self._paths:
+            return name
+        if not _is_path(name):
+            raise ValueError(
+                f"unknown {self.noun} '{name}'; choose one of {sorted(self._paths)} "
+                "or give an import path (module:Class)"
+            )
+        self.resolve(name)
+        return name
+
+    def resolve(self, name: str) -> Any:
+        """The class of `name` (imported now), or None for a name that builds nothing."""
+        if name in self._classes:
+            return self._classes[name]
+        path = self._paths[name] if name in self._paths else name
+        if path is None:
+            return None
+        if not _is_path(path):
+            raise ValueError(f"unknown {self.noun} '{name}'; choose one of {sorted(self._paths)}")
+        module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(f"{self.noun} '{name}': cannot import {module_name}: {exc}") from None
+        try:
+            cls = getattr(module, attr)
+        except AttributeError:
+            raise ValueError(f"{self.noun} '{name}': {module_name} has no {attr}") from None
+        self._classes[name] = cls
+        return cls
+
+
+def _is_path(name: str) -> bool:
+    return ":" in name or "." in name
+
+
+SCHEDULING_POLICIES = Registry(
+    "scheduler.policy",
+    "policy",
+    {
+        "vllm_fcfs": "preempt.engine.policies:VllmFcfsPolicy",
+        "vllm_priority": "preempt.engine.policies:VllmPriorityPolicy",
+        "sglang_fcfs": "preempt.engine.policies:SglangFcfsPolicy",
+        "sglang_priority": "preempt.engine.policies:SglangPriorityPolicy",
+        "priority_score": "preempt.engine.policies:PriorityScorePolicy",
+        "fastserve_mlfq": "preempt.engine.policies:FastServeMlfqPolicy",
+    },
+)
+"""`scheduler.policy`: whom to admit and whom to preempt (preempt.engine.policies)."""
+
+EARLY_SAVE_POLICIES = Registry(
+    "early_save.policy",
+    "early-save policy",
+    {
+        "none": None,
+        "always": "preempt.engine.early_save:AlwaysPolicy",
+        "rule": "preempt.engine.early_save:RulePolicy",
+        "lstm": "preempt.engine.early_save:LSTMPolicy",
+        "oracle": "preempt.engine.early_save:OraclePolicy",
+        "lookahead": "preempt.engine.early_save:LookaheadPolicy",
+        "forecast": "preempt.engine.early_save:ForecastPolicy",
+        "projection": "preempt.engine.early_save:ProjectionPolicy",
+    },
+)
+"""`early_save.policy`: whom to copy to the host before a preemption (preempt.engine.early_save)."""

@@ -1,0 +1,103 @@
+"""Registries (preempt.core.registry): one home per kind of plug-in. Built-in names
+resolve to their classes, a user's class is used by import path or by decorator without
+editing preempt, and a bad name fails with the choices, naming the key once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from preempt.core.config import ConfigError
+from preempt.core.registry import EARLY_SAVE_POLICIES, SCHEDULING_POLICIES, Registry
+from preempt.core.request import Request, RequestState
+from preempt.engine.early_save import EarlySavePolicy, ProjectionPolicy
+from preempt.engine.engine import Engine
+from preempt.engine.policies import PriorityScorePolicy, SchedulingPolicy, VllmFcfsPolicy
+from tests.conftest import small_config
+
+
+class ShortestPromptFirst(SchedulingPolicy):
+    """A user's policy: admit short prompts first, preempt the longest."""
+
+    def admission_key(self, request: Request) -> tuple:
+        return (request.num_prompt_tokens, request.arrival_s, request.request_id)
+
+    def select_victim(self, running: Sequence[Request], now: float) -> Request:
+        return max(running, key=lambda r: (r.num_prompt_tokens, r.arrival_s))
+
+
+class SaveTheOldest(EarlySavePolicy):
+    """A user's early-save policy: the oldest running request."""
+
+    def select(self, running, features, now):
+        return [min(running, key=lambda r: r.arrival_s)] if running else []
+
+
+def test_builtin_names_resolve_to_their_classes():
+    assert SCHEDULING_POLICIES.resolve("vllm_fcfs") is VllmFcfsPolicy
+    assert SCHEDULING_POLICIES.resolve("priority_score") is PriorityScorePolicy
+    assert EARLY_SAVE_POLICIES.resolve("projection") is ProjectionPolicy
+    assert EARLY_SAVE_POLICIES.resolve("none") is None
+    for registry in (SCHEDULING_POLICIES, EARLY_SAVE_POLICIES):
+        for name in registry.names():
+            registry.resolve(name)  # every built-in path imports
+
+
+def test_a_users_policy_runs_by_import_path():
+    config = small_config(scheduler={"policy": "tests.core.test_registry:ShortestPromptFirst"})
+    engine = Engine(config)
+    assert isinstance(engine.scheduler.policy, ShortestPromptFirst)
+    from tests.kv.test_preemption import _workload
+
+    requests = _workload()
+    engine.run(requests)
+    assert all(r.state is RequestState.FINISHED for r in requests)
+
+
+def test_a_users_early_save_policy_runs_by_import_path():
+    config = small_config(
+        preemption={"mode": "swap"}, early_save={"policy": "tests.core.test_registry.SaveTheOldest"}
+    )
+    engine = Engine(config)
+    assert isinstance(engine.early_saver.policy, SaveTheOldest)
+
+
+def test_a_decorator_registers_a_name():
+    registry = Registry("thing.kind", "thing", {"a": "preempt.engine.policies:VllmFcfsPolicy"})
+
+    @registry.register("b")
+    class B:
+        pass
+
+    assert registry.names() == ["a", "b"] and registry.resolve("b") is B and registry.check("b") == "b"
+    with pytest.raises(ValueError, match="thing 'a' is already registered"):
+        registry.register("a")(B)
+
+
+@pytest.mark.parametrize(
+    ("section", "name", "message"),
+    [
+        ("scheduler", "lottery", r"unknown policy 'lottery'; choose one of \['fastserve_mlfq'"),
+        ("scheduler", "no_such_module:Policy", "cannot import no_such_module"),
+        ("scheduler", "tests.core.test_registry:Nope", "tests.core.test_registry has no Nope"),
+        ("early_save", "psychic", "unknown early-save policy 'psychic'"),
+    ],
+)
+def test_a_bad_name_names_the_key_once_and_the_choices(section, name, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        small_config(**{section: {"policy": name}})
+    assert str(err.value).count(f"{section}.policy") == 1
+
+
+def test_a_class_of_the_wrong_kind_is_refused():
+    from preempt.engine.early_save import make_policy
+    from preempt.engine.policies import get_policy
+
+    with pytest.raises(ValueError, match="is not a preempt.engine.policies.SchedulingPolicy subclass"):
+        get_policy("tests.core.test_registry:SaveTheOldest")
+    config = small_config(
+        preemption={"mode": "swap"}, early_save={"policy": "tests.core.test_registry:ShortestPromptFirst"}
+    )
+    with pytest.raises(ConfigError, match="is not a preempt.engine.early_save.EarlySavePolicy subclass"):
+        make_policy(config.early_save)
