@@ -140,6 +140,8 @@ class LengthModel:
         """From runs' requests.parquet (preempt.obs.results): the requests that finished."""
         import pyarrow.parquet as pq
 
+        from preempt.core.request import RequestState
+
         columns = {"prompt_tokens": [], "max_tokens": [], "output_tokens": []}
         for path in paths:
             if not Path(path).is_file():
@@ -149,7 +151,7 @@ class LengthModel:
             except (OSError, ValueError) as exc:
                 raise ValueError(f"cannot read requests from {path}: {exc}") from None
             for i, state in enumerate(table["final_state"]):
-                if state == "finished":
+                if state == RequestState.FINISHED.value:
                     for name, values in columns.items():
                         values.append(table[name][i])
         return cls.fit(columns["prompt_tokens"], columns["max_tokens"], columns["output_tokens"], windows)

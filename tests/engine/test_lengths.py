@@ -97,6 +97,26 @@ def test_fitting_on_a_trace_leaves_out_the_judged_window():
     assert held.windows[1]["start_s"] == 1200.0
 
 
+def test_fitting_on_logged_runs_reads_their_finished_requests(tmp_path):
+    """`preempt lengths RUN...`: the finished requests of runs' requests.parquet, and each
+    run's window from its summary.json."""
+    from preempt.cli import main as preempt
+
+    for start in (0, 60):
+        code = preempt(
+            ["run", "--config", "experiments/configs/collect.yaml", "--out", str(tmp_path / f"run-{start}"),
+             "--no-progress", "--set", f"workload.start_s={start}", "--set", "workload.duration_s=20"]
+        )  # fmt: skip
+        assert code == 0
+    out = tmp_path / "lengths.json"
+    assert preempt(["lengths", str(tmp_path / "run-0"), str(tmp_path / "run-60"), "--out", str(out)]) == 0
+    model = LengthModel.load(out)
+    assert model.num_requests > 50
+    assert [(w["start_s"], w["end_s"]) for w in model.windows] == [(0.0, 20.0), (60.0, 80.0)]
+    assert model.hazard(500, 1024, 50) > 0  # collect.yaml: a fixed 1024, outputs end by themselves
+    assert preempt(["lengths", str(tmp_path / "nowhere"), "--out", str(out)]) == 2
+
+
 class _Running:
     """What `expected_ends` reads of a running request."""
 
