@@ -376,10 +376,12 @@ def chain_overrides(name: str, custom: dict[str, Arm] | None = None) -> list[tup
     arm: Arm | None = _lookup(name, custom, "arms")
     while arm is not None:
         if arm.name in seen:
-            raise ConfigError(f"arm '{name}': parent cycle through '{arm.name}'")
+            raise ConfigError(f"parent cycle through '{arm.name}'")
         seen.add(arm.name)
         chain.append(arm)
-        arm = _lookup(arm.parent, custom, f"arm '{arm.name}': parent") if arm.parent else None
+        # the caller names the arm asked for (`arm 'x': ...`); an ancestor's is named here
+        where = "parent" if arm.name == name else f"parent of '{arm.name}'"
+        arm = _lookup(arm.parent, custom, where) if arm.parent else None
     return [item for arm in reversed(chain) for item in arm.set.items()]
 
 

@@ -68,7 +68,29 @@ def _config_from_args(args: argparse.Namespace) -> EngineConfig:
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={value}")
-    return load_config(args.config, overrides)
+    config = load_config(args.config, overrides)
+    args.workload_line = _workload_line(config, args.config, overrides)
+    return config
+
+
+def _workload_line(config: EngineConfig, path: Path | None, overrides: list[str]) -> str:
+    """What was replayed, in one line (`run`'s and `collect`'s output), naming the window
+    and rate keys that came from the config file rather than the command line (a config's
+    4x rate and 60 s window otherwise ride along silently with a user's own --trace)."""
+    workload = config.workload
+    end = "its end" if workload.duration_s is None else f"{workload.start_s + workload.duration_s:g} s"
+    line = f"{workload.trace} [{workload.start_s:g} s, {end}) at {workload.rate_scale:g}x"
+    line += f" its rate, max_tokens {workload.max_tokens_mode}"
+    if path is not None:
+        given = {o.partition("=")[0].strip() for o in overrides}
+        from_file = [
+            f"{key}={getattr(workload, name)}"
+            for name in ("start_s", "duration_s", "rate_scale", "num_requests", "arrival", "max_tokens_mode")
+            if (key := f"workload.{name}") not in given and name in workload.model_fields_set
+        ]
+        if from_file:
+            line += f" ({', '.join(from_file)} from {path})"
+    return line
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -93,7 +115,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "sim_time_s",
         "wall_time_s",
     )
-    print(json.dumps({k: summary[k] for k in keys}, indent=2))
+    print(json.dumps({"workload": args.workload_line, **{k: summary[k] for k in keys}}, indent=2))
     print(f"wrote {args.out / 'requests.parquet'} and {args.out / 'summary.json'}")
     return 0
 
@@ -162,6 +184,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
     print(
         json.dumps(
             {
+                "workload": args.workload_line,
                 "num_requests": summary["num_requests"],
                 "num_preemptions": summary["num_preemptions"],
                 "num_rows": num_rows,

@@ -57,7 +57,20 @@ def test_run_writes_contract_files(tmp_path, capsys):
     assert summary["num_finished"] + summary["num_aborted"] == summary["num_requests"]
     assert summary["config"]["cache"]["num_blocks"] == 1200
     assert set(table.column("final_state").to_pylist()) <= {"FINISHED", "ABORTED"}
-    assert "requests.parquet" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "requests.parquet" in out
+    assert '"workload": "azure-conv [0 s, 15 s) at 4x its rate, max_tokens trace"' in out
+
+
+def test_run_names_the_window_and_rate_a_config_file_brings(tmp_path, capsys):
+    """A user's --trace with engine_quick.yaml replays that file's 60 s at 4x: said so."""
+    argv = ["run", "--config", "experiments/configs/engine_quick.yaml", "--trace", "azure-code"]
+    assert main([*argv, "--duration", "5", "--out", str(tmp_path / "a"), "--no-progress"]) == 0
+    line = json.loads(capsys.readouterr().out.rsplit("\nwrote", 1)[0])["workload"]
+    assert line == (
+        "azure-code [0 s, 5 s) at 4x its rate, max_tokens trace "
+        "(workload.rate_scale=4.0 from experiments/configs/engine_quick.yaml)"
+    )
 
 
 def test_same_config_and_seed_give_byte_identical_parquet(tmp_path):

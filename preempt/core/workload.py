@@ -67,6 +67,7 @@ _MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length")
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 
 _TIMESTAMP_RE = re.compile(r"(\d{4}-\d{2}-\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?")
+_SECONDS_RE = re.compile(r"(\d+)(?:\.(\d*))?")
 _INT_RE = re.compile(r"[+-]?\d+")
 _NS_PER_S = 1_000_000_000
 _NS_PER_DAY = 86_400 * _NS_PER_S
@@ -142,10 +143,18 @@ def _json_length(value: object, field: str, where: str) -> int:
 
 
 def _parse_azure_timestamp(text: str, where: str, day_cache: dict[str, int]) -> int:
-    """`2023-11-16 18:17:03.9799600` -> integer nanoseconds since 0001-01-01 (exact)."""
+    """`2023-11-16 18:17:03.9799600` -> integer nanoseconds since 0001-01-01 (exact); a
+    plain number of seconds (`12.5`, a trace a user wrote) -> nanoseconds since 0."""
+    seconds_match = _SECONDS_RE.fullmatch(text.strip())
+    if seconds_match is not None:
+        whole, fraction = seconds_match.groups()
+        return int(whole) * _NS_PER_S + (int(fraction[:9].ljust(9, "0")) if fraction else 0)
     match = _TIMESTAMP_RE.fullmatch(text.strip())
     if match is None:
-        raise TraceError(f"{where}: bad TIMESTAMP {text!r} (expected like '2023-11-16 18:17:03.9799600')")
+        raise TraceError(
+            f"{where}: bad TIMESTAMP {text!r} (expected a date and time like "
+            "'2023-11-16 18:17:03.9799600', or seconds like '12.5')"
+        )
     date_text, hours, minutes, seconds, fraction = match.groups()
     days = day_cache.get(date_text)
     if days is None:
@@ -190,8 +199,18 @@ def _parse_azure(path: Path, lines: list[str]) -> list[TraceRow]:
         if len(fields) != num_fields:
             raise TraceError(f"{where}: expected {num_fields} fields like the header, got {len(fields)}")
         ns = _parse_azure_timestamp(fields[i_time], where, day_cache)
+        in_seconds = _SECONDS_RE.fullmatch(fields[i_time]) is not None
         if not rows:
             first_ns = prev_ns = ns
+            first_in_seconds = in_seconds
+        elif in_seconds != first_in_seconds:
+            raise TraceError(
+                f"{where}: TIMESTAMP {fields[i_time]!r} is "
+                + ("seconds" if in_seconds else "a date and time")
+                + " but the first row's is "
+                + ("seconds" if first_in_seconds else "a date and time")
+                + "; use one form throughout"
+            )
         elif ns < prev_ns:
             raise TraceError(
                 f"{where}: TIMESTAMP goes backwards ({fields[i_time]} is {(prev_ns - ns) / _NS_PER_S:g} s "

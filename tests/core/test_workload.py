@@ -56,6 +56,15 @@ def test_resolve_trace_accepts_a_path(tmp_path: Path) -> None:
     assert load_trace(path) == [TraceRow(0.0, 5, 6)]
 
 
+def test_an_azure_csv_may_give_seconds(tmp_path: Path) -> None:
+    """A trace a user writes by hand: TIMESTAMP as seconds (any origin: rebased to 0)."""
+    path = tmp_path / "mine.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0.0,5,6\n1.25,7,8\n3,9,10\n")
+    assert load_trace(path) == [TraceRow(0.0, 5, 6), TraceRow(1.25, 7, 8), TraceRow(3.0, 9, 10)]
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1700158623.5,5,6\n1700158624,7,8\n")
+    assert load_trace(path) == [TraceRow(0.0, 5, 6), TraceRow(0.5, 7, 8)]
+
+
 def test_unknown_trace_lists_the_bundled_names() -> None:
     with pytest.raises(
         TraceError, match=r"unknown trace 'azure-chat'.*azure-code, azure-conv, mooncake-synthetic"
@@ -141,7 +150,11 @@ _ROW2 = "2023-11-16 18:00:01.0000000"
         (f"{_HEADER}\r\n{_ROW},5,0", r"bad\.csv:2: GeneratedTokens must be >= 1, got 0"),
         (f"{_HEADER}\r\n{_ROW},5", r"bad\.csv:2: expected 3 fields like the header, got 2"),
         (f"{_HEADER}\r\nyesterday,5,6", r"bad\.csv:2: bad TIMESTAMP 'yesterday'"),
-        (f"{_HEADER}\r\n1700158623.5,5,6", r"bad\.csv:2: bad TIMESTAMP '1700158623\.5'"),
+        (f"{_HEADER}\r\n-3.5,5,6", r"bad\.csv:2: bad TIMESTAMP '-3\.5'"),
+        (
+            f"{_HEADER}\r\n{_ROW},5,6\r\n12.5,5,6",
+            r"bad\.csv:3: TIMESTAMP '12\.5' is seconds but the first row's is a date",
+        ),
         (f"{_HEADER}\r\n2023-02-30 18:00:00.0,5,6", r"bad\.csv:2: bad TIMESTAMP .*no such date"),
         (f"{_HEADER}\r\n2023-11-16 25:00:00.0,5,6", r"bad\.csv:2: bad TIMESTAMP .*no such time of day"),
         (

@@ -140,6 +140,11 @@ def _write(tmp_path: Path, **changes) -> Path:
         ({"arms": [{"name": "x", "set": {"preemption.threshold": -1}}]},
          "arm 'x': config key 'preemption.threshold'"),
         ({"arms": ["early_oracle"]}, "arm 'early_oracle': reference arm 'swap_mixed' must be among"),
+        ({"arms": [{"name": "x", "parent": "nope"}]}, "arm 'x': parent: unknown arm 'nope'; known arms"),
+        ({"arms": [{"name": "x", "parent": "y"}, {"name": "y", "parent": "z"}]},
+         "arm 'x': parent of 'y': unknown arm 'z'"),
+        ({"arms": [{"name": "x", "parent": "y"}, {"name": "y", "parent": "x"}]},
+         "arm 'x': parent cycle through 'x'"),
         ({"arms": ["score"], "quality_reference": "tiny_swap_zstd"}, "quality_reference 'tiny_swap_zstd'"),
         ({"base": {"cache": {"num_blocks": 0}}}, "base: config key 'cache.num_blocks'"),
     ],
@@ -149,6 +154,7 @@ def test_bad_ablation_config_fails_before_anything_runs(tmp_path, capsys, change
     assert main(["ablate", "--config", str(_write(tmp_path, **changes)), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expected in err, err
+    assert err.count("arm 'x'") <= 1, err  # each name once
     assert not out.exists()
 
 
