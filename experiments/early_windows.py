@@ -109,7 +109,7 @@ def choose_windows(trace: str, duration: float, trained: list[dict[str, Any]]) -
     return sorted(chosen)
 
 
-WINDOW_ARMS = ("lookahead", *FORECAST_ARMS, *LSTM_ARMS)
+WINDOW_ARMS = ("lookahead", "rule", *FORECAST_ARMS, *LSTM_ARMS)
 """The arms `--windows` runs beside the synchronous `none` baseline (always run); `--arms`
 picks a subset (the oracle only in swap)."""
 
@@ -180,7 +180,7 @@ def bench_early_windows(
                 arms: dict[str, Any] = {"none_sync": base}
                 if mode == "swap" and "lookahead" in chosen:
                     arms["lookahead"] = run(mode, "lookahead", None, start)
-                for arm in (a for a in FORECAST_ARMS if a in chosen):
+                for arm in (a for a in ("rule", *FORECAST_ARMS) if a in chosen):
                     arms[arm] = run(mode, arm, None, start)
                 for arm in (a for a in LSTM_ARMS if a in chosen):
                     arms[arm] = [run(mode, arm, model, start) for model in models]

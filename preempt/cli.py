@@ -807,7 +807,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--arms",
         help="early --windows: the arms to run beside the synchronous none baseline, comma-separated "
-        "(lookahead, forecast, forecast_k4, projection, projection_learned, lstm, lstm_capped; "
+        "(lookahead, rule, forecast, forecast_k4, projection, projection_learned, lstm, lstm_capped; "
         "default all; without --model, those without lstm)",
     )
     bench.add_argument(

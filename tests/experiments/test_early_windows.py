@@ -124,14 +124,14 @@ def test_arms_picks_what_runs_and_what_is_judged(monkeypatch):
     assert result["summary"]["swap"]["lstm"]["stall_hidden"]["mean"] == 0.5
     assert set(result["summary"]["swap_zstd"]) == {"lstm"} and result["arms"] == ["lookahead", "lstm"]
     assert result["training_windows"] == {"a.ckpt": [], "b.ckpt": []}
-    with pytest.raises(ValueError, match="--arms: choose from lookahead, forecast"):
+    with pytest.raises(ValueError, match="--arms: choose from lookahead, rule, forecast"):
         windows.bench_early_windows(True, ["a.ckpt"], arms=["lstm", "nope"])
     # the forecasts need no checkpoint; the learned projection is judged against its own
     ran.clear()
     result = windows.bench_early_windows(
         True, [], arms=["projection", "projection_learned"], max_tokens="noisy"
     )
-    assert ran == ["none", "projection", "projection_learned"] * 4 and regimes == {
+    assert ran == ["none", "rule", "projection", "projection_learned"] * 4 and regimes == {
         "workload.max_tokens_mode=noisy"
     }
     assert result["max_tokens_mode"] == "noisy" and result["horizon"] == []
