@@ -129,7 +129,7 @@ def test_arms_picks_what_runs_and_what_is_judged(monkeypatch):
     # the forecasts need no checkpoint; the learned projection is judged against its own
     ran.clear()
     result = windows.bench_early_windows(
-        True, [], arms=["projection", "projection_learned"], max_tokens="noisy"
+        True, [], arms=["rule", "projection", "projection_learned"], max_tokens="noisy"
     )
     assert ran == ["none", "rule", "projection", "projection_learned"] * 4 and regimes == {
         "workload.max_tokens_mode=noisy"
