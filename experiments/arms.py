@@ -278,8 +278,9 @@ class AblationConfig(_Frozen):
     """Names the wandb group and the results."""
     description: str = ""
     base_config: str | None = None
-    """An engine config file (JSON/YAML, e.g. serve_config.json) under `base`; relative
-    paths are relative to the ablation config's directory."""
+    """An engine config file (JSON/YAML, e.g. serve_config.json) under `base`; a relative
+    path is looked up beside the ablation config, then among the bundled configs
+    (experiments/configs/, e.g. `engine_quick.yaml`)."""
     base: dict[str, Any] = Field(default_factory=dict)
     """Engine config sections shared by every arm (same keys as `preempt run --config`)."""
     arms: list[str | ArmSpec] = Field(min_length=1)
@@ -436,7 +437,9 @@ def plan_ablation(
     if ablation.base_config:
         base_file = Path(ablation.base_config)
         if not base_file.is_absolute():
-            base_file = path.parent / base_file
+            beside = path.parent / base_file
+            bundled = Path(__file__).resolve().parent / "configs" / base_file
+            base_file = beside if beside.exists() or not bundled.exists() else bundled
         base = read_config_file(base_file)
     for section, values in ablation.base.items():
         if isinstance(values, dict) and isinstance(base.get(section), dict):

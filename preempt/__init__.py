@@ -1,5 +1,10 @@
 """preempt: preemption in LLM inference serving.
 
+The few objects a user needs, importable from here (each loaded when first used, so
+`import preempt` stays light: no torch until an engine is built):
+
+    from preempt import Engine, build_config, build_workload
+
 Subpackages by role, bottom to top; each imports only the layers below it
 (tests/test_architecture.py keeps this true):
 
@@ -18,3 +23,40 @@ Where a preemption is decided: preempt.engine.scheduler (with engine.policies); 
 KV moves: preempt.kv.saver; where it is measured: its preempt.kv.record.PreemptionRecord,
 written by preempt.obs.results and counted by preempt.obs.metrics.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Engine": "preempt.engine.engine",
+    "EngineConfig": "preempt.core.config",
+    "ConfigError": "preempt.core.config",
+    "build_config": "preempt.core.config",
+    "load_config": "preempt.core.config",
+    "Request": "preempt.core.request",
+    "RequestState": "preempt.core.request",
+    "build_workload": "preempt.core.workload",
+    "load_trace": "preempt.core.workload",
+    "replay": "preempt.replay",
+    "SchedulingPolicy": "preempt.engine.policies",
+    "EarlySavePolicy": "preempt.engine.early_save",
+    "SCHEDULING_POLICIES": "preempt.core.registry",
+    "EARLY_SAVE_POLICIES": "preempt.core.registry",
+    "LengthModel": "preempt.engine.lengths",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'preempt' has no attribute '{name}'")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
