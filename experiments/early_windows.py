@@ -121,6 +121,7 @@ def bench_early_windows(
     arms: list[str] | None = None,
     max_tokens: str | None = None,
     lengths: str | None = None,
+    modes: tuple[str, ...] = ASYNC_MODES,
 ) -> dict[str, Any]:
     """`preempt bench early --windows`: the async-restore arms on every held-out window
     of `trace` (`choose_windows`: none that a checkpoint in `models` was trained on), so
@@ -137,7 +138,9 @@ def bench_early_windows(
     `WINDOW_ARMS` (None: all). `max_tokens`: `workload.max_tokens_mode` (None:
     collect.yaml's). `lengths`: the `projection_learned` arm's output-length model
     (`preempt lengths` writes one; its windows are avoided like a checkpoint's); None:
-    one fitted on the trace outside each window (`preempt.bench.early.fit_lengths`)."""
+    one fitted on the trace outside each window (`preempt.bench.early.fit_lengths`).
+    `modes`: a subset of `ASYNC_MODES` (the main job runs swap only: under swap_zstd every
+    arm hides >= 0.99)."""
 
     resolve_trace(trace)  # TraceError (a ValueError) names an unknown trace
     chosen = WINDOW_ARMS if arms is None else tuple(arms)
@@ -174,8 +177,11 @@ def bench_early_windows(
                 learned_lengths=learned and lengths is None,
             )
 
+        unknown_modes = [mode for mode in modes if mode not in ASYNC_MODES]
+        if unknown_modes or not modes:
+            raise ValueError(f"--modes: choose from {', '.join(ASYNC_MODES)}; got '{','.join(modes)}'")
         for start in windows:
-            for mode in ASYNC_MODES:
+            for mode in modes:
                 base = run(mode, "none", None, start, async_restore=False)
                 arms: dict[str, Any] = {"none_sync": base}
                 if mode == "swap" and "lookahead" in chosen:

@@ -7,10 +7,10 @@
 4. `preempt train`: the LSTM preemption predictor on all three (Lightning, wandb offline).
 5. `preempt lengths`: the output-length model on the same three runs' finished requests
    (the projection's learned part, preempt.engine.lengths).
-6. `preempt bench early --windows --quick`: the early-save policies side by side on
-   held-out windows, max_tokens as clients send it (a fixed 1024): the rule, the fork's
-   forecast, the projection, the projection with the length model, the LSTM and the
-   lookahead oracle.
+6. `preempt bench early --windows --quick --modes swap`: the early-save policies side by
+   side on two held-out minutes, raw swap with async restores, max_tokens as clients send
+   it (a fixed 1024): the rule, the fork's forecast, the projection, the projection with
+   the length model, the LSTM and the lookahead oracle.
 7. `preempt ablate`: the `quick` matrix (baselines, the design's pieces one at a time,
    early saves with the trained predictor; the tiny arms run the trained LM with the
    importance plan), wandb runs, results table, plots.
@@ -137,7 +137,7 @@ def run(out: Path, lm: Path, wandb: str) -> dict[str, float]:
             "--model",
             str(out / "predictor" / "predictor.ckpt"),
         ]
-        + ["--lengths", str(lengths), "--arms", EARLY_ARMS],
+        + ["--lengths", str(lengths), "--arms", EARLY_ARMS, "--modes", "swap"],
         stdout_to=out / "early.json",
     )
     times["ablate"] = _step(

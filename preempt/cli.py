@@ -455,6 +455,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ("arms", args.arms),
         ("max-tokens", args.max_tokens),
         ("lengths", args.lengths),
+        ("modes", args.modes),
     ):
         if value is not None and not args.windows:
             print(f"preempt: error: --{flag} applies to `bench early --windows` only", file=sys.stderr)
@@ -501,7 +502,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     print(f"preempt: error: --lengths: no such file: {args.lengths}", file=sys.stderr)
                     return 2
                 result = bench_early_windows(
-                    args.quick, models, args.trace or "azure-conv", arms, args.max_tokens, args.lengths
+                    args.quick,
+                    models,
+                    args.trace or "azure-conv",
+                    arms,
+                    args.max_tokens,
+                    args.lengths,
+                    *([tuple(args.modes.split(","))] if args.modes else []),
                 )
             except ValueError as err:  # an unknown --arms or --trace, or no free windows
                 print(f"preempt: error: {err}", file=sys.stderr)
@@ -814,6 +821,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--lengths",
         help="early --windows: the projection_learned arm's output-length model (`preempt lengths` "
         "writes one; default: fitted on the trace outside each window)",
+    )
+    bench.add_argument(
+        "--modes",
+        help="early --windows: the preemption modes, comma-separated (swap, swap_zstd; default both)",
     )
     bench.add_argument(
         "--max-tokens",

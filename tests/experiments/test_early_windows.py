@@ -138,3 +138,8 @@ def test_arms_picks_what_runs_and_what_is_judged(monkeypatch):
     assert result["summary"]["swap"]["projection_learned"]["minus_projection"]["stall_hidden"]["mean"] == 0.0
     with pytest.raises(ValueError, match="needs --model"):
         windows.bench_early_windows(True, [], arms=["lstm"])
+    ran.clear()  # one mode only (the main job's)
+    result = windows.bench_early_windows(True, [], arms=["projection"], modes=("swap",))
+    assert ran == ["none", "projection"] * 2 and list(result["summary"]) == ["swap"]
+    with pytest.raises(ValueError, match="--modes: choose from swap, swap_zstd"):
+        windows.bench_early_windows(True, [], arms=["projection"], modes=("pause",))
