@@ -32,6 +32,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from preempt.core.workload import trace_window
 from preempt.obs.dataset import dataset_meta
 
 SPLITS = ("train", "val", "test")
@@ -113,22 +114,6 @@ def _concat(tables: list[FeatureTable]) -> FeatureTable:
         windows=[w for t in tables for w in t.meta.get("windows", [])],
     )
     return FeatureTable(meta=meta, **columns)
-
-
-def trace_window(meta: dict[str, Any]) -> dict[str, Any] | None:
-    """The trace window a dataset replayed, from its collect config: {"trace", "start_s",
-    "end_s"} in the trace's own seconds (before rate scaling; `end_s` None: to the end).
-    None for a dataset without a config (its window is unknown)."""
-    workload = (meta.get("config") or {}).get("workload")
-    if not workload:
-        return None
-    start = float(workload.get("start_s", 0.0))
-    duration = workload.get("duration_s")
-    return {
-        "trace": str(workload.get("trace", meta.get("trace"))),
-        "start_s": start,
-        "end_s": None if duration is None else start + float(duration),
-    }
 
 
 def _deployment(meta: dict[str, Any]) -> tuple[float, float, int]:

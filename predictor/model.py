@@ -60,7 +60,7 @@ class PreemptionLSTM(pl.LightningModule):
         # `horizon_steps` / `feature_set`: the labels' step horizon and the features'
         # set (preempt.engine.features.FEATURE_SETS); online, a different one is refused.
         # `training_windows`: the trace windows of its data ({"trace", "start_s", "end_s"},
-        # predictor.data.trace_window), so that a bench can refuse to score it on them.
+        # preempt.core.workload.trace_window), so that a bench can refuse to score it on them.
         self.save_hyperparameters()
         self.lstm = nn.LSTM(input_size=NUM_FEATURES, hidden_size=HIDDEN_SIZE, batch_first=True)
         self.head = nn.Linear(HIDDEN_SIZE, 1)

@@ -391,24 +391,17 @@ def cmd_lengths(args: argparse.Namespace) -> int:
     """Fit the output-length model (preempt.engine.lengths) on runs' finished requests:
     `early_save.length_model` for the projection policy. Each run's trace window (from
     its summary.json's config) is recorded, so a bench can avoid it."""
+    from preempt.core.workload import trace_window
     from preempt.engine.lengths import LengthModel
 
     windows = []
     for run in args.runs:
         try:
-            workload = json.loads((run / "summary.json").read_text())["config"]["workload"]
-        except (OSError, ValueError, KeyError, TypeError):
-            workload = None  # a run without its config: its window is not known
-        if workload is not None:
-            duration = workload.get("duration_s")
-            start = float(workload.get("start_s", 0.0))
-            windows.append(
-                {
-                    "trace": str(workload.get("trace")),
-                    "start_s": start,
-                    "end_s": None if duration is None else start + float(duration),
-                }
-            )
+            window = trace_window(json.loads((run / "summary.json").read_text()))
+        except (OSError, ValueError):
+            window = None  # a run without its summary: its window is not known
+        if window is not None:
+            windows.append(window)
     try:
         model = LengthModel.from_requests([run / "requests.parquet" for run in args.runs], windows)
         model.save(args.out)

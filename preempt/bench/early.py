@@ -104,7 +104,7 @@ def horizon_of(model: str) -> list[str]:
 
 def training_windows_of(model: str) -> list[dict[str, Any]] | None:
     """The trace windows the checkpoint was trained on ({"trace", "start_s", "end_s"}, see
-    predictor.data.trace_window); None for a checkpoint that predates recording them."""
+    preempt.core.workload.trace_window); None for a checkpoint that predates recording them."""
     from preempt.engine.online_predictor import load_checkpoint
 
     _, hparams = load_checkpoint(model)

@@ -31,7 +31,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -373,3 +373,19 @@ def build_workload(cfg: WorkloadConfig, seed: int, vocab_size: int = 256) -> lis
             )
         )
     ]
+
+
+def trace_window(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The trace window a run (its summary.json) or a dataset (its collect meta) replayed,
+    from the config it records: {"trace", "start_s", "end_s"} in the trace's own seconds
+    (before rate scaling; `end_s` None: to the end). None without a config (unknown)."""
+    workload = (meta.get("config") or {}).get("workload")
+    if not workload:
+        return None
+    start = float(workload.get("start_s", 0.0))
+    duration = workload.get("duration_s")
+    return {
+        "trace": str(workload.get("trace", meta.get("trace"))),
+        "start_s": start,
+        "end_s": None if duration is None else start + float(duration),
+    }
