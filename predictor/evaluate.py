@@ -347,5 +347,11 @@ def evaluate_checkpoint(
         "num_rows": len(eval_rows),
         "positive_rate": float(table.label[eval_rows].mean()) if len(eval_rows) else math.nan,
         "horizon_ms": table.meta.get("horizon_ms"),
+        # Two thresholds, named so that neither is mistaken for the other: each scorer's
+        # row below is at its own best-F1 threshold on val (to compare scorers alike); the
+        # engine's `lstm` policy uses the checkpoint's operating threshold (`preempt train`).
+        "threshold_rule": "f1: each scorer at its best-F1 threshold on val",
+        "checkpoint_threshold": hp.get("threshold"),
+        "checkpoint_threshold_rule": hp.get("threshold_rule"),
         "predictors": results,
     }

@@ -43,6 +43,7 @@ class PreemptionLSTM(pl.LightningModule):
         val_fraction: float = 0.15,
         test_fraction: float = 0.15,
         threshold: float = 0.5,
+        threshold_rule: str | None = None,
         history: str = "full",
         every_k_steps: int = 1,
         horizon_steps: int = 0,
@@ -52,7 +53,8 @@ class PreemptionLSTM(pl.LightningModule):
         super().__init__()
         # Everything needed to rebuild the data split and to use the model online lives
         # in the checkpoint's hparams (plain types, so weights_only loading works);
-        # `threshold` is the operating point, chosen on val after training; `history`
+        # `threshold` is the operating point, chosen on val after training by
+        # `threshold_rule` (predictor.evaluate.THRESHOLD_RULES; None: older); `history`
         # says how it was trained: "full" = every step of whole request histories from
         # their first step (predictor.data), as the online predictor runs it. Checkpoints
         # without it were trained on zero-started windows. `every_k_steps`: the data's

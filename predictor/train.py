@@ -182,7 +182,7 @@ def train(data: str | Path, out_dir: str | Path, config: TrainConfig | None = No
         checkpoint_path.unlink()
         (out_dir / "metrics.json").write_text(json.dumps(jsonable({**test, "val": val}), indent=2) + "\n")
         raise NoThresholdError(_no_threshold_message(test, len(rows["val"]), out_dir))
-    _store_threshold(checkpoint_path, test["threshold"])
+    _store_threshold(checkpoint_path, test["threshold"], test["threshold_rule"])
 
     metrics: dict[str, Any] = {
         **test,
@@ -235,8 +235,10 @@ def _no_threshold_message(test: dict[str, Any], num_val_rows: int, out_dir: Path
     )
 
 
-def _store_threshold(path: Path, threshold: float) -> None:
-    """Keep the val-chosen operating threshold with the weights, for online use."""
+def _store_threshold(path: Path, threshold: float, rule: str) -> None:
+    """Keep the val-chosen operating threshold, and the rule that chose it, with the
+    weights, for online use (and for `preempt eval-predictor` to say which it is)."""
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     checkpoint["hyper_parameters"]["threshold"] = float(threshold)
+    checkpoint["hyper_parameters"]["threshold_rule"] = rule
     torch.save(checkpoint, path)

@@ -109,6 +109,10 @@ def test_eval_predictor_reports_every_metric_for_every_predictor(trained, data_p
     assert report["predictors"]["lstm"]["auroc"] == pytest.approx(metrics["auroc"])
     assert report["predictors"]["oracle"]["auroc"] == 1.0 and report["predictors"]["oracle"]["auprc"] == 1.0
     assert report["predictors"]["logreg"]["auroc"] > 0.6
+    # which threshold is which, named: the rows' own best-F1, the checkpoint's operating one
+    assert report["threshold_rule"].startswith("f1")
+    assert report["checkpoint_threshold"] == pytest.approx(metrics["threshold"])
+    assert report["checkpoint_threshold_rule"] == metrics["threshold_rule"]
 
 
 @pytest.mark.filterwarnings("ignore:The number of training batches")
