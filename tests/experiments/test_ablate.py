@@ -110,7 +110,7 @@ def test_report_judges_every_claim(smoke, tmp_path):
     out = tmp_path / "docs" / "results.md"
     assert main(["report", "--quick", str(smoke), "--out", str(out)]) == 0
     text = out.read_text()
-    from experiments.report import CLAIMS
+    from experiments.claims import CLAIMS
 
     for claim in CLAIMS:
         assert claim.text in text

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from experiments.report import (
+from experiments.claims import (
     HELD,
     IDLE,
     INCONCLUSIVE,
     NOT_HELD,
     NOT_MEASURED,
-    _glance,
     _rate_limit,
     _vip,
     _vip_vs_strict,
     _zero_copy,
 )
+from experiments.report import _glance
 
 
 def _rows(arm: str, cap: int | None = 30, **metrics: list[float]) -> list[dict[str, Any]]:
