@@ -4,7 +4,8 @@ missing from the nav or a bad anchor fails here), and every tutorial runs as wri
 A tutorial's fenced blocks run in order in a fresh directory: a block with a
 `title="FILE"` is written to FILE; a `python` block is executed (the directory on
 sys.path, as a user's own files are); a `bash` block's lines are run as commands, with
-`preempt` the installed CLI. The README's quick start runs too."""
+`preempt` the installed CLI, from a scratch directory that sees the repository's
+`experiments/`. The README's quick start runs too."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ def blocks(text: str) -> list[tuple[str, str | None, str]]:
 
 
 def run_blocks(path: Path, workdir: Path, monkeypatch) -> None:
+    # as from the repository's root (the tutorials name experiments/configs/...), but
+    # writing into a scratch directory
+    (workdir / "experiments").symlink_to(ROOT / "experiments")
     monkeypatch.chdir(workdir)
     monkeypatch.syspath_prepend(str(workdir))
     env = {**os.environ, "PYTHONPATH": f"{workdir}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
