@@ -140,6 +140,9 @@ def run(out: Path, lm: Path, wandb: str) -> dict[str, float]:
         + ["--lengths", str(lengths), "--arms", EARLY_ARMS, "--modes", "swap"],
         stdout_to=out / "early.json",
     )
+    from experiments.early_windows import render_windows
+
+    print(render_windows(json.loads((out / "early.json").read_text())), flush=True)
     times["ablate"] = _step(
         "7/9 ablation (quick)",
         [
