@@ -294,6 +294,8 @@ def render_windows(result: dict[str, Any]) -> str:
         "",
     ]
     for mode, arms in result["summary"].items():
+        if not arms:
+            continue  # no arm ran in this mode (the oracle runs in swap only)
         lines += [
             f"`{mode}`:",
             "",
