@@ -93,8 +93,14 @@ def test_a_broken_link_fails_the_build(tmp_path):
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=[t.stem for t in TUTORIALS])
 def test_a_tutorial_runs_as_written(tutorial, tmp_path, monkeypatch):
-    assert blocks(tutorial.read_text()), f"{tutorial.name} has no code"
-    run_blocks(tutorial, tmp_path, monkeypatch)
+    text = tutorial.read_text()
+    assert blocks(text), f"{tutorial.name} has no code"
+    try:
+        run_blocks(tutorial, tmp_path, monkeypatch)
+    finally:
+        if "ray start" in text:  # a tutorial's cluster never outlives it, failed or not
+            ray = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
+            subprocess.run([ray, "stop", "--force"], capture_output=True, timeout=120)
 
 
 def test_the_readme_quick_start_runs(tmp_path, monkeypatch):
