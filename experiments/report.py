@@ -236,6 +236,12 @@ def report(
         from experiments.early_windows import render_windows
 
         result = json.loads(Path(early).read_text())
-        text += "\n## Early saves, side by side\n\n" + render_windows(result)
+        num_windows = len({tuple(row["window_s"]) for row in result["windows"]})
+        text += (
+            "\n## Early saves, side by side\n\n"
+            f"`preempt bench early --windows` over {num_windows} held-out windows: with so few, the "
+            "Student-t intervals are wide and can leave [0, 1]; docs/predictor.md has the study "
+            "over four windows and three training seeds.\n\n" + render_windows(result)
+        )
     out.write_text(text)
     return out
