@@ -135,11 +135,16 @@ def test_swap_runs_are_reproducible_too(tmp_path):
         (["train", "--data", "d", "--out", "o", "--threshold-rule", "best"], "--threshold-rule"),
         (["bench", "engine", "--no-served-speed"], "--no-served-speed does not apply"),
         (["bench", "codec", "--windows"], "--windows does not apply to `bench codec`"),
-        (["bench", "early", "--windows"], "--windows needs --model"),
+        (["bench", "early", "--windows", "--arms", "lstm"], "--windows with lstm arms needs --model"),
+        (
+            ["bench", "early", "--windows", "--lengths", "missing.json"],
+            "--lengths: no such file: missing.json",
+        ),
+        (["bench", "early", "--windows", "--modes", "pause", "--arms", "rule"], "--modes: choose from swap"),
         (["bench", "early", "--trace", "azure-code"], "--trace applies to `bench early --windows` only"),
         (["bench", "early", "--windows", "--model", __file__, "--trace", "mooncake"], "trace 'mooncake'"),
         (["bench", "early", "--arms", "lstm"], "--arms applies to `bench early --windows` only"),
-        (["bench", "early", "--windows", "--model", __file__, "--arms", "rule"], "--arms: choose from"),
+        (["bench", "early", "--windows", "--model", __file__, "--arms", "nope"], "--arms: choose from"),
         # every checkpoint of the list is checked (this file exists; b.ckpt does not)
         (["bench", "early", "--windows", "--model", f"{__file__},b.ckpt"], "--model: no such file: b.ckpt"),
         (["train", "--data", "d", "--out", "o", "--max-waste-share", "1.5"], "--max-waste-share"),
