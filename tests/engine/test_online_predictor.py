@@ -292,7 +292,7 @@ def test_a_waste_cap_moves_the_online_threshold_and_changes_no_output(trained, t
     # A checkpoint that never warns (threshold inf) gives the controller nowhere to start.
     never = tmp_path / "never.ckpt"
     never.write_bytes(trained[0].read_bytes())
-    _store_threshold(never, float("inf"))
+    _store_threshold(never, float("inf"), "waste_capped")
     with pytest.raises(ConfigError, match="early_save.waste_cap.*never warns.*early_save.threshold"):
         make_policy(EarlySaveConfig(policy="lstm", checkpoint=str(never), waste_cap=0.3))
 
