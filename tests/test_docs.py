@@ -28,6 +28,13 @@ def blocks(text: str) -> list[tuple[str, str | None, str]]:
     return [(lang, title or None, code) for lang, title, code in _BLOCK.findall(text)]
 
 
+def _installed(name: str) -> str:
+    """A command as this environment installed it (`preempt`, `ray`: beside the running
+    Python, whatever PATH says), else as given (a path, or one on PATH)."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if "/" not in name and beside.is_file() else name
+
+
 def run_blocks(path: Path, workdir: Path, monkeypatch) -> None:
     # as from the repository's root (the tutorials name experiments/configs/...), but
     # writing into a scratch directory
@@ -37,7 +44,6 @@ def run_blocks(path: Path, workdir: Path, monkeypatch) -> None:
     monkeypatch.chdir(workdir)
     monkeypatch.syspath_prepend(str(workdir))
     env = {**os.environ, "PYTHONPATH": f"{workdir}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    preempt = shutil.which("preempt") or str(Path(sys.executable).parent / "preempt")
     for lang, title, code in blocks(path.read_text()):
         if title is not None:
             (workdir / title).write_text(code)
@@ -48,7 +54,7 @@ def run_blocks(path: Path, workdir: Path, monkeypatch) -> None:
                 argv = line.split()
                 assignments = [a for a in argv if re.fullmatch(r"[A-Z_]+=\S*", a)]
                 argv = argv[len(assignments) :]
-                command = [preempt if argv[0] == "preempt" else argv[0], *argv[1:]]
+                command = [_installed(argv[0]), *argv[1:]]
                 line_env = dict(env)
                 for assignment in assignments:  # `VAR=value command`, as a shell does
                     name, _, value = assignment.partition("=")
@@ -58,7 +64,7 @@ def run_blocks(path: Path, workdir: Path, monkeypatch) -> None:
 
 
 def test_the_site_builds_with_warnings_as_errors(tmp_path):
-    mkdocs = shutil.which("mkdocs") or str(Path(sys.executable).parent / "mkdocs")
+    mkdocs = _installed("mkdocs")
     result = subprocess.run(
         [mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")],
         cwd=ROOT,
@@ -78,7 +84,7 @@ def test_a_broken_link_fails_the_build(tmp_path):
     (docs / "index.md").write_text((docs / "index.md").read_text() + "\n[gone](no_such_page.md)\n")
     config = (ROOT / "mkdocs.yml").read_text().replace("docs_dir: docs", f"docs_dir: {docs}")
     (tmp_path / "mkdocs.yml").write_text(config)
-    mkdocs = shutil.which("mkdocs") or str(Path(sys.executable).parent / "mkdocs")
+    mkdocs = _installed("mkdocs")
     result = subprocess.run(
         [
             mkdocs,
@@ -107,8 +113,7 @@ def test_a_tutorial_runs_as_written(tutorial, tmp_path, monkeypatch):
         run_blocks(tutorial, tmp_path, monkeypatch)
     finally:
         if "ray start" in text:  # a tutorial's cluster never outlives it, failed or not
-            ray = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
-            subprocess.run([ray, "stop", "--force"], capture_output=True, timeout=120)
+            subprocess.run([_installed("ray"), "stop", "--force"], capture_output=True, timeout=120)
 
 
 def test_the_readme_quick_start_runs(tmp_path, monkeypatch):

@@ -94,7 +94,8 @@ def serve_command(
     command = [
         str(vllm_bin), "serve", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
-        "--dtype", "bfloat16", "--enforce-eager", "--seed", "0", "--no-enable-prefix-caching",
+        "--dtype", engine.get("dtype", "bfloat16"), "--enforce-eager", "--seed", "0",
+        "--no-enable-prefix-caching",
         "--block-size", str(engine["block_size"]),
         "--num-gpu-blocks-override", str(engine["num_gpu_blocks"]),
         "--max-model-len", str(engine["max_model_len"]),
@@ -247,6 +248,7 @@ def run_arms(
     arms: Sequence[ServeArm],
     workloads: Sequence[Sequence[HttpRequest]],
     log_dir: Path,
+    engine: dict = ENGINE,
 ) -> list[dict]:
     """One `vllm serve` per arm, one at a time (with three up at once the machine ran
     ~16 runnable threads on 2 cores and the client's own reads decided TTFT), warmed up,
@@ -255,7 +257,7 @@ def run_arms(
     the exit code."""
     results = []
     for arm in arms:
-        command = serve_command(vllm_bin, model_dir, _free_port(), arm)
+        command = serve_command(vllm_bin, model_dir, _free_port(), arm, engine)
         started = time.perf_counter()
         with vllm_server(command, log_dir / f"{arm.name}.log") as server:
             up_s = time.perf_counter() - started

@@ -42,17 +42,24 @@ TINY_LLAMA = {
 }
 
 
-def write_tiny_model(model_dir: Path, seed: int = 0, config: dict = TINY_LLAMA) -> Path:
+def write_tiny_model(
+    model_dir: Path, seed: int = 0, config: dict = TINY_LLAMA, logit_scale: float = 1.0
+) -> Path:
     """A random-weight Llama checkpoint (bf16 safetensors, ~0.5 MB for TINY_LLAMA),
-    unless one is there."""
+    unless one is there. `logit_scale` multiplies the output head's weights: at the
+    standard init (std 0.02) a random model's logits are nearly flat, so its greedy
+    argmax flips with the last bits of a bf16 matmul, which differ with the batch's
+    shape; scaled, the top token leads by a margin no batch changes."""
     if (model_dir / "config.json").is_file():
         return model_dir
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**config)).to(torch.bfloat16)
-    model.save_pretrained(model_dir)
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    model.to(torch.bfloat16).save_pretrained(model_dir)
     return model_dir
 
 
@@ -62,6 +69,9 @@ def write_tiny_model(model_dir: Path, seed: int = 0, config: dict = TINY_LLAMA) 
 # (over HTTP on 2 cores with the 0.2M-parameter model, fcfs and priority measured equal).
 SERVED_LLAMA = {**TINY_LLAMA, "vocab_size": 256, "hidden_size": 256, "intermediate_size": 768,
                 "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+
+# The served model's output head scale (`write_tiny_model`): logits of std ~8, not ~0.3.
+SERVED_LOGIT_SCALE = 25.0
 
 # Byte-level chat turns for the served model: enough for /v1/chat/completions to render.
 CHAT_TEMPLATE = (
@@ -83,7 +93,9 @@ def write_served_model(model_dir: Path, seed: int = 0) -> Path:
     config_path = model_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
-    return write_tiny_model(model_dir, seed, SERVED_LLAMA)  # config.json last: the "is there" mark
+    # config.json last: the "is there" mark. Served outputs are compared token for token
+    # across schedulers (tests/integrations/test_vllm_serve.py): peaked logits.
+    return write_tiny_model(model_dir, seed, SERVED_LLAMA, logit_scale=SERVED_LOGIT_SCALE)
 
 
 # ----------------------------------------------------------------- decisions
