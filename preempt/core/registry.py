@@ -49,14 +49,8 @@ class Registry:
     def check(self, name: str) -> str:
         """`name` if it is registered or an import path that resolves; else ValueError
         naming the choices (what a config validator raises)."""
-        if name in self._paths:
-            return name
-        if not _is_path(name):
-            raise ValueError(
-                f"unknown {self.noun} '{name}'; choose one of {sorted(self._paths)} "
-                "or give an import path (module:Class)"
-            )
-        self.resolve(name)
+        if name not in self._paths:  # registered names import only when built
+            self.resolve(name)
         return name
 
     def resolve(self, name: str) -> Any:
@@ -67,7 +61,10 @@ class Registry:
         if path is None:
             return None
         if not _is_path(path):
-            raise ValueError(f"unknown {self.noun} '{name}'; choose one of {sorted(self._paths)}")
+            raise ValueError(
+                f"unknown {self.noun} '{name}'; choose one of {sorted(self._paths)} "
+                "or give an import path (module:Class)"
+            )
         module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
         try:
             module = importlib.import_module(module_name)

@@ -367,7 +367,7 @@ def make_policy(config: EarlySaveConfig) -> EarlySavePolicy | None:
     """The policy of `early_save.policy` (preempt.core.registry.EARLY_SAVE_POLICIES, or an
     import path); None for `none`."""
     try:
-        policy_cls = EARLY_SAVE_POLICIES.resolve(EARLY_SAVE_POLICIES.check(config.policy))
+        policy_cls = EARLY_SAVE_POLICIES.resolve(config.policy)
     except ValueError as exc:
         raise ConfigError(f"config key 'early_save.policy': {exc}") from None
     if policy_cls is None:

@@ -93,9 +93,7 @@ class LengthModel:
         self.cells = cells  # (prompt bin, max_tokens bin) -> (bins,) shrunk hazard
         self.num_requests = num_requests
         self.windows = windows or []  # the trace windows the requests came from
-        # hazard tables as lists (one lookup: `hazard`) and stacked (vectorised: `expected_ends`)
-        self._pooled = pooled.tolist()
-        self._cells = {key: table.tolist() for key, table in cells.items()}
+        # the tables stacked, one row per cell and the pool last (`hazard`, `expected_ends`)
         keys = sorted(cells)
         self._row = {key: i for i, key in enumerate(keys)}
         self._pooled_row = len(keys)
@@ -183,15 +181,15 @@ class LengthModel:
             windows,
         )
 
-    def table(self, prompt_tokens: int, max_tokens: int) -> list[float]:
-        """The hazard per position bin for one request (its cell, or the pool)."""
-        return self._cells.get((_log2_bin(prompt_tokens), _log2_bin(max_tokens)), self._pooled)
+    def _row_for(self, prompt_tokens: int, max_tokens: int) -> int:
+        """The row of `_matrix` for a request: its cell's, or the pool's."""
+        return self._row.get((_log2_bin(prompt_tokens), _log2_bin(max_tokens)), self._pooled_row)
 
     def hazard(self, prompt_tokens: int, max_tokens: int, num_output: int) -> float:
         """P(the output ends at token num_output + 1 | it has not ended by num_output)."""
         if num_output + 1 >= max_tokens:
             return 1.0
-        return self.table(prompt_tokens, max_tokens)[_position_bin(num_output + 1)]
+        return float(self._matrix[self._row_for(prompt_tokens, max_tokens), _position_bin(num_output + 1)])
 
     def expected_ends(self, running: Sequence[Request], num_tokens: int) -> np.ndarray:
         """(num_tokens,) expected natural ends among `running` within each of the next
@@ -209,8 +207,9 @@ class LengthModel:
                 continue  # still prefilling
             row = row_of.get(request.request_id)
             if row is None:  # its cell, once: prompt length and max_tokens do not change
-                key = (_log2_bin(request.num_prompt_tokens), _log2_bin(request.max_tokens))
-                row = row_of[request.request_id] = self._row.get(key, self._pooled_row)
+                row = row_of[request.request_id] = self._row_for(
+                    request.num_prompt_tokens, request.max_tokens
+                )
             rows.append(row)
             outputs.append(num_output)
             caps.append(request.max_tokens)

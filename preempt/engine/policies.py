@@ -197,7 +197,7 @@ class FastServeMlfqPolicy(SchedulingPolicy):
 
 def get_policy(name: str, config: PreemptionConfig | None = None) -> SchedulingPolicy:
     """The policy `name` (preempt.core.registry.SCHEDULING_POLICIES, or an import path)."""
-    policy_cls = SCHEDULING_POLICIES.resolve(SCHEDULING_POLICIES.check(name))
+    policy_cls = SCHEDULING_POLICIES.resolve(name)
     if not (isinstance(policy_cls, type) and issubclass(policy_cls, SchedulingPolicy)):
         raise ValueError(
             f"scheduler.policy '{name}' is not a preempt.engine.policies.SchedulingPolicy subclass"

@@ -13,7 +13,7 @@ import pytest
 from preempt.core.config import ConfigError
 from preempt.engine.early_save import ProjectionPolicy
 from preempt.engine.engine import Engine
-from preempt.engine.lengths import PRIOR_REQUESTS, LengthModel
+from preempt.engine.lengths import PRIOR_REQUESTS, LengthModel, _position_bin
 from preempt.engine.projection import Projection
 from tests.conftest import small_config
 from tests.engine.test_lookahead import _config, _loose_workload, _trace
@@ -58,7 +58,7 @@ def test_cells_follow_their_own_lengths_and_thin_cells_the_pool():
     assert model.hazard(3000, 10**6, 3) == pytest.approx(0.01, rel=0.3)
     thin, pooled = model.hazard(100_000, 10**6, 3), model.hazard(1, 10**6, 3)  # prompt 1: no cell
     assert thin == pytest.approx(pooled, rel=0.05) and PRIOR_REQUESTS > 3
-    assert model.table(1, 10**6) is model._pooled
+    assert pooled == model.pooled[_position_bin(4)]  # no cell for prompt 1: the pool's table
 
 
 def test_bad_fits_name_the_problem():
