@@ -218,18 +218,23 @@ class BackoffConfig(_Section):
 
 
 class MlfqConfig(_Section):
-    """FastServe's skip-join multi-level feedback queue (Wu et al., arXiv 2305.05920 §4):
-    queue i has quantum `base_quantum_ms * quantum_ratio**i`; a request joins the first
-    queue whose quantum covers its first iteration, and moves one queue down each time it
-    uses up its queue's quantum."""
+    """FastServe's skip-join multi-level feedback queue (docs/fastserve.md; the defaults are
+    its public artifact's, LLMServe/FastServe fastserve/scheduler.py): queue k has quantum
+    `base_quantum_ms * quantum_ratio**k`; a new request joins the first queue whose quantum
+    covers its first iteration, moves one queue down when an iteration leaves its time at
+    that level above the quantum, and a request waiting `starvation_s` since its last
+    iteration is moved to the top queue at every `starvation_every_steps`-th step."""
 
-    num_levels: int = Field(6, ge=1)
-    base_quantum_ms: float = Field(20.0, gt=0)
+    num_levels: int | None = Field(None, ge=1)
+    """None: as many queues as requests reach (FastServe creates them on demand)."""
+    base_quantum_ms: float = Field(10.0, gt=0)
     quantum_ratio: float = Field(2.0, gt=1)
+    starvation_s: float = Field(3.0, gt=0)
+    starvation_every_steps: int = Field(1000, gt=0)
     join_tokens_per_ms: float = Field(40.0, gt=0)
-    """Prompt tokens one millisecond of prefill covers, to place a new request (skip-join
-    by its first iteration's time): ~40 on the virtual H200 serving Llama-3-8B, whose
-    2,048-token prefill step takes ~48 ms (docs/clock.md)."""
+    """Prompt tokens one millisecond of prefill covers, to place a new request (FastServe
+    reads the prefill time of the prompt alone from a profile): ~40 on the virtual H200
+    serving Llama-3-8B, whose 2,048-token prefill step takes ~48 ms (docs/clock.md)."""
 
 
 class PreemptionConfig(_Section):

@@ -10,6 +10,7 @@ what a real server knows (arrival, SLA level, max_tokens, progress); they never 
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -54,6 +55,17 @@ class SchedulingPolicy(ABC):
     ) -> Request | None:
         """A running request `challenger` should displace now; None: no preemption."""
         return None
+
+    def on_enqueue(self, request: Request) -> None:
+        """`request` enters the waiting queue: a new arrival, or a preempted one back (state
+        PREEMPTED). Called just before its `admission_key`; a policy whose order depends on
+        where a request joins its queue records that here."""
+        return None
+
+    def on_step(self, ran: Sequence[Request], step_s: float, now: float) -> bool:
+        """The step that ran `ran` (their time already charged) ended at `now`. Returns True
+        when waiting requests' admission keys changed, so the scheduler re-sorts its queue."""
+        return False
 
 
 class VllmFcfsPolicy(SchedulingPolicy):
@@ -157,34 +169,107 @@ class PriorityScorePolicy(SchedulingPolicy):
 
 
 class FastServeMlfqPolicy(SchedulingPolicy):
-    """FastServe's skip-join MLFQ (Wu et al., "Fast Distributed Inference Serving for Large
-    Language Models", arXiv 2305.05920, §4.1), at iteration granularity: the request in
-    the highest queue runs first (FIFO within a queue); a new request skips the queues
-    whose quantum its first iteration (prefill) would overrun; a request moves one queue
-    down each time its executed time uses up its queue's quantum; and a waiting request of
-    a higher queue preempts the running request of the lowest one (at most one per step,
-    the scheduler's rule). Memory victims: the lowest queue, latest arrival. FastServe
-    swaps KV out proactively; here what happens to the KV is `preemption.mode`'s."""
+    """FastServe's skip-join MLFQ (Wu et al., arXiv 2305.05920 §4.1), rule by rule as its
+    public artifact schedules (LLMServe/FastServe@187a274, fastserve/scheduler.py `MLFQ`,
+    FS: below; docs/fastserve.md has the table and what differs):
 
-    def level(self, request: Request) -> int:
-        """The request's queue: 0 is the highest. A pure function of what the request has
-        done (prompt length, executed time), so a waiting request's level cannot move."""
+    - skip-join: a new request joins the first queue k with quantum 10 ms * 2^k >= its
+      first iteration's time, the prefill of its prompt alone (FS:471-481, 426-448);
+    - queues are FIFO; a new request goes to the back of its queue (FS:478), a request
+      taken out of the batch to the front (FS:510, 552, 559);
+    - demotion: after each iteration a request whose time at its level exceeds the level's
+      quantum moves one queue down and its time restarts (FS:494-512);
+    - starvation: every 1000th iteration a waiting request whose last iteration ended at
+      least 3 s ago moves to the front of the top queue, its time kept (FS:561-564,
+      595-617);
+    - the batch is the queues' heads in order (FS:531-566): a waiting request of a higher
+      queue displaces the running request of the lowest one, latest in its queue;
+      memory victims likewise (FS:656-690).
+
+    State lives here, keyed by request (a policy never mutates a request): each request's
+    level, time at that level, place in its queue and last iteration's end."""
+
+    def __init__(self, config: PreemptionConfig) -> None:
+        super().__init__(config)
+        self._level: dict[Request, int] = {}
+        self._level_s: dict[Request, float] = {}
+        self._place: dict[Request, int] = {}
+        self._last_step_s: dict[Request, float] = {}
+        self._waiting: set[Request] = set()
+        self._back = itertools.count(0)
+        self._front = itertools.count(-1, -1)
+        self._steps = 0
+
+    def quantum_s(self, level: int) -> float:
         mlfq = self.config.mlfq
-        quantum_ms = [mlfq.base_quantum_ms * mlfq.quantum_ratio**i for i in range(mlfq.num_levels)]
-        first_iteration_ms = request.num_prompt_tokens / mlfq.join_tokens_per_ms
-        join = next((i for i, q in enumerate(quantum_ms) if q >= first_iteration_ms), mlfq.num_levels - 1)
-        # Quanta used from the join level on: level j is left after sum(quantum[join..j]).
-        level, spent_ms = join, request.executed_s * 1000.0
-        while level < mlfq.num_levels - 1 and spent_ms >= quantum_ms[level]:
-            spent_ms -= quantum_ms[level]
+        return mlfq.base_quantum_ms * mlfq.quantum_ratio**level / 1000.0
+
+    def _bottom(self, level: int) -> int:
+        num_levels = self.config.mlfq.num_levels
+        return level if num_levels is None else min(level, num_levels - 1)
+
+    def join_level(self, request: Request) -> int:
+        """Skip-join: the first queue whose quantum covers the prompt's prefill alone."""
+        first_iteration_s = request.num_prompt_tokens / self.config.mlfq.join_tokens_per_ms / 1000.0
+        num_levels, level = self.config.mlfq.num_levels, 0
+        while self.quantum_s(level) < first_iteration_s and (num_levels is None or level < num_levels - 1):
             level += 1
         return level
 
+    def level(self, request: Request) -> int:
+        """The request's queue (0 is the highest)."""
+        level = self._level.get(request)
+        return self.join_level(request) if level is None else level
+
+    def _place_of(self, request: Request) -> int:
+        return self._place.get(request, request.request_id)
+
+    def on_enqueue(self, request: Request) -> None:
+        if request not in self._level:  # a new arrival: skip-join, back of its queue
+            self._level[request] = self.join_level(request)
+            self._level_s[request] = 0.0
+            self._place[request] = next(self._back)
+        else:  # out of the batch: front of its queue
+            self._place[request] = next(self._front)
+        self._waiting.add(request)
+
+    def on_step(self, ran: Sequence[Request], step_s: float, now: float) -> bool:
+        self._steps += 1
+        for request in ran:
+            self._waiting.discard(request)
+            self._last_step_s[request] = now
+            if request.finish_s is not None:
+                for state in (self._level, self._level_s, self._place, self._last_step_s):
+                    state.pop(request, None)
+                continue
+            level = self.level(request)
+            self._level_s[request] = self._level_s.get(request, 0.0) + step_s
+            if self._level_s[request] > self.quantum_s(level):
+                self._level[request] = self._bottom(level + 1)
+                self._level_s[request] = 0.0
+        if self._steps % self.config.mlfq.starvation_every_steps:
+            return False
+        # FS:595-617: collected from the top queue down, each pushed to the front of the
+        # top queue in turn (so the last collected ends first).
+        starving = sorted(
+            (
+                r
+                for r in self._waiting
+                if r.finish_s is None
+                and now - self._last_step_s.get(r, r.arrival_s) >= self.config.mlfq.starvation_s
+            ),
+            key=self.admission_key,
+        )
+        for request in starving:
+            self._level[request] = 0
+            self._place[request] = next(self._front)
+        return bool(starving)
+
     def admission_key(self, request: Request) -> tuple:
-        return (self.level(request), request.arrival_s, request.request_id)
+        return (self.level(request), self._place_of(request), request.request_id)
 
     def select_victim(self, running: Sequence[Request], now: float) -> Request:
-        return max(running, key=lambda r: (self.level(r), r.arrival_s))
+        return max(running, key=self.admission_key)
 
     def priority_victim(
         self, challenger: Request, candidates: Sequence[Request], now: float

@@ -170,6 +170,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.state is not RequestState.PREEMPTED:
             request.state = RequestState.WAITING
+        self.policy.on_enqueue(request)
         heapq.heappush(self._waiting, (self.policy.admission_key(request), next(self._counter), request))
         self._score_parts[request] = self._score_part(request)
 
@@ -336,6 +337,10 @@ class Scheduler:
             if request.is_finished_generating:
                 request.finish_s = now
                 finished.append(request)
+        if self.policy.on_step([chunk.request for chunk in output.chunks], step_s, now):
+            # The policy moved waiting requests (FastServe's starvation promotion).
+            self._waiting = [(self.policy.admission_key(r), n, r) for _, n, r in self._waiting]
+            heapq.heapify(self._waiting)
         self._remove_finished(finished)
         return finished
 

@@ -48,7 +48,11 @@ CASES: dict[str, dict[str, Any]] = {
         "preemption": {"mode": "swap_mixed"},
         "early_save": {"policy": "rule"},
     },
-    "fastserve_mlfq": {"scheduler": {"policy": "fastserve_mlfq"}, "preemption": {"mode": "swap"}},
+    "fastserve_mlfq": {
+        "scheduler": {"policy": "fastserve_mlfq"},
+        "preemption": {"mode": "pause", "reclaim_codec": "raw", "async_restore": True},
+        "early_save": {"prefetch": True, "prefetch_depth": 16, "prefetch_block_share": 1.0},
+    },
     "tiny_score_swap": {
         "cache": {"num_blocks": 90},
         "model": {"backend": "tiny", "dtype": "float32", "max_model_len": 1400},
