@@ -16,8 +16,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from experiments.dominance import (
+    DESIGN_ARMS,
+    OBJECTIVES,
+    WORSE,
+    Arms,
+    compare_arms,
+    is_baseline,
+    paired,
+    paired_interval,
+    top_level,
+)
 from experiments.stats import Interval, compare, t_interval
-from experiments.tables import metric_fingerprint, sla_levels
+from experiments.tables import metric_fingerprint
 
 HELD, NOT_HELD, INCONCLUSIVE, IDLE, NOT_MEASURED = (
     "held",
@@ -29,8 +40,6 @@ HELD, NOT_HELD, INCONCLUSIVE, IDLE, NOT_MEASURED = (
     "not measured by this run",
 )
 DTYPE_BITS = {"float64": 64, "float32": 32, "bfloat16": 16, "float16": 16}
-
-Arms = dict[str, list[dict[str, Any]]]  # arm name -> its results rows, one per seed (+ "_config")
 
 
 @dataclass(frozen=True)
@@ -47,21 +56,6 @@ class Claim:
     method: str  # how this report measures it
     evaluate: Callable[[Arms], Finding]
     regime: str = ""  # where its mechanism binds (docs/regimes.md), when the quick load is not it
-
-
-def _ok(arms: Arms, *names: str) -> list[list[dict[str, Any]]] | None:
-    """Each arm's rows of the seeds that ran ok in every named arm (paired by seed)."""
-    if any(name not in arms for name in names):
-        return None
-    seeds = [{_seed(r) for r in arms[name] if r["status"] == "ok"} for name in names]
-    common = set.intersection(*seeds)
-    if not common:
-        return None
-    return [sorted((r for r in arms[name] if _seed(r) in common), key=_seed) for name in names]
-
-
-def _seed(row: dict[str, Any]) -> int:
-    return int(row["_config"]["seed"])
 
 
 def _missing(arms: Arms, *names: str) -> Finding:
@@ -83,11 +77,6 @@ def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
 
 def _iv(rows: list[dict[str, Any]], metric: str) -> Interval:
     return t_interval([float(r[metric]) for r in rows])
-
-
-def _paired(a: list[dict[str, Any]], b: list[dict[str, Any]], fn: Callable[[Any, Any], float]) -> Interval:
-    """Interval over seeds of fn(row of a, row of b): same seed = same requests."""
-    return t_interval([fn(x, y) for x, y in zip(a, b, strict=True)])
 
 
 def _f(iv: Interval, digits: int = 3, scale: float = 1.0, unit: str = "") -> str:
@@ -114,10 +103,6 @@ def _n(rows: list[dict[str, Any]]) -> str:
     return f"n={len(rows)} seeds"
 
 
-def _top_level(row: dict[str, Any]) -> str:
-    return sla_levels([row])[-1]
-
-
 def _nan(x: Any) -> bool:
     return isinstance(x, float) and math.isnan(x)
 
@@ -138,11 +123,11 @@ def _diff(metric: str) -> Callable[[dict[str, Any], dict[str, Any]], float]:
 
 def _threshold(arms: Arms) -> Finding:
     names = ("threshold_0", "score", "threshold_50")
-    rows = _ok(arms, *names)
+    rows = paired(arms, *names)
     if rows is None:
         return _missing(arms, *names)
     zero, score, fifty = rows
-    top = _top_level(score[0])
+    top = top_level(score)
     parts = [
         f"goodput {_f(_iv(zero, 'goodput_req_s'))} / {_f(_iv(score, 'goodput_req_s'))} / "
         f"{_f(_iv(fifty, 'goodput_req_s'))} req/s at margins 0 / 0.2 / 0.5",
@@ -152,7 +137,7 @@ def _threshold(arms: Arms) -> Finding:
         return Finding("; ".join(parts) + f"; the margin changed nothing ({_n(score)})", IDLE)
     decisions = []
     for name, other in (("0", zero), ("0.5", fifty)):
-        rel = _paired(score, other, _rel("goodput_req_s"))
+        rel = paired_interval(score, other, _rel("goodput_req_s"))
         parts.append(f"0.2 vs {name}: {_pct_iv(rel)}")
         decisions.append(compare(rel, -0.01, claimed="above"))
     return Finding("; ".join(parts) + f" ({_n(score)})", _verdict(*decisions))
@@ -161,13 +146,13 @@ def _threshold(arms: Arms) -> Finding:
 def _top_class_ttft(arms: Arms, baseline: str) -> Finding:
     """The top SLA level's TTFT p99 under `score` minus under `baseline`, paired by seed:
     the claim holds when the interval is below 0."""
-    rows = _ok(arms, baseline, "score")
+    rows = paired(arms, baseline, "score")
     if rows is None:
         return _missing(arms, baseline, "score")
     base, score = rows
-    top = _top_level(score[0])
+    top = top_level(score)
     key = f"sla{top}_ttft_p99_s"
-    diff = _paired(score, base, _diff(key))
+    diff = paired_interval(score, base, _diff(key))
     measured = (
         f"level-{top} TTFT p99 {_f(_iv(base, key))} s ({baseline}) -> {_f(_iv(score, key))} s (score); "
         f"difference {_f(diff)} s ({_n(score)})"
@@ -183,10 +168,90 @@ def _vip(arms: Arms) -> Finding:
     return _top_class_ttft(arms, "vllm_fcfs")
 
 
-def _vip_vs_strict(arms: Arms) -> Finding:
-    # vLLM's strict priority is the top class's best case; the score's age term trades
-    # some of it for the other classes (no starvation).
-    return _top_class_ttft(arms, "vllm_priority")
+# How much worse than strict priority the top class's TTFT p99 may be and still count as
+# protected "as well": a non-inferiority margin on the paired ratio.
+STRICT_MARGIN = 0.10
+
+
+def _as_strict(arm: str) -> Callable[[Arms], Finding]:
+    """`arm`'s top-class TTFT p99 over `vllm_priority`'s, paired by seed (non-inferiority)."""
+
+    def evaluate(arms: Arms) -> Finding:
+        rows = paired(arms, "vllm_priority", arm)
+        if rows is None:
+            return _missing(arms, "vllm_priority", arm)
+        strict, design = rows
+        top = top_level(design)
+        key = f"sla{top}_ttft_p99_s"
+        rel = paired_interval(design, strict, _rel(key))
+        measured = (
+            f"level-{top} TTFT p99 {_f(_iv(strict, key))} s (vllm_priority) -> {_f(_iv(design, key))} s "
+            f"({arm}): {_pct_iv(rel)} ({_n(design)})"
+        )
+        if _same(design, strict) and all(x[key] == y[key] for x, y in zip(design, strict, strict=True)):
+            return Finding(measured + f"; {arm} ran as strict priority in every seed", IDLE)
+        return Finding(measured, compare(rel, STRICT_MARGIN, claimed="below") or INCONCLUSIVE)
+
+    return evaluate
+
+
+def _front(arm: str) -> Callable[[Arms], Finding]:
+    """`arm` against every named baseline present (experiments.dominance): held when it is
+    better than each on goodput or top-class TTFT p99 (paired intervals), did not hold when
+    one dominates it."""
+
+    def evaluate(arms: Arms) -> Finding:
+        baselines = [name for name in arms if is_baseline(name)]
+        if arm not in arms or not baselines:
+            return _missing(arms, arm, *(baselines or ["vllm_priority"]))
+        comparisons = [c for b in baselines if (c := compare_arms(arms, b, arm)) is not None]
+        if not comparisons:
+            return _missing(arms, arm, *baselines)
+        parts = []
+        for c in comparisons:
+            diffs = ", ".join(f"{o.label} {_f(d)}" for o, d in zip(OBJECTIVES, c.diffs, strict=True))
+            wins = [o.label for o, side in zip(OBJECTIVES, c.sides, strict=True) if side == WORSE]
+            state = (
+                "dominates it" if c.dominates else f"{arm} better on {' and '.join(wins)}" if wins else "tied"
+            )
+            parts.append(f"{c.challenger} - {arm}: {diffs} ({state})")
+        measured = "; ".join(parts) + f" (n={comparisons[0].num_seeds} seeds)"
+        if all(all(d.mean == 0 and d.lo == d.hi == 0 for d in c.diffs) for c in comparisons):
+            return Finding(measured + "; every policy ran alike", IDLE)
+        if any(c.dominates for c in comparisons):
+            return Finding(measured, NOT_HELD)
+        if all(WORSE in c.sides for c in comparisons):
+            return Finding(measured, HELD)
+        return Finding(measured, INCONCLUSIVE)
+
+    return evaluate
+
+
+def design_claims(arm: str) -> list[Claim]:
+    """The two claims on where `arm` stands among policies (`preempt report --compare ARM`
+    adds them for a user's own arm)."""
+    keys = {"score": ("front", "priority_vs_strict")}.get(arm, (f"front_{arm}", f"strict_{arm}"))
+    return [
+        Claim(
+            keys[0],
+            "leaderboard",
+            f"`{arm}` is not dominated by any named baseline (goodput, top-class TTFT p99)",
+            f"each named baseline (vllm_*, sglang_*, fastserve_*) - `{arm}` on goodput and the top SLA "
+            "level's TTFT p99, paired by seed: held when every baseline is worse on one of them "
+            "(interval on the bad side), did not hold when one is better on one and worse on none",
+            _front(arm),
+            regime="every load.yaml, sla.yaml and pool.yaml point (docs/leaderboard.md)",
+        ),
+        Claim(
+            keys[1],
+            "field",
+            f"`{arm}` protects the top class as well as strict priority (`vllm_priority`)",
+            f"top SLA level's TTFT p99 of `{arm}` / `vllm_priority` - 1, paired by seed: interval below "
+            f"+{STRICT_MARGIN:.0%} (non-inferiority) held, above did not hold",
+            _as_strict(arm),
+            regime="queues: load.yaml from 1x, sla.yaml",
+        ),
+    ]
 
 
 def _overhead_metric(row: dict[str, Any]) -> tuple[str, str]:
@@ -207,7 +272,7 @@ SLICE_PAIRS = (
 def _dynamic_slices(arms: Arms) -> Finding:
     parts, verdict = [], None
     for static, dynamic in SLICE_PAIRS:
-        rows = _ok(arms, static, dynamic)
+        rows = paired(arms, static, dynamic)
         if rows is None:
             continue
         metric, unit = _overhead_metric(rows[0][0])
@@ -217,7 +282,9 @@ def _dynamic_slices(arms: Arms) -> Finding:
         if not any(r[metric] for r in rows[0]):
             parts.append(f"{static}/{dynamic}: no {unit} under the fixed slice")
             continue
-        reduction = _paired(rows[1], rows[0], lambda d, s, m=metric: 1 - d[m] / s[m] if s[m] else math.nan)
+        reduction = paired_interval(
+            rows[1], rows[0], lambda d, s, m=metric: 1 - d[m] / s[m] if s[m] else math.nan
+        )
         parts.append(
             f"{static} -> {dynamic}: {_f(_iv(rows[0], metric))} -> {_f(_iv(rows[1], metric))} {unit}, "
             f"reduction {_pct_iv(reduction)} ({_n(rows[0])})"
@@ -232,13 +299,13 @@ def _dynamic_slices(arms: Arms) -> Finding:
 def _save_restore_ms(arms: Arms) -> Finding:
     parts = []
     for name in ("swap_zstd", "swap_raw", "swap_mixed"):
-        rows = _ok(arms, name)
+        rows = paired(arms, name)
         if rows is not None and all(r["num_saves"] for r in rows[0]):
             r = rows[0]
             parts.append(
                 f"{name} save {_f(_iv(r, 'save_ms_p50'))} ms, restore {_f(_iv(r, 'restore_ms_p50'))} ms"
             )
-    rows = _ok(arms, "swap_zstd")
+    rows = paired(arms, "swap_zstd")
     if rows is None:
         return _missing(arms, "swap_zstd")
     if not all(r["num_saves"] for r in rows[0]):
@@ -272,12 +339,12 @@ def _lossy_real(arms: Arms, plan: str | None = None) -> list[dict[str, Any]] | N
 
 def _mixed_bytes(arms: Arms) -> Finding:
     parts = []
-    modelled = _ok(arms, "swap_mixed")
+    modelled = paired(arms, "swap_mixed")
     if modelled and modelled[0][0]["_config"]["model"]["backend"] == "null" and modelled[0][0]["num_saves"]:
         parts.append(
             f"modelled (null backend, the head plan's sizes): {_f(_iv(modelled[0], 'stored_over_raw'))}x"
         )
-        fp8 = _ok(arms, "swap_fp8")
+        fp8 = paired(arms, "swap_fp8")
         if fp8 and fp8[0][0]["num_saves"]:
             parts.append(f"uniform FP8: {_f(_iv(fp8[0], 'stored_over_raw'))}x")
     real = _lossy_real(arms)
@@ -312,24 +379,24 @@ def _warmup(arms: Arms) -> Finding:
 
 
 def _early_warning(arms: Arms) -> Finding:
-    parent_rows = _ok(arms, "swap_mixed")
+    parent_rows = paired(arms, "swap_mixed")
     if parent_rows is None:
         return _missing(arms, "swap_mixed")
     parent = parent_rows[0]
     parts = []
     for name in ("early_lstm", "early_rule", "early_always", "early_oracle", "early_forecast"):
-        rows = _ok(arms, "swap_mixed", name)
+        rows = paired(arms, "swap_mixed", name)
         if rows is None:
             continue
         base, r = rows
-        change = _pct_iv(_paired(r, base, _rel("preemption_stall_s")))
+        change = _pct_iv(paired_interval(r, base, _rel("preemption_stall_s")))
         text = f"{name} stall {_f(_iv(r, 'preemption_stall_s'))} s ({change})"
         if not any(_nan(x.get("early_save_precision", math.nan)) for x in r):
             precision, recall = _iv(r, "early_save_precision"), _iv(r, "early_save_recall")
             text += f", precision {_f(precision, 2)} recall {_f(recall, 2)}"
         parts.append(text)
     measured = f"swap_mixed stall {_f(_iv(parent, 'preemption_stall_s'))} s; " + "; ".join(parts)
-    rows = _ok(arms, "swap_mixed", "early_lstm")
+    rows = paired(arms, "swap_mixed", "early_lstm")
     if rows is None:
         missing = _missing(arms, "early_lstm")
         return Finding(f"{missing.measured}; {measured}", NOT_MEASURED)
@@ -338,7 +405,7 @@ def _early_warning(arms: Arms) -> Finding:
         return Finding(measured + "; early_lstm ran identically to swap_mixed: no early save", NOT_MEASURED)
     if not any(r["preemption_stall_s"] for r in base):
         return Finding(measured + "; no stall to hide", IDLE)
-    diff = _paired(lstm, base, _diff("preemption_stall_s"))
+    diff = paired_interval(lstm, base, _diff("preemption_stall_s"))
     return Finding(
         measured + f"; difference {_f(diff)} s ({_n(base)})",
         compare(diff, 0.0, claimed="below") or INCONCLUSIVE,
@@ -358,7 +425,7 @@ def _rate_limit(arms: Arms) -> Finding:
     key = "peak_priority_preemptions_per_min"
     parts, binds, broken = [], False, False
     for uncapped, capped_name in RATE_PAIRS:
-        rows = _ok(arms, uncapped, capped_name)
+        rows = paired(arms, uncapped, capped_name)
         if rows is None:
             continue
         free, capped = rows
@@ -392,12 +459,12 @@ ZERO_COPY_PAIRS = (("time_share_swap", "time_share_dynamic"), ("swap_raw", "paus
 def _zero_copy(arms: Arms) -> Finding:
     parts, verdict = [], None
     for swap_name, pause_name in ZERO_COPY_PAIRS:
-        rows = _ok(arms, swap_name, pause_name)
+        rows = paired(arms, swap_name, pause_name)
         if rows is None:
             continue
         swap, pause = rows
-        moved = _paired(pause, swap, _diff("kv_bytes_moved"))
-        stall = _paired(pause, swap, _diff("preemption_stall_s"))
+        moved = paired_interval(pause, swap, _diff("kv_bytes_moved"))
+        stall = paired_interval(pause, swap, _diff("preemption_stall_s"))
         text = (
             f"KV moved {_f(_iv(swap, 'kv_bytes_moved'), scale=1e-9)} GB ({swap_name}) vs "
             f"{_f(_iv(pause, 'kv_bytes_moved'), scale=1e-9)} GB ({pause_name}; "
@@ -431,11 +498,11 @@ def _kv_wait(row: dict[str, Any]) -> float:
 
 
 def _zstd_critical_path(arms: Arms) -> Finding:
-    rows = _ok(arms, "swap_raw", "swap_zstd")
+    rows = paired(arms, "swap_raw", "swap_zstd")
     if rows is None:
         return _missing(arms, "swap_raw", "swap_zstd")
     raw, zstd = rows
-    diff = _paired(zstd, raw, lambda x, y: _kv_wait(x) - _kv_wait(y))
+    diff = paired_interval(zstd, raw, lambda x, y: _kv_wait(x) - _kv_wait(y))
     stall, wait = "preemption_stall_s", "preemption_restore_wait_s"
     measured = (
         f"stall {_f(_iv(raw, stall))} s + restore wait {_f(_iv(raw, wait))} s "
@@ -466,6 +533,8 @@ def _zstd_ratio(arms: Arms) -> Finding:
     return Finding("no swap_zstd save on real KV (the null backend uses the configured ratio)", NOT_MEASURED)
 
 
+DESIGN_CLAIMS: list[Claim] = [claim for arm in DESIGN_ARMS for claim in design_claims(arm)]
+
 CLAIMS: list[Claim] = [
     Claim(
         "threshold",
@@ -485,15 +554,7 @@ CLAIMS: list[Claim] = [
         _vip,
         regime="queues: load.yaml from 1x (verdict per load point with `--sweep runs/load`)",
     ),
-    Claim(
-        "priority_vs_strict",
-        "field",
-        "vLLM's strict priority is the bar: the priority score serves the most important class at least "
-        "as well",
-        "top SLA level's TTFT p99, `score` - `vllm_priority` paired by seed: interval below 0",
-        _vip_vs_strict,
-        regime="queues: load.yaml from 1x, sla.yaml",
-    ),
+    *DESIGN_CLAIMS,
     Claim(
         "dynamic_slices",
         "docs/design.md §3",

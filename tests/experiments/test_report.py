@@ -11,9 +11,10 @@ from experiments.claims import (
     INCONCLUSIVE,
     NOT_HELD,
     NOT_MEASURED,
+    _as_strict,
+    _front,
     _rate_limit,
     _vip,
-    _vip_vs_strict,
     _zero_copy,
 )
 from experiments.report import _glance
@@ -114,9 +115,43 @@ def test_priority_claims_are_idle_without_priority_preemption_and_judged_against
     # better than FCFS (protects), worse than strict priority (the bar)
     arms = {"vllm_fcfs": fcfs, "vllm_priority": strict, "score": arm("score", [0.6, 0.7, 0.5], 4)}
     assert _vip(arms).verdict == HELD and "(vllm_fcfs)" in _vip(arms).measured
-    assert _vip_vs_strict(arms).verdict == NOT_HELD and "(vllm_priority)" in _vip_vs_strict(arms).measured
+    as_strict = _as_strict("score")(arms)
+    assert as_strict.verdict == NOT_HELD and "(vllm_priority)" in as_strict.measured
     del arms["vllm_fcfs"]
     assert _vip(arms).verdict == NOT_MEASURED
+
+
+def test_as_well_as_strict_priority_is_non_inferiority_within_ten_percent():
+    def arm(name: str, ttft: list[float]) -> list[dict[str, Any]]:
+        return _rows(name, sla2_ttft_p99_s=ttft, num_priority_preemptions=[3] * len(ttft))
+
+    strict = arm("vllm_priority", [1.0, 2.0, 1.5, 1.2])
+    close = {"vllm_priority": strict, "score": arm("score", [1.02, 2.03, 1.51, 1.22])}  # +1-2%
+    assert _as_strict("score")(close).verdict == HELD
+    far = {"vllm_priority": strict, "score": arm("score", [1.5, 3.1, 2.2, 1.9])}  # +50%
+    assert _as_strict("score")(far).verdict == NOT_HELD
+    same = {"vllm_priority": strict, "score": arm("score", [1.0, 2.0, 1.5, 1.2])}
+    assert _as_strict("score")(same).verdict == IDLE
+
+
+def _objectives(name: str, goodput: list[float], ttft: list[float]) -> list[dict[str, Any]]:
+    return _rows(name, goodput_req_s=goodput, sla2_ttft_p99_s=ttft)
+
+
+def test_the_design_is_on_the_front_only_when_it_beats_every_baseline_somewhere():
+    design = _objectives("score", [4.0, 4.2, 4.1], [1.0, 1.1, 0.9])
+    fast = _objectives("fastserve_mlfq", [5.0, 5.3, 5.1], [3.0, 3.3, 2.8])  # more goodput, worse TTFT
+    strict = _objectives("vllm_priority", [3.0, 3.1, 3.2], [0.5, 0.6, 0.55])  # less goodput, better TTFT
+    arms = {"score": design, "fastserve_mlfq": fast, "vllm_priority": strict}
+    finding = _front("score")(arms)
+    assert finding.verdict == HELD and "fastserve_mlfq - score" in finding.measured
+    dominant = _objectives("fastserve_mlfq", [5.0, 5.3, 5.1], [0.5, 0.6, 0.4])
+    assert _front("score")({**arms, "fastserve_mlfq": dominant}).verdict == NOT_HELD
+    noisy = _objectives("fastserve_mlfq", [3.0, 5.3, 4.1], [0.5, 1.6, 0.9])  # tied on both
+    assert _front("score")({**arms, "fastserve_mlfq": noisy}).verdict == INCONCLUSIVE
+    alike = {"score": design, "vllm_priority": _objectives("vllm_priority", [4.0, 4.2, 4.1], [1.0, 1.1, 0.9])}
+    assert _front("score")(alike).verdict == IDLE
+    assert _front("score")({"score": design}).verdict == NOT_MEASURED
 
 
 def test_glance_counts_idle_points_apart():

@@ -1,0 +1,233 @@
+"""The leaderboard: every policy at every sweep point with intervals, its Pareto front, and
+the "what to run where" table that summarises them.
+
+Owns: rendering what experiments.dominance decides -- per point a table of every arm's
+goodput, SLO attainment per class, TTFT/TPOT p50/p99 per class, preemptions and KV moved
+(means with 95% intervals over seeds, from summary.csv), which arms dominate it (paired
+intervals on goodput and the top class's TTFT p99), and a Pareto plot (goodput against the
+top class's TTFT p99; SLO attainment against KV moved) with dominated arms hollow; and the
+one-screen table of, per regime, the best policy by interval and the design's distance to
+it. Everything comes from results.csv / summary.csv.
+
+Must never: rank by means where the intervals tie (ties are listed as ties), or call an arm
+dominated without a paired interval (experiments.dominance).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from experiments.dominance import (
+    BETTER,
+    DESIGN_ARMS,
+    OBJECTIVES,
+    WORSE,
+    Arms,
+    Objective,
+    compare_arms,
+    dominators,
+    top_level,
+)
+from experiments.tables import interval_cell, sla_levels
+
+MAX_NAMES = 3
+
+
+def _names(names: Sequence[str]) -> str:
+    shown = ", ".join(f"`{n}`" for n in names[:MAX_NAMES])
+    return shown + (f" +{len(names) - MAX_NAMES}" if len(names) > MAX_NAMES else "")
+
+
+def _ok_arms(arms: Arms) -> list[str]:
+    return [name for name, rows in arms.items() if any(r["status"] == "ok" for r in rows)]
+
+
+def best_by_interval(arms: Arms, objective: Objective) -> list[str]:
+    """The arm with the best mean on `objective`, then every arm the paired interval cannot
+    tell from it (not worse than it), best mean first. Empty when no arm has a value."""
+    means = {}
+    for name in _ok_arms(arms):
+        rows = [r for r in arms[name] if r["status"] == "ok"]
+        values = [float(r.get(objective.column(rows), math.nan)) for r in rows]
+        values = [v for v in values if not math.isnan(v)]
+        if values:
+            means[name] = sum(values) / len(values)
+    if not means:
+        return []
+    sign = 1.0 if objective.higher_is_better else -1.0
+    order = sorted(means, key=lambda n: -sign * means[n])
+    best = order[0]
+    tied = []
+    for name in order[1:]:
+        comparison = compare_arms(arms, name, best, (objective,))
+        if comparison is None or comparison.sides[0] != WORSE:
+            tied.append(name)
+    return [best, *tied]
+
+
+def distance(arms: Arms, arm: str, to: str, objective: Objective) -> str:
+    """`arm` - `to` on `objective`, paired by seed, as `diff [lo, hi]` (`=` for itself)."""
+    if arm == to:
+        return "best"
+    comparison = compare_arms(arms, arm, to, (objective,))
+    if comparison is None:
+        return "–"
+    diff, where = comparison.diffs[0], comparison.sides[0]
+    mark = {BETTER: "", WORSE: " (worse)"}.get(where, " (tied)")
+    return diff.format(3) + mark
+
+
+def _summary_rows(points: list[dict[str, Any]] | None, arms: Arms) -> dict[str, dict[str, Any]]:
+    """arm -> its summary row (mean, _lo, _hi over seeds)."""
+    return {row["arm"]: row for row in points or [] if row["arm"] in arms}
+
+
+def point_tables(arms: Arms, points: list[dict[str, Any]] | None) -> str:
+    """The leaderboard of one point: an overall table and a per-class table, arms by goodput."""
+    summary = _summary_rows(points, arms)
+    if not summary:
+        return "(no summary.csv: run the sweep with seeds)"
+    names = [n for n in _ok_arms(arms) if n in summary]
+    names.sort(key=lambda n: -float(summary[n].get("goodput_req_s", math.nan) or 0.0))
+    beaten = dominators(arms, names)
+    top = top_level([summary[n] for n in names])
+    levels = sla_levels([summary[n] for n in names])
+    head = ["arm", "goodput req/s", "SLO att."] + [f"L{lv} att." for lv in levels]
+    head += [f"L{top} TTFT p99 s", "preempt.", "KV moved", "dominated by"]
+    lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 2) + " --- |"]
+    for name in names:
+        row = summary[name]
+        cells = [f"`{name}`", interval_cell(row, "goodput_req_s"), interval_cell(row, "slo_attainment")]
+        cells += [interval_cell(row, f"sla{lv}_slo_attainment") for lv in levels]
+        cells += [
+            interval_cell(row, f"sla{top}_ttft_p99_s"),
+            interval_cell(row, "num_preemptions"),
+            interval_cell(row, "kv_bytes_moved"),
+            _names(beaten[name]) if beaten[name] else "**front**",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Per SLA class (higher = more important), latencies in s:", ""]
+    head = ["arm"]
+    metrics = []
+    for lv in levels:
+        for metric, title in (("ttft_p50_s", "TTFT p50"), ("ttft_p99_s", "TTFT p99"),
+                              ("tpot_p50_s", "TPOT p50"), ("tpot_p99_s", "TPOT p99")):  # fmt: skip
+            metrics.append(f"sla{lv}_{metric}")
+            head.append(f"L{lv} {title}")
+    lines += ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
+    for name in names:
+        lines.append(
+            "| " + " | ".join([f"`{name}`"] + [interval_cell(summary[name], m) for m in metrics]) + " |"
+        )
+    return "\n".join(lines)
+
+
+def pareto_plot(
+    arms: Arms, points: list[dict[str, Any]] | None, path: Path, title: str, highlight: Sequence[str] = ()
+) -> Path | None:
+    """Two panels: goodput against the top class's TTFT p99, and SLO attainment against KV
+    moved; 95% error bars over seeds; dominated arms (on goodput and top-class TTFT p99)
+    hollow and grey, the front filled and labelled. None without summary rows."""
+    summary = _summary_rows(points, arms)
+    names = [n for n in _ok_arms(arms) if n in summary]
+    if not names:
+        return None
+    from experiments.plots import _pyplot, _save
+
+    plt = _pyplot()
+    beaten = dominators(arms, names)
+    top = top_level([summary[n] for n in names])
+    panels = (
+        (f"sla{top}_ttft_p99_s", "goodput_req_s", f"level-{top} TTFT p99 s (log)", "goodput req/s", "log"),
+        ("kv_bytes_moved", "slo_attainment", "KV moved, bytes (symlog)", "SLO attainment", "symlog"),
+    )
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    palette = [plt.get_cmap("tab10")(i) for i in (0, 1, 2, 3, 4, 5, 6, 8, 9)]  # no grey
+    front = [n for n in names if not beaten[n]]
+    colors = {name: palette[i % len(palette)] for i, name in enumerate(front)}
+    for ax, (x_key, y_key, x_label, y_label, scale) in zip(axes, panels, strict=True):
+        for name in names:
+            row = summary[name]
+            x, y = float(row.get(x_key, math.nan)), float(row.get(y_key, math.nan))
+            if math.isnan(x) or math.isnan(y):
+                continue
+            if name not in colors:  # dominated: a hollow grey dot, no bars (they would hide the front)
+                ax.plot([x], [y], "o", color="0.65", markerfacecolor="none", markersize=5,
+                        label=f"{name} (dominated by {', '.join(beaten[name][:2])})")  # fmt: skip
+                continue
+            ax.errorbar(
+                [x], [y], xerr=_half_widths(row, x_key), yerr=_half_widths(row, y_key), fmt="o",
+                color=colors[name], markersize=8 if name in highlight else 6, elinewidth=0.9, capsize=2,
+                label=name,
+            )  # fmt: skip
+            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        if scale == "log":
+            ax.set_xscale("log")
+        else:
+            ax.set_xscale("symlog", linthresh=1e8)
+        ax.set_xlabel(x_label)
+        ax.set_ylabel(y_label)
+        ax.grid(alpha=0.3)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=6, loc="center left", bbox_to_anchor=(2.25, 0.5))
+    fig.suptitle(f"{title}: means and 95% intervals over seeds; hollow = dominated (paired intervals)")
+    return _save(fig, path)
+
+
+def _half_widths(row: dict[str, Any], key: str) -> list[list[float]]:
+    """matplotlib's asymmetric error bar of a summary row's metric: [[below], [above]]."""
+    mean = float(row.get(key, math.nan))
+    lo, hi = float(row.get(f"{key}_lo", mean)), float(row.get(f"{key}_hi", mean))
+    return [
+        [0.0 if math.isnan(lo) else max(mean - lo, 0.0)],
+        [0.0 if math.isnan(hi) else max(hi - mean, 0.0)],
+    ]
+
+
+def where_to_run(
+    regimes: list[tuple[str, Arms]], design_arms: Sequence[str] = DESIGN_ARMS, objectives=OBJECTIVES
+) -> str:
+    """One row per regime: the front, the best arm per objective (with the arms the paired
+    intervals cannot tell from it), and each design arm's distance to that best."""
+    present = [d for d in design_arms if any(d in arms for _, arms in regimes)]
+    head = ["regime", "front (not dominated)"] + [f"best {o.label}" for o in objectives]
+    head += [f"`{d}` vs best {o.label}" for d in present for o in objectives]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for label, arms in regimes:
+        names = _ok_arms(arms)
+        if not names:
+            continue
+        beaten = dominators(arms, names)
+        front = [n for n in names if not beaten[n]]
+        cells = [label, _names(front)]
+        bests = [best_by_interval(arms, o) for o in objectives]
+        for best in bests:
+            cells.append(
+                f"`{best[0]}`" + (f" (tied: {_names(best[1:])})" if len(best) > 1 else "") if best else "–"
+            )
+        for d in present:
+            for objective, best in zip(objectives, bests, strict=True):
+                cells.append(distance(arms, d, best[0], objective) if d in arms and best else "–")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def leaderboard_markdown(
+    sections: list[tuple[str, Arms, list[dict[str, Any]] | None]],
+    images_dir: Path,
+    link_base: Path,
+    design_arms: Sequence[str] = DESIGN_ARMS,
+) -> str:
+    """Per point (section label, arms, summary rows): the Pareto plot and the tables."""
+    lines = []
+    for label, arms, points in sections:
+        lines += [f"## {label}", ""]
+        slug = "".join(c if c.isalnum() or c in "-_=." else "-" for c in label).strip("-")
+        plot = pareto_plot(arms, points, images_dir / f"pareto-{slug}.png", label, design_arms)
+        if plot is not None:
+            lines += [f"![pareto {label}]({plot.relative_to(link_base)})", ""]
+        lines += [point_tables(arms, points), ""]
+    return "\n".join(lines)
