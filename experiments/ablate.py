@@ -214,8 +214,18 @@ def ablate(
     if plots:
         from experiments.plots import plot_ablation, plot_sweep
 
-        first = [run for run in plan.runs if run.grid_point.get("seed", None) in (None, seeds and seeds[0])]
-        plot_paths = plot_ablation(rows, out_dir, [(run.key, without_seed(run.grid_point)) for run in first])
+        status = {row["run"]: row["status"] for row in rows}
+        ran = [
+            (
+                point_key(run.arm, run.grid_point),
+                without_seed(run.grid_point),
+                run.grid_point.get("seed"),
+                run.key,
+            )
+            for run in plan.runs
+            if status[run.key] == "ok"
+        ]
+        plot_paths = plot_ablation(points if points is not None else rows, out_dir, ran)
         if points is not None:
             plot_paths += plot_sweep(points, plan.config.grid, out_dir / "plots")
     info = _info(plan, jobs, list(overrides))

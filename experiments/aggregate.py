@@ -4,10 +4,14 @@ Owns: `aggregate` (the rows of `summary.csv`: description and grid columns, the 
 that ran, and for every metric `m` its mean `m` and interval `m_lo`, `m_hi`), and which
 interval each metric gets (experiments.stats): a Student-t interval over seeds; a
 percentile metric of a point with one run only gets a bootstrap over that run's requests
-instead (there is no seed spread then; its caveat is in experiments/stats.py).
+instead (there is no seed spread then; its caveat is in experiments/stats.py). Either is
+intersected with the metric's range (`stats.metric_range`: a share in [0, 1], a count,
+latency or byte total in [0, inf)), so tables and sweep bands never show a bound the
+mean cannot take; coverage stays the interval's own (experiments/stats.py).
 
-Must never: mix seeds of different points or arms, or fill an interval where fewer than
-two values exist (NaN bounds: tables say "no interval").
+Must never: mix seeds of different points or arms, fill an interval where fewer than
+two values exist (NaN bounds: tables say "no interval"), or clip a metric whose range
+experiments.stats does not know (unknown names stay unbounded).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import pyarrow.parquet as pq
 
 from experiments.arms import AblationPlan, run_key, without_seed
 from experiments.catalogue import DESCRIPTION_COLUMNS, NAN, NOT_REPRODUCIBLE
-from experiments.stats import Interval, bootstrap_interval, percentile_statistic, t_interval
+from experiments.stats import Interval, bootstrap_interval, metric_range, percentile_statistic, t_interval
 
 # (sla level or None, latency column, percentile) of a percentile metric's name
 _PERCENTILE = re.compile(r"^(?:sla(\d+)_)?(ttft|tpot)_p(50|99)_s$")
@@ -55,12 +59,14 @@ def _request_interval(metric: str, run_dirs: list[Path]) -> Interval | None:
 
 
 def interval_of(metric: str, values: list[float], run_dirs: list[Path]) -> Interval:
+    """The 95% interval of `metric` over its seeds' `values`, within the metric's range."""
+    bounds = metric_range(metric)
     finite = [v for v in values if isinstance(v, int | float) and not math.isnan(v)]
     if len(finite) == 1:
         boot = _request_interval(metric, run_dirs)
         if boot is not None and boot.is_defined:
-            return Interval(finite[0], boot.lo, boot.hi, 1, len(values) - 1)
-    return t_interval([float(v) for v in values])
+            return Interval(finite[0], boot.lo, boot.hi, 1, len(values) - 1).clip(*bounds)
+    return t_interval([float(v) for v in values], bounds=bounds)
 
 
 def aggregate(plan: AblationPlan, rows: list[dict[str, Any]], out_dir: Path) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ from experiments.dominance import (
     paired_interval,
     top_level,
 )
-from experiments.stats import Interval, compare, t_interval
+from experiments.stats import Interval, compare, metric_range, t_interval
 from experiments.tables import metric_fingerprint
 
 HELD, NOT_HELD, INCONCLUSIVE, IDLE, NOT_MEASURED = (
@@ -76,7 +76,7 @@ def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
 
 
 def _iv(rows: list[dict[str, Any]], metric: str) -> Interval:
-    return t_interval([float(r[metric]) for r in rows])
+    return t_interval([float(r[metric]) for r in rows], bounds=metric_range(metric))
 
 
 def _f(iv: Interval, digits: int = 3, scale: float = 1.0, unit: str = "") -> str:
