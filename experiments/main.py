@@ -193,6 +193,14 @@ def run(out: Path, lm: Path, wandb: str) -> dict[str, float]:
     return times
 
 
+def _section(path: Path, heading: str) -> str:
+    """A markdown section of `path`: from `heading` to the next heading of its level."""
+    lines = path.read_text().splitlines()
+    start = lines.index(heading)
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return "\n".join(lines[start:end]).strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.main", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/main"))
@@ -205,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     times = run(args.out, args.lm, args.wandb)
     total = time.perf_counter() - started
+    print("\n" + _section(args.out / "results.md", "## What to run where"), flush=True)
     (args.out / "main_times.json").write_text(json.dumps({**times, "total": total}, indent=2) + "\n")
     print(
         f"\nmain job done in {total / 60:.1f} min ({', '.join(f'{k} {v:.0f} s' for k, v in times.items())})"
@@ -212,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  ablation table : {args.out / 'ablate' / 'results.md'}")
     print(f"  plots          : {args.out / 'ablate' / 'plots'}/")
     print(f"  claims report  : {args.out / 'results.md'}")
+    print(f"  leaderboard    : {args.out / 'leaderboard.md'} (every policy, Pareto plots)")
     print(f"  early saves    : {args.out / 'early.json'} (side by side in the report)")
     print(f"  codec per plan : {args.out / 'codec.json'}")
     print(f"  wandb (offline): wandb sync {args.out}/ablate/wandb/offline-run-*  (and {args.out}/predictor)")

@@ -157,8 +157,9 @@ def render(
         "",
         "## What to run where",
         "",
-        "Per regime (a sweep point), from the leaderboard (docs/leaderboard.md: every policy's "
-        "numbers and Pareto plot at every point): the arms no other arm dominates (paired 95% "
+        "Per regime (a sweep point), from the leaderboard ([leaderboard.md](leaderboard.md), beside "
+        "this report: every policy's numbers and Pareto plot at every point): the arms no other "
+        "arm dominates (paired 95% "
         "intervals on goodput and the top class's TTFT p99), the best arm per objective with the "
         "arms its paired interval cannot tell from it, and each design arm's paired difference to "
         "that best (`(worse)`: the interval excludes 0).",
