@@ -109,6 +109,14 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
         {"scheduler.policy": "priority_score", "preemption.threshold": 0.2},
         "docs/design.md §1: priority score + 20% trigger margin (one static slice, recompute, no cap)",
     ),
+    Arm(
+        "score_age_cap",
+        "score",
+        {"preemption.priority_weights.age_cap_s": 10.0},
+        "a named variant of the design: the age term saturates at 10 s, so waiting orders requests "
+        "within an SLA level but never lifts one over a level (at the quick weights 0.05/s x 10 s "
+        "= 0.5 < 0.8 a level); the suspect in the top class's TTFT p99 against strict priority",
+    ),
     Arm("threshold_0", "score", {"preemption.threshold": 0.0}, "score with no margin (sensitivity)"),
     Arm("threshold_50", "score", {"preemption.threshold": 0.5}, "score with a 50% margin (sensitivity)"),
     Arm(

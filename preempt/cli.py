@@ -568,6 +568,28 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from experiments.tune import tune  # optuna and torch only here
+
+    command = f"preempt tune --config {args.config} --out {args.out}"
+    command += f" --trials {args.trials}" if args.trials else ""
+    result = tune(
+        args.config,
+        args.out,
+        trials=args.trials,
+        jobs=args.jobs,
+        ray_address=args.ray_address,
+        wandb=args.wandb,
+        resume=args.resume,
+        command=command,
+    )
+    print(json.dumps(result.summary))
+    if result.best is None:
+        print(f"preempt: error: every trial failed (see {args.out / 'study.json'})", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_parity_vllm(args: argparse.Namespace) -> int:
     from preempt.parity.harness import PeerError, run_parity, summary_lines
     from preempt.parity.workload import WorkloadError, bundled_names, load_workload
@@ -598,10 +620,17 @@ def cmd_report(args: argparse.Namespace) -> int:
     paper = f" --paper {args.paper}" if args.paper else ""
     paper += "".join(f" --sweep {path}" for path in args.sweep)
     paper += f" --early {args.early}" if args.early else ""
+    paper += "".join(f" --compare {arm}" for arm in args.compare)
     command = f"preempt report --quick {args.quick}{paper} --out {args.out}"
     try:
         path = report(
-            args.quick, args.out, paper=args.paper, command=command, sweeps=args.sweep, early=args.early
+            args.quick,
+            args.out,
+            paper=args.paper,
+            command=command,
+            sweeps=args.sweep,
+            early=args.early,
+            compare=args.compare,
         )
     except FileNotFoundError as err:
         print(f"preempt: error: {err}", file=sys.stderr)
@@ -920,8 +949,40 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--early", type=Path, help="a `preempt bench early --windows --json` result: early saves side by side"
     )
+    report.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="ARM",
+        help="an arm of your own, judged against every named baseline by the design's paired tests "
+        "(repeatable; the ablations must have run it)",
+    )
     report.add_argument("--out", type=Path, default=Path("docs/results.md"), help="(docs/results.md)")
     report.set_defaults(func=cmd_report)
+
+    tune = sub.add_parser(
+        "tune", help="tune an arm's knobs with Optuna (TPE) on ablation runs; one JSON line (docs/tuning.md)"
+    )
+    tune.add_argument("--config", type=Path, required=True, help="e.g. experiments/configs/tune.yaml")
+    tune.add_argument("--out", type=Path, required=True, help="writes study.json, best.yaml, trials/")
+    tune.add_argument("--trials", type=_positive_int, help="trials in all (default: the config's `trials`)")
+    tune.add_argument("--jobs", type=_positive_int, help="runs at once (default: min(cores, a batch's runs))")
+    tune.add_argument(
+        "--ray-address",
+        help="run the trials' runs as tasks on this Ray cluster (e.g. ray://head:10001 or auto); "
+        "default: Ray on this machine with --jobs CPUs (one job: in this process)",
+    )
+    tune.add_argument(
+        "--wandb",
+        choices=("online", "offline", "disabled"),
+        help="default: online if WANDB_API_KEY is set, else offline (never blocks on the network)",
+    )
+    tune.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse runs with the same config's metrics (the study replays the same trials)",
+    )
+    tune.set_defaults(func=cmd_tune)
     return parser
 
 
