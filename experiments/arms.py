@@ -274,6 +274,21 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
     ),
 )
 
+
+TUNED_ARM = Path(__file__).parent / "configs" / "score_tuned.yaml"
+"""`score_tuned`: the best trial of `preempt tune --config experiments/configs/tune.yaml`
+(its best.yaml, committed as is; the study's summary: benchmarks/tune_*.json). A named
+variant of the design, never its default: `score` keeps the specified values."""
+
+
+def _tuned_arm(path: Path) -> Arm:
+    spec = yaml.safe_load(path.read_text())
+    return Arm(spec["name"], spec["parent"], spec["set"], spec["doc"])
+
+
+_TUNED = _tuned_arm(TUNED_ARM)
+STANDARD_ARMS[_TUNED.name] = _TUNED
+
 # ---------------------------------------------------------------- the config file
 
 

@@ -255,3 +255,19 @@ def test_through_ray_a_batch_gives_the_trials_it_gives_in_process(study, tmp_pat
     ]
     assert ray.summary["held_cpu_hours"] > 0
     assert sorted(p.name for p in (tmp_path / "ray" / "trials").iterdir()) == ["000", "001"]
+
+
+def test_the_tuned_arm_is_the_committed_best_trial():
+    """`score_tuned` (experiments/arms.py) is the study's best trial as the benchmark recorded
+    it: the arm cannot drift from the search that produced it."""
+    import json
+    from pathlib import Path
+
+    from experiments.arms import STANDARD_ARMS, chain_overrides
+
+    [study] = sorted(Path("benchmarks").glob("tune_*.json"))[-1:]
+    data = json.loads(study.read_text())
+    best = next(trial for trial in data["trials"] if trial["number"] == data["best"])
+    arm = STANDARD_ARMS["score_tuned"]
+    assert arm.parent == "score" and dict(arm.set) == best["set"] and best["feasible"]
+    assert dict(chain_overrides("score_tuned"))["scheduler.policy"] == "priority_score"
