@@ -137,8 +137,8 @@ def render(
         + ", ".join(f"`{s.path}` (commit `{s.info.get('git_rev', '?')}`)" for s in sources)
         + ". Do not edit by hand: rerun the ablations and this command. Every number the article "
         "claims is a hypothesis here; each row says what we measured and whether it held. "
-        "Values are means over seeds with 95% intervals `[lo, hi]` (Student t; differences "
-        "between arms are paired by seed); a claim is `held` or `did not hold` only when the "
+        "Values are means over seeds with 95% intervals `[lo, hi]` (Student t, clipped to the "
+        "metric's range; differences between arms are paired by seed); a claim is `held` or `did not hold` only when the "
         "interval lies on one side of its bound, otherwise `inconclusive` with the interval; "
         "`idle` where the mechanism never acted at that point (no priority preemption, a cap never "
         "reached, a slice that never decided: no evidence either way). In the glance table `–` "
