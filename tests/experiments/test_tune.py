@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from experiments.arms import ArmSpec, plan_ablation
-from experiments.tune import _best, _overrides, load_tune_config, plan_tune, tune
+from experiments.tune import _best, tune
+from experiments.tune_config import load_tune_config, plan_tune, trial_overrides
 from preempt.cli import main
 from preempt.core.config import ConfigError
 
@@ -119,8 +120,8 @@ def test_the_shipped_config_is_valid_and_its_windows_avoid_the_judge():
 
 def test_a_pause_trial_restores_asynchronously_as_the_pause_arm(tmp_path):
     config = load_tune_config(write(tmp_path))
-    assert _overrides(config, {"preemption.mode": "pause"})["preemption.async_restore"] is True
-    assert "preemption.async_restore" not in _overrides(config, {"preemption.mode": "recompute"})
+    assert trial_overrides(config, {"preemption.mode": "pause"})["preemption.async_restore"] is True
+    assert "preemption.async_restore" not in trial_overrides(config, {"preemption.mode": "recompute"})
 
 
 def test_a_study_writes_every_trial_with_the_default_as_trial_0(study):
