@@ -34,6 +34,7 @@ from preempt.core.config import (
     EarlySaveConfig,
     EngineConfig,
     build_config,
+    find_config_file,
     format_validation_error,
     parse_assignment,
     read_config_file,
@@ -472,12 +473,7 @@ def plan_ablation(
     ablation = load_ablation_config(path)
     base: dict[str, Any] = {}
     if ablation.base_config:
-        base_file = Path(ablation.base_config)
-        if not base_file.is_absolute():
-            beside = path.parent / base_file
-            bundled = Path(__file__).resolve().parent / "configs" / base_file
-            base_file = beside if beside.exists() or not bundled.exists() else bundled
-        base = read_config_file(base_file)
+        base = read_config_file(find_config_file(ablation.base_config, beside=path.parent))
     for section, values in ablation.base.items():
         if isinstance(values, dict) and isinstance(base.get(section), dict):
             base[section] = {**base[section], **values}

@@ -25,9 +25,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from experiments.arms import ArmRun, plan_ablation
 from experiments.catalogue import METRICS, NOT_REPRODUCIBLE, SLA_METRICS
-from preempt.core.config import ConfigError, build_config, format_validation_error, set_dotted
-
-CONFIGS = Path(__file__).resolve().parent / "configs"
+from preempt.core.config import (
+    ConfigError,
+    build_config,
+    find_config_file,
+    format_validation_error,
+    set_dotted,
+)
 
 # ---------------------------------------------------------------- the config file
 
@@ -106,15 +110,6 @@ class TuneConfig(_Frozen):
     startup_trials: int = Field(10, ge=0)
     """TPE's random trials (the enqueued default among them) before it models the results."""
     wandb_project: str = "preempt-tune"
-
-
-def _find_config(name: str, beside: Path) -> Path:
-    """As an ablation's `base_config`: relative paths beside `beside`, then bundled."""
-    path = Path(name)
-    if path.is_absolute():
-        return path
-    near, bundled = beside.parent / path, CONFIGS / path
-    return near if near.exists() or not bundled.exists() else bundled
 
 
 def _spec(raw: Any) -> RangeSpec | ChoiceSpec:
@@ -215,7 +210,7 @@ def _check_held_out(tune: TuneConfig, path: Path, training: list[dict[str, Any]]
     judged = []
     for name in tune.held_out:
         with tempfile.TemporaryDirectory() as scratch:  # derived inputs, if any, are thrown away
-            runs = plan_ablation(_find_config(name, path), scratch).runs
+            runs = plan_ablation(find_config_file(name, beside=path.parent), scratch).runs
         for held in _windows(runs):
             judged.append({**held, "config": name})
             for train in training:
@@ -263,7 +258,9 @@ def plan_tune(path: str | Path) -> TunePlan:
     tune = load_tune_config(path)
     if tune.name == tune.parent:
         raise ConfigError(f"{path}: name '{tune.name}': must differ from parent (it names the tuned arm)")
-    base_config = str(_find_config(tune.base_config, path).resolve()) if tune.base_config else None
+    base_config = (
+        str(find_config_file(tune.base_config, beside=path.parent).resolve()) if tune.base_config else None
+    )
     with tempfile.TemporaryDirectory() as scratch:
         file = Path(scratch) / "parent.yaml"
         write_yaml(file, ablation_data(tune, base_config, {}, "the parent"))

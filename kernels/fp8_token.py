@@ -123,7 +123,7 @@ def quantize_fp8_token(
 ) -> torch.Tensor:
     """selected (n, 2, T, D) (or n (2, T, D) views) -> (n, row_bytes) uint8: the Triton
     kernel on CUDA (or under the interpreter when asked), the torch reference otherwise."""
-    if not isinstance(selected, torch.Tensor):  # per-head views (kernels/kivi.py's `Heads`)
+    if not isinstance(selected, torch.Tensor):  # per-head views (kernels/kivi_ref.py's `Heads`)
         selected = torch.stack(list(selected))
     if selected.ndim != 4 or selected.shape[1] != 2:
         raise ValueError(f"selected heads must be (n, 2, T, D), got {tuple(selected.shape)}")

@@ -21,7 +21,7 @@ Classes:
   keys per channel (min and scale per channel over groups of `group_size` tokens), values
   per token (per group of `group_size` channels), min and scale in float16; the first
   `num_sink` (attention sink) and the last `num_recent` tokens kept bit-exact at the cache
-  dtype (kernels/kivi.py). `group_size`, `num_sink`, `num_recent` are plan-wide.
+  dtype (kernels/kivi_ref.py). `group_size`, `num_sink`, `num_recent` are plan-wide.
 
 Slot order: heads of one class are packed in (layer, head) row-major order; `slot_index`
 gives each head's row in its class's packed tensor (see kernels/quantize_heads.py).
@@ -390,7 +390,7 @@ def bytes_per_token(plan: HeadPlan, head_dim: int, dtype: torch.dtype) -> int:
 
 
 class KiviLayout(NamedTuple):
-    """Where one KIVI head's bytes go for a request of `num_tokens` (kernels/kivi.py)."""
+    """Where one KIVI head's bytes go for a request of `num_tokens` (kernels/kivi_ref.py)."""
 
     num_sink: int  # tokens [0, num_sink) kept at full precision
     num_mid: int  # tokens [num_sink, num_sink + num_mid) quantized

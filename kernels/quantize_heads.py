@@ -14,7 +14,7 @@ Packed layout (`QuantizedKV`), heads of a class in (layer, head) row-major slot 
           all-zero head. Dequantized value = float(fp8) * scale.
 - DROP heads: nothing stored; the plan says which.
 - extra     one (n_c, row_bytes) uint8 tensor per class of `plan.EXTRA_CLASSES`
-          (FP8_TOKEN: kernels/fp8_token.py, KIVI4/KIVI2: kernels/kivi.py), each head one
+          (FP8_TOKEN: kernels/fp8_token.py, KIVI4/KIVI2: kernels/kivi_ref.py), each head one
           row in slot order; empty () when the plan uses none of them. The kernel here
           leaves those heads alone; their own kernels (or references) pack them.
 Per head, K and V sit next to each other and each is one contiguous (T, D) run, so the

@@ -5,18 +5,23 @@ A tutorial's fenced blocks run in order in a fresh directory: a block with a
 `title="FILE"` is written to FILE; a `python` block is executed (the directory on
 sys.path, as a user's own files are); a `bash` block's lines are run as commands, with
 `preempt` the installed CLI, from a scratch directory that sees the repository's
-`experiments/`. The README's quick start runs too."""
+`experiments/`. The README's quick start runs too. The generated reference pages
+(docs/reference/: every config key, every CLI flag) are what `python
+scripts/gen_reference.py` writes from the code today."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import pytest
+from pydantic import BaseModel, Field
 
 ROOT = Path(__file__).resolve().parents[1]
 TUTORIALS = sorted((ROOT / "docs" / "tutorials").glob("*.md"))
@@ -122,3 +127,167 @@ def test_the_readme_quick_start_runs(tmp_path, monkeypatch):
     assert len(python) == 1 and len(python[0].strip().splitlines()) <= 12
     monkeypatch.chdir(tmp_path)
     exec(compile(python[0], "README.md:python", "exec"), {"__name__": "__readme__"})
+
+
+# ------------------------------------------------------- the generated reference pages
+
+REFERENCE = ROOT / "docs" / "reference"
+GENERATE = "python scripts/gen_reference.py"
+
+
+@functools.cache
+def _generator():
+    """scripts/gen_reference.py as a module (scripts/ is no package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_reference", ROOT / "scripts" / "gen_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gen_reference"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_reference_pages_are_what_the_code_generates(tmp_path):
+    """docs/reference/{config,cli}.md are generated from the config models and the CLI's
+    parser: a new key, flag, default or docstring needs the pages regenerated. Run in a
+    fresh process: a plug-in registered by another test must not show up."""
+    pytest.importorskip("fastapi", reason="`preempt serve`'s flags need the server's packages")
+    out = tmp_path / "reference"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_reference.py"), "--out", str(out)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    import difflib
+
+    for page in ("config.md", "cli.md"):
+        committed = REFERENCE / page
+        assert committed.is_file(), f"docs/reference/{page} is missing: run `{GENERATE}`"
+        fresh = (out / page).read_text()
+        if committed.read_text() != fresh:
+            diff = difflib.unified_diff(
+                committed.read_text().splitlines(),
+                fresh.splitlines(),
+                f"docs/reference/{page}",
+                "generated",
+                lineterm="",
+                n=0,
+            )
+            pytest.fail(
+                f"docs/reference/{page} is stale (the config models or the CLI changed): run "
+                f"`{GENERATE}` and commit the result\n" + "\n".join(list(diff)[:40])
+            )
+
+
+def test_the_staleness_check_can_fail(tmp_path, capsys):
+    """The comparison above, on a page with one row too many, and `--check`'s message."""
+    gen = _generator()
+    pages = {"config.md": "| `a` |\n", "cli.md": "x\n"}
+    for name, text in pages.items():
+        (tmp_path / name).write_text(text)
+    assert gen.stale_pages(tmp_path, pages) == []
+    (tmp_path / "config.md").write_text("| `a` |\n| `b` |\n")
+    (tmp_path / "cli.md").unlink()
+    assert gen.stale_pages(tmp_path, pages) == ["config.md", "cli.md"]
+    pytest.importorskip("fastapi", reason="`preempt serve`'s flags need the server's packages")
+    assert gen.main(["--out", str(tmp_path / "empty"), "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "config.md is stale: run `python scripts/gen_reference.py`" in err and "cli.md is stale" in err
+    assert not (tmp_path / "empty").exists()  # --check writes nothing
+
+
+class _Knobs(BaseModel):
+    """A made-up section."""
+
+    level: int = Field(3, gt=0, le=9)
+    """How much."""
+    mode: Literal["a", "b"] | None = None
+    undocumented: dict[int, float] = Field(default_factory=lambda: {0: 1.0})
+
+
+def test_a_new_knob_gets_its_row():
+    """What a section's table says of each field: key, type, default, constraints, doc."""
+    gen = _generator()
+    page = gen.section_markdown(gen.Section("knobs", _Knobs, "`knobs`"), {}, {})
+    assert page.startswith("### `knobs`\n\nA made-up section.\n")
+    assert "| `knobs.level` | `int` | `3` | > 0; <= 9 | How much. |" in page
+    assert "| `knobs.mode` | one of `a`, `b` or `None` | `null` |  |  |" in page
+    assert "| `knobs.undocumented` | `dict[int, float]` | `{0: 1.0}` |  |  |" in page
+
+
+def test_every_config_key_and_every_flag_is_in_the_reference():
+    """What the generator must not skip: each key of each config model and each flag of
+    each command has a row in the committed pages."""
+    import argparse
+
+    from pydantic import BaseModel
+
+    from preempt.cli import build_parser
+    from preempt.core.config import EngineConfig
+
+    gen = _generator()
+    config = (REFERENCE / "config.md").read_text()
+
+    def keys(model: type, prefix: str = "") -> list[str]:
+        found = []
+        for name, info in model.model_fields.items():
+            key = f"{prefix}{name}"
+            found.append(key)
+            for nested, suffix in gen.nested_models(info.annotation):
+                if issubclass(nested, BaseModel):
+                    found += keys(nested, f"{key}{suffix}.")
+        return found
+
+    engine_keys = keys(EngineConfig)
+    assert (
+        "preemption.mlfq.quantum_ratio" in engine_keys
+        and "scheduler.sglang.max_prefill_tokens" in engine_keys
+    )
+    missing = [k for k in engine_keys if f"| `{k}` |" not in config]
+    assert not missing, f"not in docs/reference/config.md: {missing}; run `{GENERATE}`"
+
+    cli = (REFERENCE / "cli.md").read_text()
+
+    def commands(parser: argparse.ArgumentParser) -> list[tuple[str, str]]:
+        found = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child in action.choices.values():
+                    found += commands(child)
+            elif action.option_strings and not isinstance(action, argparse._HelpAction):
+                found.append((parser.prog, action.option_strings[0]))
+        return found
+
+    flags = commands(build_parser())
+    assert ("preempt lm train", "--max-steps") in flags and ("preempt parity vllm", "--workload") in flags
+    sections = _cli_sections(cli)
+    missing_flags = [
+        f"{prog} {flag}" for prog, flag in flags if f"| `{flag}` |" not in sections.get(prog, "")
+    ]
+    assert not missing_flags, f"not in docs/reference/cli.md: {missing_flags}; run `{GENERATE}`"
+
+
+def _cli_sections(page: str) -> dict[str, str]:
+    """Command -> the text under its heading in cli.md."""
+    parts = re.split(r"^#+ `([^`]+)`\n", page, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def test_field_docstrings_are_read_from_the_source():
+    """The models document fields with a string right after them, which pydantic drops
+    (no `use_attribute_docstrings`): the generator reads them with ast, bases included."""
+    from preempt.core.config import EarlySaveConfig, PreemptionConfig
+
+    gen = _generator()
+    docs = gen.attribute_docstrings(PreemptionConfig)
+    assert docs["mode"].startswith("What happens to a victim's KV")
+    assert "time_slice_strategy" not in docs  # a field without one stays without
+    assert "\n" in docs["mode"] and not docs["mode"].startswith(" ")  # cleaned, lines kept
+    assert gen.attribute_docstrings(EarlySaveConfig)["max_inflight"] == (
+        "Early saves queued or running at once (the bounded queue)."
+    )
+    assert gen.cell("a | b `c | d`\n  e") == "a \\| b `c | d` e"
+    assert gen.cell("<stem>.json") == "&lt;stem>.json"

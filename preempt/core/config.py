@@ -560,11 +560,33 @@ def build_config(data: dict[str, Any]) -> EngineConfig:
         raise ConfigError(format_validation_error(err)) from None
 
 
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a JSON or YAML file into a dict (no validation yet)."""
+BUNDLED_CONFIGS = Path(__file__).resolve().parents[2] / "experiments" / "configs"
+"""The configs that ship with the repository (experiments/configs/): a relative config path
+that is not found where it is given is looked up here, so `--config engine_quick.yaml`
+works from any directory (a checkout's; an installed wheel carries none of them)."""
+
+
+def find_config_file(path: str | Path, beside: str | Path | None = None) -> Path:
+    """Where the config file `path` is: as given (relative to the cwd; or, given `beside`,
+    relative to that directory, as an ablation's `base_config` is to its file), else, for a
+    relative path, among the bundled configs (BUNDLED_CONFIGS). Raises ConfigError listing
+    every place it looked."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+    if path.is_absolute():
+        candidates = [path]
+    else:
+        candidates = [path if beside is None else Path(beside) / path, BUNDLED_CONFIGS / path]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    looked = " and ".join(str(candidate.absolute()) for candidate in candidates)
+    raise ConfigError(f"config file not found: {path} (looked for {looked})")
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a JSON or YAML file into a dict (no validation yet); a relative path missing from
+    the cwd is looked up among the bundled configs (`find_config_file`)."""
+    path = find_config_file(path)
     text = path.read_text()
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)

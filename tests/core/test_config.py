@@ -1,9 +1,12 @@
 import json
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from preempt.core.config import ConfigError, EngineConfig, load_config
+from preempt.core.config import BUNDLED_CONFIGS, ConfigError, EngineConfig, find_config_file, load_config
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_are_valid_and_frozen():
@@ -59,3 +62,44 @@ def test_bad_files(tmp_path):
     listy.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(listy)
+
+
+def test_a_bundled_config_is_found_by_name_from_any_directory(tmp_path, monkeypatch):
+    """`preempt run --config engine_quick.yaml` (and every reader of an engine config:
+    serve, ablate, tune) outside the repository's root: the bundled one."""
+    assert BUNDLED_CONFIGS == REPO / "experiments" / "configs"
+    monkeypatch.chdir(tmp_path)
+    assert find_config_file("engine_quick.yaml") == BUNDLED_CONFIGS / "engine_quick.yaml"
+    assert load_config("engine_quick.yaml") == load_config(BUNDLED_CONFIGS / "engine_quick.yaml")
+    assert load_config("engine_quick.yaml") != EngineConfig()  # it did read something
+
+
+def test_a_file_where_it_is_given_wins_over_the_bundled_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "engine_quick.yaml").write_text("seed: 7\n")
+    assert find_config_file("engine_quick.yaml") == Path("engine_quick.yaml")
+    assert load_config("engine_quick.yaml") == EngineConfig(seed=7)
+    # relative to a directory (an ablation's base_config, beside its file): there first
+    (tmp_path / "sub").mkdir()
+    assert (
+        find_config_file("engine_quick.yaml", beside=tmp_path / "sub")
+        == BUNDLED_CONFIGS / "engine_quick.yaml"
+    )
+    (tmp_path / "sub" / "engine_quick.yaml").write_text("seed: 8\n")
+    assert (
+        find_config_file("engine_quick.yaml", beside=tmp_path / "sub")
+        == tmp_path / "sub" / "engine_quick.yaml"
+    )
+
+
+def test_a_missing_config_names_every_place_looked(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        load_config("no_such.yaml")
+    message = str(err.value)
+    assert message.startswith("config file not found: no_such.yaml (looked for ")
+    assert str(tmp_path / "no_such.yaml") in message and str(BUNDLED_CONFIGS / "no_such.yaml") in message
+    # an absolute path is looked for where it says, only
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "engine_quick.yaml")
+    assert str(BUNDLED_CONFIGS) not in str(err.value)

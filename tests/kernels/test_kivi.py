@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kernels.fp8_token import dequantize_fp8_token_ref, quantize_fp8_token, quantize_fp8_token_ref
-from kernels.kivi import _pack, _unpack, dequantize_kivi_ref, quantize_kivi, quantize_kivi_ref
+from kernels.kivi import dequantize_kivi_ref, quantize_kivi, quantize_kivi_ref
+from kernels.kivi_ref import _pack, _unpack
 from kernels.plan import KIVI_BITS, HeadClass, HeadPlan, kivi_layout, stored_bytes
 from kernels.quantize_heads import gather_quantize_heads, quantize_heads
 from kernels.restore_blocks import dequantize_heads_ref, restore_blocks
@@ -140,15 +141,15 @@ def test_batched_kivi_equals_the_per_class_reference(monkeypatch, dtype, shape, 
     key group, each quantized in chunks of one group (True), or into spans of two groups
     quantized at once ("spans"): a served model's long request takes that path; and one
     class's heads in shuffled slot order (its rows of a block are then not consecutive)."""
-    import kernels.kivi as kivi
+    import kernels.kivi_batched as kivi_batched
     from kernels.kivi import KiviClass, quantize_kivi_kv
 
     num_layers, num_tokens, num_heads, head_dim = shape
     if blocks is True:
-        monkeypatch.setattr(kivi, "_BATCH_ELEMS", 1)  # one key group of tokens per chunk
-        monkeypatch.setattr(kivi, "_SCRATCH_MAX_BYTES", 1)  # one layer and one group per block
+        monkeypatch.setattr(kivi_batched, "_BATCH_ELEMS", 1)  # one key group of tokens per chunk
+        monkeypatch.setattr(kivi_batched, "_SCRATCH_MAX_BYTES", 1)  # one layer and one group per block
     elif blocks == "spans":  # one layer per block, blocks of two key groups' codes
-        monkeypatch.setattr(kivi, "_SCRATCH_MAX_BYTES", 2 * params[0] * num_heads * head_dim)
+        monkeypatch.setattr(kivi_batched, "_SCRATCH_MAX_BYTES", 2 * params[0] * num_heads * head_dim)
     gen = torch.Generator().manual_seed(num_tokens)
     kv = torch.randn(num_layers, 2, num_tokens, num_heads, head_dim, generator=gen)
     kv = (kv * (torch.rand(head_dim, generator=gen) * 8 + 0.1)).to(dtype)
@@ -172,7 +173,7 @@ def test_batched_kivi_equals_the_per_class_reference(monkeypatch, dtype, shape, 
 def test_quantize_heads_ref_takes_the_batched_path_for_kivi_plans(monkeypatch):
     """A mostly-KIVI plan goes through quantize_kivi_kv (checked by breaking the per-class
     reference for any non-empty class) and packs the same rows as the per-class reference."""
-    import kernels.kivi as kivi
+    import kernels.kivi_triton as kivi_triton  # quantize_kivi looks the reference up there
     from kernels.plan import EXTRA_CLASSES
 
     gen = torch.Generator().manual_seed(3)
@@ -183,13 +184,13 @@ def test_quantize_heads_ref_takes_the_batched_path_for_kivi_plans(monkeypatch):
                                KIVI_BITS[cls], plan.params())
         for cls in KIVI_BITS if plan.count(cls)
     }  # fmt: skip
-    reference = kivi.quantize_kivi_ref
+    reference = kivi_triton.quantize_kivi_ref
 
     def only_empty(selected, *args):
         assert len(selected) == 0, "the per-class reference ran on a KIVI class"
         return reference(selected, *args)
 
-    monkeypatch.setattr(kivi, "quantize_kivi_ref", only_empty)
+    monkeypatch.setattr(kivi_triton, "quantize_kivi_ref", only_empty)
     got = dict(zip(EXTRA_CLASSES, quantize_heads(kv, plan, use_triton=False).extra, strict=True))
     for cls, rows in expected.items():
         assert_bits_equal(got[cls], rows)
