@@ -143,15 +143,23 @@ def _threshold(arms: Arms) -> Finding:
     return Finding("; ".join(parts) + f" ({_n(score)})", _verdict(*decisions))
 
 
+def _top_ttft(arms: Arms, baseline: str, arm: str) -> tuple[list, list, str, str] | Finding:
+    """`baseline`'s and `arm`'s rows paired by seed, the top SLA level and its TTFT p99
+    column; or the Finding saying which arm is missing."""
+    rows = paired(arms, baseline, arm)
+    if rows is None:
+        return _missing(arms, baseline, arm)
+    top = top_level(rows[1])
+    return rows[0], rows[1], top, f"sla{top}_ttft_p99_s"
+
+
 def _top_class_ttft(arms: Arms, baseline: str) -> Finding:
     """The top SLA level's TTFT p99 under `score` minus under `baseline`, paired by seed:
     the claim holds when the interval is below 0."""
-    rows = paired(arms, baseline, "score")
-    if rows is None:
-        return _missing(arms, baseline, "score")
-    base, score = rows
-    top = top_level(score)
-    key = f"sla{top}_ttft_p99_s"
+    found = _top_ttft(arms, baseline, "score")
+    if isinstance(found, Finding):
+        return found
+    base, score, top, key = found
     diff = paired_interval(score, base, _diff(key))
     measured = (
         f"level-{top} TTFT p99 {_f(_iv(base, key))} s ({baseline}) -> {_f(_iv(score, key))} s (score); "
@@ -177,12 +185,10 @@ def _as_strict(arm: str) -> Callable[[Arms], Finding]:
     """`arm`'s top-class TTFT p99 over `vllm_priority`'s, paired by seed (non-inferiority)."""
 
     def evaluate(arms: Arms) -> Finding:
-        rows = paired(arms, "vllm_priority", arm)
-        if rows is None:
-            return _missing(arms, "vllm_priority", arm)
-        strict, design = rows
-        top = top_level(design)
-        key = f"sla{top}_ttft_p99_s"
+        found = _top_ttft(arms, "vllm_priority", arm)
+        if isinstance(found, Finding):
+            return found
+        strict, design, top, key = found
         rel = paired_interval(design, strict, _rel(key))
         measured = (
             f"level-{top} TTFT p99 {_f(_iv(strict, key))} s (vllm_priority) -> {_f(_iv(design, key))} s "

@@ -148,6 +148,13 @@ def test_swap_runs_are_reproducible_too(tmp_path):
         # every checkpoint of the list is checked (this file exists; b.ckpt does not)
         (["bench", "early", "--windows", "--model", f"{__file__},b.ckpt"], "--model: no such file: b.ckpt"),
         (["train", "--data", "d", "--out", "o", "--max-waste-share", "1.5"], "--max-waste-share"),
+        (["tune", "--out", "o"], "--config"),
+        (["tune", "--config", "c.yaml"], "--out"),
+        (["tune", "--config", "c.yaml", "--out", "o", "--trials", "0"], "--trials"),
+        (["tune", "--config", "c.yaml", "--out", "o", "--jobs", "-2"], "--jobs"),
+        (["tune", "--config", "c.yaml", "--out", "o", "--wandb", "sometimes"], "--wandb"),
+        (["tune", "--config", "c.yaml", "--out", "o", "--bogus"], "unrecognized arguments: --bogus"),
+        (["tune", "--config", "missing.yaml", "--out", "o"], "config file not found: missing.yaml"),
     ],
 )
 def test_bad_input_exits_nonzero_with_one_line(argv, message, capsys, tmp_path, monkeypatch):

@@ -216,27 +216,6 @@ def test_best_prefers_feasible_then_value_then_the_earlier_trial():
     assert _best(rows[3:], "maximize") is None
 
 
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["tune", "--out", "o"], "--config"),
-        (["tune", "--config", "c.yaml"], "--out"),
-        (["tune", "--config", "c.yaml", "--out", "o", "--trials", "0"], "--trials"),
-        (["tune", "--config", "c.yaml", "--out", "o", "--jobs", "-2"], "--jobs"),
-        (["tune", "--config", "c.yaml", "--out", "o", "--wandb", "sometimes"], "--wandb"),
-        (["tune", "--config", "c.yaml", "--out", "o", "--bogus"], "unrecognized arguments: --bogus"),
-        (["tune", "--config", "missing.yaml", "--out", "o"], "config file not found: missing.yaml"),
-    ],
-)
-def test_bad_input_exits_nonzero_with_one_line(argv, message, capsys, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as exc:
-        raise SystemExit(main(argv))
-    assert exc.value.code != 0
-    err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1, err
-
-
 def test_a_bad_config_through_the_cli_names_the_key(tmp_path, capsys):
     config = write(tmp_path, space={"preemption.nope": {"low": 0, "high": 1}})
     assert main(["tune", "--config", str(config), "--out", str(tmp_path / "out")]) == 2
