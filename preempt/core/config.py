@@ -17,7 +17,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from preempt.core.registry import EARLY_SAVE_POLICIES, SCHEDULING_POLICIES
+from preempt.core.registry import (
+    EARLY_SAVE_POLICIES,
+    PREEMPTION_MODES,
+    SCHEDULING_POLICIES,
+    check_mode,
+    check_reclaim_codec,
+)
 
 
 class ConfigError(ValueError):
@@ -240,11 +246,13 @@ class MlfqConfig(_Section):
 class PreemptionConfig(_Section):
     """The design's `preemption` section (serve_config.json), extended."""
 
-    mode: Literal["recompute", "swap", "swap_zstd", "swap_mixed", "pause"] = "recompute"
-    """What happens to a victim's KV: dropped and recomputed (vLLM V1), saved raw to host
-    memory (vLLM V0 swap), saved with zstd, saved mixed-precision by a head plan (FP16 /
-    FP8 / drop per KV head, docs/design.md §9; lossy), or kept resident until its blocks are needed
-    (`pause`, zero-copy; saved with `reclaim_codec` when reclaimed)."""
+    mode: str = "recompute"
+    """What happens to a victim's KV, a mode of `preempt.core.registry.PREEMPTION_MODES`
+    (which also names the codec each saves with): `recompute`: dropped and recomputed
+    (vLLM V1); `swap`: saved raw to host memory (vLLM V0 swap); `swap_zstd`: saved with
+    zstd; `swap_mixed`: saved mixed-precision by a head plan (FP16 / FP8 / drop per KV
+    head, docs/design.md §9; lossy); `pause`: kept resident until its blocks are needed
+    (zero-copy; saved with `reclaim_codec` when reclaimed)."""
     time_slice_strategy: Literal["static", "dynamic"] = "dynamic"
     slice_mode: Literal["gate", "quantum"] = "gate"
     """What a used-up time slice does. `gate`: it only makes the request eligible for
@@ -305,8 +313,9 @@ class PreemptionConfig(_Section):
     warmup_tokens: int = Field(2, ge=0)
     """After a lossy restore, recompute the last this-many tokens at full precision
     (the design's "1-2 tokens of warm-up")."""
-    reclaim_codec: Literal["raw", "zstd"] = "raw"
-    """How `pause` saves a paused request when its blocks are reclaimed."""
+    reclaim_codec: str = "raw"
+    """How `pause` saves a paused request when its blocks are reclaimed: a codec of
+    `preempt.core.registry.RECLAIM_CODECS` (`raw` or `zstd`)."""
     async_restore: bool = False
     """Restore saved KV asynchronously (as vLLM's KV connectors load remote KV,
     WAITING_FOR_REMOTE_KVS): a request admitted with its KV on the host gets its blocks
@@ -327,6 +336,16 @@ class PreemptionConfig(_Section):
     modelled_ratio: dict[str, float] = Field(default_factory=lambda: {"raw": 1.0, "zstd": 1.15})
     """`null` backend (no real KV): compression ratio assumed per codec (measured on the
     tiny model's KV by `preempt bench save`)."""
+
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, mode: str) -> str:
+        return check_mode(mode)
+
+    @field_validator("reclaim_codec")
+    @classmethod
+    def _known_reclaim_codec(cls, name: str) -> str:
+        return check_reclaim_codec(name)
 
     @field_validator("head_plan")
     @classmethod
@@ -512,9 +531,10 @@ class EngineConfig(_Section):
     @model_validator(mode="after")
     def _early_saves_need_a_save_path(self) -> EngineConfig:
         if self.early_save.policy != "none" and self.preemption.mode == "recompute":
+            *saving, last = (mode for mode in PREEMPTION_MODES if mode != "recompute")
             raise ValueError(
                 f"early_save.policy '{self.early_save.policy}' needs a preemption.mode that saves KV "
-                "(swap, swap_zstd, swap_mixed or pause), not recompute"
+                f"({', '.join(saving)} or {last}), not recompute"
             )
         uses_lookahead = self.early_save.policy in ("lookahead", "forecast") or self.early_save.prefetch
         if uses_lookahead and self.clock.kind != "virtual":

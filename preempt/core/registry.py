@@ -11,6 +11,11 @@ is used without editing preempt, in either of two ways:
 - `REGISTRY.register("shortest_first")` as a class decorator, in a module imported before
   the config is validated.
 
+Beside the KV codecs' registry (`CODECS`) live the names that choose a codec:
+`PREEMPTION_MODES` (each `preemption.mode` and the codec its preemptions save with) and
+`RECLAIM_CODECS` (what `preemption.reclaim_codec` may name), read by config validation,
+the scheduler and the saver alike.
+
 Plain Python: no torch, nothing imported until asked for.
 """
 
@@ -22,8 +27,9 @@ from typing import Any
 
 
 class Registry:
-    """Names of one kind (`kind`: the config key they are chosen by; `noun`: what its
-    errors call one, the config error names the key) -> import paths."""
+    """Names of one kind (`kind`: the config key they are chosen by, or what they are when
+    no one key chooses them; `noun`: what its errors call one, the config error names the
+    key) -> import paths."""
 
     def __init__(self, kind: str, noun: str, entries: dict[str, str | None]) -> None:
         self.kind = kind
@@ -111,3 +117,53 @@ EARLY_SAVE_POLICIES = Registry(
     },
 )
 """`early_save.policy`: whom to copy to the host before a preemption (preempt.engine.early_save)."""
+
+CODECS = Registry(
+    "kv codec",  # no config key of its own: `preemption.mode` and `reclaim_codec` choose one
+    "codec",
+    {
+        "raw": "preempt.kv.codec:RawCodec",
+        "zstd": "preempt.kv.codec:ZstdCodec",
+        "mixed": "preempt.kv.codec:MixedCodec",
+    },
+)
+"""KV codecs: how a saved request's KV becomes a host blob and back (preempt.kv.codec,
+whose `CODECS` and `make_codec` read this). A new codec registers here, or with
+`@CODECS.register("name")`, with a `codec_id` no other codec uses."""
+
+PREEMPTION_MODES: dict[str, str | None] = {
+    "recompute": None,
+    "swap": "raw",
+    "swap_zstd": "zstd",
+    "swap_mixed": "mixed",
+    "pause": None,
+}
+"""`preemption.mode` -> the codec (a name of `CODECS`) its preemptions save the victim's KV
+with. None: a preemption saves nothing -- `recompute` drops the KV, `pause` keeps it
+resident and saves it with `preemption.reclaim_codec` when its blocks are reclaimed (or
+a preemption forced by memory must free them)."""
+
+RECLAIM_CODECS = ("raw", "zstd")
+"""`preemption.reclaim_codec`: the codecs of `CODECS` that can save a paused request (the
+lossless ones that need no head plan)."""
+
+
+def check_mode(mode: str) -> str:
+    """`mode` if it is a `preemption.mode`; else ValueError naming the choices."""
+    if mode not in PREEMPTION_MODES:
+        raise ValueError(f"unknown preemption mode '{mode}'; choose one of {list(PREEMPTION_MODES)}")
+    return mode
+
+
+def check_reclaim_codec(name: str) -> str:
+    """`name` if it is a `RECLAIM_CODECS` codec; else ValueError naming the choices."""
+    if name not in RECLAIM_CODECS:
+        what = "cannot save a paused request" if name in CODECS.names() else "is not a registered codec"
+        raise ValueError(f"codec '{name}' {what}; choose one of {list(RECLAIM_CODECS)}")
+    return name
+
+
+def save_codec(mode: str, reclaim_codec: str) -> str:
+    """The codec a save under `mode` uses: the mode's own (`PREEMPTION_MODES`), else (a
+    `pause` reclaim, or its forced or early save) `reclaim_codec`."""
+    return PREEMPTION_MODES[mode] or reclaim_codec

@@ -71,11 +71,12 @@ import numpy as np
 from preempt.core.block_pool import BlockPool, blocks_needed
 from preempt.core.config import PreemptionConfig, SchedulerConfig
 from preempt.core.limits import RATE_WINDOW_S, AdmissionBackoff, RateWindow
+from preempt.core.registry import save_codec
 from preempt.core.request import Request, RequestState, ScheduledChunk
 from preempt.engine.policies import SchedulingPolicy
 from preempt.engine.priority import priority_scores, remaining_ktokens, time_slice_s
 from preempt.kv.copy_out import CopyOut
-from preempt.kv.record import MODE_CODEC, KVMover, PreemptionRecord, RestoreResult
+from preempt.kv.record import KVMover, PreemptionRecord, RestoreResult
 
 
 class SchedulerOutput(NamedTuple):
@@ -618,7 +619,7 @@ class Scheduler:
         else:
             # A forced preemption must free the blocks, so `pause` saves here too.
             record.action = "save"
-            failure = self._save(victim, MODE_CODEC.get(mode, self.preemption.reclaim_codec), record)
+            failure = self._save(victim, save_codec(mode, self.preemption.reclaim_codec), record)
             if failure is not None and not forced:
                 self._fail(victim, record, failure)  # keeps running with its KV
                 return False

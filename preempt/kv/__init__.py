@@ -2,7 +2,7 @@
 
 - `record`: `PreemptionRecord` (what a preemption did to the KV; the scheduler owns and
   writes it), `is_preemption`, the `KVMover` interface the scheduler calls and its
-  results `SaveResult` / `RestoreResult`, `MODE_CODEC`;
+  results `SaveResult` / `RestoreResult`;
 - `saver`: the `KVMover`: owns the host copies and returns each move's result, composed of
   `blobs` (a segment into one host-pool blob and back: codecs, head plan, workers),
   `timing` (virtual time of each move, and when copied-out blocks are free again) and

@@ -2,7 +2,8 @@
 
 Owns: the blob format shared by every codec (a fixed little-endian header, then the payload),
 its validation, and the codecs themselves (`raw`, `zstd`, and the lossy `mixed` of mode
-`swap_mixed`: FP16 / FP8 / drop per KV head by a head plan). A KV tensor here is one
+`swap_mixed`: FP16 / FP8 / drop per KV head by a head plan). Their names live in
+`preempt.core.registry.CODECS`; `CODECS` here is that registry's classes. A KV tensor here is one
 request's cache in logical order, `(num_layers, 2, num_tokens, num_kv_heads, head_dim)`,
 contiguous, on the CPU.
 
@@ -45,11 +46,14 @@ import struct
 import threading
 import zlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
 import zstandard
+
+from preempt.core import registry
 
 try:  # the same CRC-32 as zlib's, faster (module docstring)
     from isal.isal_zlib import crc32
@@ -496,13 +500,31 @@ def byte_unshuffle(planes: np.ndarray, itemsize: int) -> np.ndarray:
     return out.reshape(-1)
 
 
-# Registry: name -> codec class; options are the class's keyword arguments. A new codec
-# registers here with an unused codec id.
-CODECS: dict[str, type[Codec]] = {
-    RawCodec.name: RawCodec,
-    ZstdCodec.name: ZstdCodec,
-    MixedCodec.name: MixedCodec,
-}
+class _CodecClasses(Mapping[str, type[Codec]]):
+    """Name -> codec class, read from `preempt.core.registry.CODECS` (the one home of codec
+    names, a codec registered there by decorator included); a class is imported when first
+    read. Options are the class's keyword arguments."""
+
+    def __getitem__(self, name: str) -> type[Codec]:
+        if name not in registry.CODECS.names():
+            raise KeyError(name)
+        cls = registry.CODECS.resolve(name)
+        if not (isinstance(cls, type) and issubclass(cls, Codec)):
+            raise ValueError(f"codec '{name}' is not a preempt.kv.codec.Codec subclass")
+        return cls
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(registry.CODECS.names())
+
+    def __len__(self) -> int:
+        return len(registry.CODECS.names())
+
+    def __repr__(self) -> str:
+        return f"CODECS({dict(self)!r})"
+
+
+CODECS: Mapping[str, type[Codec]] = _CodecClasses()
+"""The registered codecs, name -> class: a read-only view of `preempt.core.registry.CODECS`."""
 
 
 def make_codec(name: str, **options: Any) -> Codec:

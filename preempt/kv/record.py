@@ -3,9 +3,9 @@
 Owns: `PreemptionRecord` (one preemption decision: its reason, what happened to the KV,
 its bytes and timing; the row of preemptions.parquet), `is_preemption` (the one
 definition of a record that took a request out of the batch), `KVMover` (the acting side
-of save/restore that the scheduler calls: the saver implements it), its results
-`SaveResult` and `RestoreResult`, and `MODE_CODEC` (which codec each `preemption.mode`
-saves with).
+of save/restore that the scheduler calls: the saver implements it), and its results
+`SaveResult` and `RestoreResult`. Which codec each `preemption.mode` saves with is
+`preempt.core.registry.PREEMPTION_MODES` (`save_codec`).
 
 One owner per record: the scheduler creates it and alone writes it, from the results a
 `KVMover` returns. What a save's worker thread learns later (the stored size) comes as a
@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from preempt.core.request import Request
-
-MODE_CODEC = {"swap": "raw", "swap_zstd": "zstd", "swap_mixed": "mixed"}
 
 
 def is_preemption(reason: str, action: str) -> bool:

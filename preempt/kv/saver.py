@@ -36,11 +36,12 @@ import numpy as np
 from preempt.core.block_pool import blocks_needed
 from preempt.core.config import EngineConfig
 from preempt.core.cost_model import CostModel
+from preempt.core.registry import save_codec
 from preempt.core.request import Request
 from preempt.kv.blobs import BlobStore
 from preempt.kv.host_pool import HostPool
 from preempt.kv.kv_cache import KVCache
-from preempt.kv.record import MODE_CODEC, KVMover, RestoreResult, SaveResult
+from preempt.kv.record import KVMover, RestoreResult, SaveResult
 from preempt.kv.segment import SavedCopy, Segment, gather_stored, resolve
 from preempt.kv.speculative import EarlyCopies, Predecoded, Prefetched, RestoresAhead
 from preempt.kv.timing import VirtualTiming
@@ -136,7 +137,7 @@ class Saver(KVMover):
         if not self._early_allowed(end - covered, now):
             self.early.num_refused += 1
             return False
-        codec = MODE_CODEC.get(self.config.mode, self.config.reclaim_codec)
+        codec = save_codec(self.config.mode, self.config.reclaim_codec)
         segment = self._save_segment(request, covered, end, codec, now, speculative=True)
         if isinstance(segment, str):
             self.early.num_refused += 1

@@ -9,7 +9,15 @@ from collections.abc import Sequence
 import pytest
 
 from preempt.core.config import ConfigError
-from preempt.core.registry import EARLY_SAVE_POLICIES, SCHEDULING_POLICIES, Registry
+from preempt.core.registry import (
+    CODECS,
+    EARLY_SAVE_POLICIES,
+    PREEMPTION_MODES,
+    RECLAIM_CODECS,
+    SCHEDULING_POLICIES,
+    Registry,
+    save_codec,
+)
 from preempt.core.request import Request, RequestState
 from preempt.engine.early_save import EarlySavePolicy, ProjectionPolicy
 from preempt.engine.engine import Engine
@@ -101,3 +109,61 @@ def test_a_class_of_the_wrong_kind_is_refused():
     )
     with pytest.raises(ConfigError, match="is not a preempt.engine.early_save.EarlySavePolicy subclass"):
         make_policy(config.early_save)
+
+
+def test_every_codec_resolves_to_a_codec_of_its_name_and_the_modes_name_registered_codecs():
+    from preempt.kv.codec import CODECS as CODEC_CLASSES
+    from preempt.kv.codec import Codec
+
+    classes = [CODECS.resolve(name) for name in CODECS.names()]
+    assert all(isinstance(cls, type) and issubclass(cls, Codec) for cls in classes)
+    assert [cls.name for cls in classes] == CODECS.names()  # the registered name is the codec's own
+    assert len({cls.codec_id for cls in classes}) == len(classes)  # blobs say their codec by id
+    assert dict(CODEC_CLASSES) == dict(zip(CODECS.names(), classes, strict=True))  # codec.py reads it
+    saved = {codec for codec in PREEMPTION_MODES.values() if codec is not None}
+    assert saved <= set(CODECS.names()) and set(RECLAIM_CODECS) <= set(CODECS.names())
+    assert all(CODECS.resolve(name).is_lossless for name in RECLAIM_CODECS)
+    # pause saves only when reclaimed (or forced): with reclaim_codec; every other saving mode with its own
+    assert save_codec("pause", "zstd") == "zstd" and save_codec("swap_mixed", "zstd") == "mixed"
+
+
+def test_config_modes_and_reclaim_codecs_are_the_registrys():
+    for mode in PREEMPTION_MODES:
+        assert small_config(preemption={"mode": mode}).preemption.mode == mode
+    for name in RECLAIM_CODECS:
+        assert small_config(preemption={"reclaim_codec": name}).preemption.reclaim_codec == name
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("mode", "swap_lz4", r"unknown preemption mode 'swap_lz4'; choose one of \['recompute', 'swap', "),
+        ("reclaim_codec", "lz4", r"codec 'lz4' is not a registered codec; choose one of \['raw', 'zstd'\]"),
+        ("reclaim_codec", "mixed", r"codec 'mixed' cannot save a paused request; choose one of \['raw'"),
+    ],
+)
+def test_a_bad_mode_or_codec_names_the_key_once_and_the_choices(key, value, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        small_config(preemption={key: value})
+    assert str(err.value).count(f"preemption.{key}") == 1
+
+
+def test_a_codec_registered_by_decorator_is_made_and_decoded_by_name(monkeypatch):
+    import torch
+
+    from preempt.core import registry
+    from preempt.kv.codec import CODECS as CODEC_CLASSES
+    from preempt.kv.codec import RawCodec, decode_blob, make_codec
+
+    # a copy of the registry, so the decorator leaves the real one as it was
+    monkeypatch.setattr(registry, "CODECS", Registry(CODECS.kind, CODECS.noun, dict(CODECS._paths)))
+
+    @registry.CODECS.register("raw_copy")
+    class RawCopy(RawCodec):
+        name = "raw_copy"
+        codec_id = 200
+
+    assert CODEC_CLASSES["raw_copy"] is RawCopy and isinstance(make_codec("raw_copy"), RawCopy)
+    kv = torch.arange(6.0).reshape(2, 3)
+    assert torch.equal(decode_blob(make_codec("raw_copy").encode(kv)), kv)
+    assert "raw_copy" not in CODECS.names()
