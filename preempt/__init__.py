@@ -17,7 +17,7 @@ Subpackages by role, bottom to top; each imports only the layers below it
     lm/ calibrate/ replay.py    the reference LM; cost-model fits; one offline run
     parity/ integrations/       our scheduler beside vLLM's; our policies inside vLLM
     serve/ bench/               the HTTP server; the benchmarks
-    cli.py         the command line: the only module that imports predictor/, experiments/
+    cli/           the command line: the only package that imports predictor/, experiments/
 
 Where a preemption is decided: preempt.engine.scheduler (with engine.policies); where its
 KV moves: preempt.kv.saver; where it is measured: its preempt.kv.record.PreemptionRecord,

@@ -1,0 +1,137 @@
+"""`preempt bench` and `calibrate`: benchmarks (preempt.bench; `--windows` and `--http`
+judged by experiments/) and the virtual clock's device profile (preempt.calibrate).
+
+Which flags a benchmark takes is checked here, before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from preempt.bench import BENCHMARKS
+
+    options = {
+        key: getattr(args, key) for key in ("model", "plan", "prompts") if getattr(args, key) is not None
+    }
+    if args.no_served_speed:
+        options["served_speed"] = False
+    if args.no_speed:
+        options["speed"] = False
+    if args.windows:
+        options["windows"] = True
+    if args.http:
+        options["http"] = True
+    takes = {
+        "codec": {"model", "plan", "served_speed", "speed", "prompts"},
+        "early": {"model", "windows"},
+        "vllm": {"http"},
+    }.get(args.name, set())
+    flags = {"served_speed": "no-served-speed", "speed": "no-speed"}
+    for key in options:
+        if key not in takes:
+            print(
+                f"preempt: error: --{flags.get(key, key)} does not apply to `bench {args.name}`",
+                file=sys.stderr,
+            )
+            return 2
+    for flag, value in (
+        ("trace", args.trace),
+        ("arms", args.arms),
+        ("max-tokens", args.max_tokens),
+        ("lengths", args.lengths),
+        ("modes", args.modes),
+    ):
+        if value is not None and not args.windows:
+            print(f"preempt: error: --{flag} applies to `bench early --windows` only", file=sys.stderr)
+            return 2
+    lstm_asked = args.arms is None or any(arm.startswith("lstm") for arm in args.arms.split(","))
+    if args.windows and "model" not in options and args.arms is not None and lstm_asked:
+        print(
+            "preempt: error: --windows with lstm arms needs --model (predictor checkpoints, comma-separated)",
+            file=sys.stderr,
+        )
+        return 2
+    # --windows takes several checkpoints (training seeds), comma-separated.
+    if args.windows:
+        models = options["model"].split(",") if "model" in options else []
+    else:
+        models = [options.get("model")]
+    for key, values in (("model", models), ("plan", [options.get("plan")])):
+        for value in values:
+            if value is not None and not Path(value).is_file():
+                print(f"preempt: error: --{key}: no such file: {value}", file=sys.stderr)
+                return 2
+    from preempt.parity.harness import PeerError
+
+    result: dict[str, Any]
+    try:
+        if args.http:  # experiments/ judges the seeds by intervals
+            import tempfile
+
+            from experiments.vllm_http import bench_vllm_http
+            from preempt.parity.harness import peer_python
+
+            with tempfile.TemporaryDirectory(prefix="preempt-bench-vllm-http-") as tmp:
+                result = bench_vllm_http(peer_python(None), Path(tmp), args.quick)
+        elif args.windows:  # experiments/ judges the windows by intervals
+            from experiments.early_windows import bench_early_windows
+
+            arms = args.arms.split(",") if args.arms is not None else None
+            try:
+                if arms is None and not models:  # every arm that needs no checkpoint
+                    from experiments.early_windows import WINDOW_ARMS
+
+                    arms = [arm for arm in WINDOW_ARMS if not arm.startswith("lstm")]
+                if args.lengths is not None and not Path(args.lengths).is_file():
+                    print(f"preempt: error: --lengths: no such file: {args.lengths}", file=sys.stderr)
+                    return 2
+                result = bench_early_windows(
+                    args.quick,
+                    models,
+                    args.trace or "azure-conv",
+                    arms,
+                    args.max_tokens,
+                    args.lengths,
+                    *([tuple(args.modes.split(","))] if args.modes else []),
+                )
+            except ValueError as err:  # an unknown --arms or --trace, or no free windows
+                print(f"preempt: error: {err}", file=sys.stderr)
+                return 2
+        else:
+            result = BENCHMARKS[args.name](args.quick, **options)
+    except PeerError as err:  # bench vllm: no peer virtualenv, it failed, or `vllm serve` did
+        print(f"preempt: error: {err}", file=sys.stderr)
+        return 2
+
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from preempt.calibrate import command
+    from preempt.core.cost_model import ProfileError
+
+    try:
+        if args.source == "vidur":
+            paths = command.calibrate_vidur(args.out)
+        elif args.source is not None:
+            paths = [command.calibrate_file(Path(args.source), args.out, args.base)]
+        elif args.device is not None:
+            paths = [command.calibrate_device(args.device, args.tiny, args.out, args.base)]
+        else:
+            print("preempt: error: calibrate needs --from vidur|FILE or --device cuda", file=sys.stderr)
+            return 2
+    except ProfileError as err:
+        print(f"preempt: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps({"wrote": [str(p) for p in paths]}))
+    return 0
