@@ -65,6 +65,23 @@ def top_level(rows: Rows) -> str:
     return sla_levels(rows)[-1]
 
 
+def comparable(arms: Arms) -> Arms:
+    """The arms that replay the same requests on the same pool and clock as most arms of the
+    point: policies are compared on one workload, so an arm that brings its own (quick's
+    tiny-model arms replay 30 s on 300 blocks) is left out."""
+
+    def setting(name: str) -> str:
+        config = next((r["_config"] for r in arms[name] if "_config" in r), {})
+        scheduler = {k: v for k, v in (config.get("scheduler") or {}).items() if k != "policy"}
+        return repr([config.get(k) for k in ("workload", "cache", "clock")] + [scheduler])
+
+    groups: dict[str, list[str]] = {}
+    for name in arms:
+        groups.setdefault(setting(name), []).append(name)
+    largest = max(groups.values(), key=len, default=[])
+    return {name: arms[name] for name in largest}
+
+
 def is_baseline(arm: str) -> bool:
     return arm.startswith(BASELINE_PREFIXES)
 

@@ -27,6 +27,7 @@ from experiments.dominance import (
     WORSE,
     Arms,
     Objective,
+    comparable,
     compare_arms,
     dominators,
     top_level,
@@ -42,7 +43,8 @@ def _names(names: Sequence[str]) -> str:
 
 
 def _ok_arms(arms: Arms) -> list[str]:
-    return [name for name, rows in arms.items() if any(r["status"] == "ok" for r in rows)]
+    """The arms that ran ok in some seed, among those comparable at the point."""
+    return [name for name, rows in comparable(arms).items() if any(r["status"] == "ok" for r in rows)]
 
 
 def best_by_interval(arms: Arms, objective: Objective) -> list[str]:

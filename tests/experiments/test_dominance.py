@@ -90,3 +90,19 @@ def test_a_missing_value_is_not_a_difference():
     arms = {"a": ARMS["a"], "gap": _arm("gap", [4.0, 4.1, 4.2], [math.nan, math.nan, math.nan])}
     comparison = compare_arms(arms, "a", "gap")
     assert comparison.sides[1] == TIED and not comparison.diffs[1].is_defined
+
+
+def test_arms_on_their_own_workload_are_left_out_of_the_comparison():
+    from experiments.dominance import comparable
+
+    def on(rows: list[dict], **config) -> list[dict]:
+        return [{**r, "_config": {**r["_config"], **config}} for r in rows]
+
+    quick = {"workload": {"duration_s": 60}, "cache": {"num_blocks": 1000}, "scheduler": {"max_num_seqs": 16}}
+    arms = {
+        "a": on(ARMS["a"], **quick, scheduler={"max_num_seqs": 16, "policy": "vllm_fcfs"}),
+        "b": on(ARMS["b"], **quick, scheduler={"max_num_seqs": 16, "policy": "priority_score"}),
+        "tiny": on(ARMS["c"], workload={"duration_s": 30}, cache={"num_blocks": 300}),
+    }
+    assert list(comparable(arms)) == ["a", "b"]  # the policy may differ; the requests may not
+    assert "tiny" not in where_to_run([("point", arms)], design_arms=("b",))
