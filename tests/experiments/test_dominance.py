@@ -98,7 +98,7 @@ def test_arms_on_their_own_workload_are_left_out_of_the_comparison():
     def on(rows: list[dict], **config) -> list[dict]:
         return [{**r, "_config": {**r["_config"], **config}} for r in rows]
 
-    quick = {"workload": {"duration_s": 60}, "cache": {"num_blocks": 1000}, "scheduler": {"max_num_seqs": 16}}
+    quick = {"workload": {"duration_s": 60}, "cache": {"num_blocks": 1000}}
     arms = {
         "a": on(ARMS["a"], **quick, scheduler={"max_num_seqs": 16, "policy": "vllm_fcfs"}),
         "b": on(ARMS["b"], **quick, scheduler={"max_num_seqs": 16, "policy": "priority_score"}),
