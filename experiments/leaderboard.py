@@ -4,7 +4,7 @@ the "what to run where" table that summarises them.
 Owns: rendering what experiments.dominance decides -- per point a table of every arm's
 goodput, SLO attainment per class, TTFT/TPOT p50/p99 per class, preemptions and KV moved
 (means with 95% intervals over seeds, from summary.csv), which arms dominate it (paired
-intervals on goodput and the top class's TTFT p99), and a Pareto plot (goodput against the
+intervals on experiments.dominance.OBJECTIVES), and a Pareto plot (goodput against the
 top class's TTFT p99; SLO attainment against KV moved) with dominated arms hollow; and the
 one-screen table of, per regime, the best policy by interval and the design's distance to
 it. Everything comes from results.csv / summary.csv.
@@ -71,15 +71,15 @@ def best_by_interval(arms: Arms, objective: Objective) -> list[str]:
 
 
 def distance(arms: Arms, arm: str, to: str, objective: Objective) -> str:
-    """`arm` - `to` on `objective`, paired by seed, as `diff [lo, hi]` (`=` for itself)."""
+    """`arm` - `to` on `objective`, paired by seed: `+0.12 (tied)`, `-0.35 (worse)` (the
+    interval excludes 0 on the objective's bad side), or `best` for the best arm itself."""
     if arm == to:
         return "best"
     comparison = compare_arms(arms, arm, to, (objective,))
     if comparison is None:
         return "–"
     diff, where = comparison.diffs[0], comparison.sides[0]
-    mark = {BETTER: "", WORSE: " (worse)"}.get(where, " (tied)")
-    return diff.format(3) + mark
+    return f"{diff.mean:+.3g} ({'worse' if where == WORSE else 'better' if where == BETTER else 'tied'})"
 
 
 def _summary_rows(points: list[dict[str, Any]] | None, arms: Arms) -> dict[str, dict[str, Any]]:
@@ -131,7 +131,7 @@ def pareto_plot(
     arms: Arms, points: list[dict[str, Any]] | None, path: Path, title: str, highlight: Sequence[str] = ()
 ) -> Path | None:
     """Two panels: goodput against the top class's TTFT p99, and SLO attainment against KV
-    moved; 95% error bars over seeds; dominated arms (on goodput and top-class TTFT p99)
+    moved; 95% error bars over seeds; dominated arms (experiments.dominance.OBJECTIVES)
     hollow and grey, the front filled and labelled. None without summary rows."""
     summary = _summary_rows(points, arms)
     names = [n for n in _ok_arms(arms) if n in summary]
@@ -196,7 +196,7 @@ def where_to_run(
     intervals cannot tell from it), and each design arm's distance to that best."""
     present = [d for d in design_arms if any(d in arms for _, arms in regimes)]
     head = ["regime", "front (not dominated)"] + [f"best {o.label}" for o in objectives]
-    head += [f"`{d}` vs best {o.label}" for d in present for o in objectives]
+    head += [f"`{d}` - best, per objective" for d in present]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for label, arms in regimes:
         names = _ok_arms(arms)
@@ -207,12 +207,14 @@ def where_to_run(
         cells = [label, _names(front)]
         bests = [best_by_interval(arms, o) for o in objectives]
         for best in bests:
-            cells.append(
-                f"`{best[0]}`" + (f" (tied: {_names(best[1:])})" if len(best) > 1 else "") if best else "–"
-            )
+            tied = f" (tied: {_names(best[1:])})" if len(best) > 1 else ""
+            cells.append(f"`{best[0]}`{tied}" if best else "–")
         for d in present:
-            for objective, best in zip(objectives, bests, strict=True):
-                cells.append(distance(arms, d, best[0], objective) if d in arms and best else "–")
+            parts = [
+                distance(arms, d, best[0], objective) if d in arms and best else "–"
+                for objective, best in zip(objectives, bests, strict=True)
+            ]
+            cells.append("; ".join(parts))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -20,6 +20,7 @@ def _arm(name: str, goodput: list[float], ttft: list[float], seeds: list[int] | 
             "goodput_req_s": g,
             "sla0_ttft_p99_s": t * 3,
             "sla2_ttft_p99_s": t,
+            "sla2_slo_attainment": 0.9,  # the same everywhere: a tie unless a test says otherwise
         }
         for seed, g, t in zip(seeds, goodput, ttft, strict=True)
     ]
@@ -29,7 +30,7 @@ def _summary(arms: dict[str, list[dict]]) -> list[dict[str, Any]]:
     rows = []
     for name, runs in arms.items():
         row: dict[str, Any] = {"arm": name, "num_seeds": len(runs)}
-        for key in ("goodput_req_s", "sla2_ttft_p99_s", "sla0_ttft_p99_s"):
+        for key in ("goodput_req_s", "sla2_ttft_p99_s", "sla0_ttft_p99_s", "sla2_slo_attainment"):
             values = [r[key] for r in runs]
             row[key] = sum(values) / len(values)
             row[f"{key}_lo"], row[f"{key}_hi"] = min(values), max(values)
@@ -53,9 +54,17 @@ def test_pairs_only_the_seeds_every_arm_ran():
 
 def test_sides_follow_each_objectives_direction():
     comparison = compare_arms(ARMS, "a", "b")
-    assert comparison.sides == (BETTER, BETTER) and comparison.dominates
+    assert comparison.sides == (BETTER, BETTER, TIED) and comparison.dominates
     comparison = compare_arms(ARMS, "c", "a")
-    assert comparison.sides == (WORSE, BETTER) and not comparison.dominates and not comparison.dominated
+    assert comparison.sides == (WORSE, BETTER, TIED) and not comparison.dominates and not comparison.dominated
+
+
+def test_the_top_class_attainment_can_save_an_arm_from_dominance():
+    # fast admits the top class sooner (TTFT) but misses its SLO more (TPOT): not dominant.
+    fast = [{**r, "sla2_slo_attainment": 0.5} for r in _arm("fast", [5.0, 5.2, 5.1], [0.5, 0.6, 0.4])]
+    arms = {"a": ARMS["a"], "fast": fast}
+    assert compare_arms(arms, "fast", "a").sides == (TIED, BETTER, WORSE)
+    assert dominators(arms, ["a", "fast"]) == {"a": [], "fast": []}
 
 
 def test_the_front_is_who_nobody_dominates():
@@ -64,12 +73,12 @@ def test_the_front_is_who_nobody_dominates():
 
 def test_noise_is_a_tie_not_a_win():
     noisy = {"a": ARMS["a"], "n": _arm("n", [3.0, 7.0, 5.5], [0.2, 2.0, 1.0])}
-    assert compare_arms(noisy, "n", "a").sides == (TIED, TIED)
+    assert compare_arms(noisy, "n", "a").sides == (TIED, TIED, TIED)
     assert dominators(noisy, ["a", "n"]) == {"a": [], "n": []}
 
 
 def test_best_by_interval_lists_the_ties():
-    goodput, ttft = OBJECTIVES
+    goodput, ttft, _ = OBJECTIVES
     assert best_by_interval(ARMS, goodput) == ["a"]
     tied = {**ARMS, "a2": _arm("a2", [5.3, 4.9, 5.0], [1.0, 1.0, 1.0])}
     assert best_by_interval(tied, goodput) == ["a", "a2"]
