@@ -418,9 +418,8 @@ class EarlySaveConfig(_Section):
     None: the threshold stays fixed."""
     waste_cap_gain: float = Field(0.2, gt=0)
     """`waste_cap`: logit units the threshold moves per step in which early copies were
-    claimed or wasted, per unit of error in the recent waste share. 0.2 was chosen on dev
-    windows (azure-conv [1200, 1600) s; docs/archive/predictor-history.md): 0.02-0.1 followed a shift too
-    slowly, 0.4 overshot and hid less."""
+    claimed or wasted, per unit of error in the recent waste share (the default's choice on
+    dev windows: docs/archive/predictor-history.md)."""
     oracle_log: str | None = None
     """`oracle`: preemptions.parquet of a run with the same config and early_save none."""
     horizon_ms: float = Field(50.0, gt=0)
