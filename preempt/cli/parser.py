@@ -46,6 +46,14 @@ def _share(text: str) -> float:
     return value
 
 
+def _add_wandb_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--wandb",
+        choices=("online", "offline", "disabled"),
+        help="default: online if WANDB_API_KEY is set, else offline (never blocks on the network)",
+    )
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -90,11 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=_positive_int, help="rows per batch, whole histories (1024)")
     train.add_argument("--lr", type=float, help="Adam learning rate (1e-2)")
     train.add_argument("--seed", type=int, help="seeds the split, the weights and the shuffle (0)")
-    train.add_argument(
-        "--wandb",
-        choices=("online", "offline", "disabled"),
-        help="default: online if WANDB_API_KEY is set, else offline (never blocks on the network)",
-    )
+    _add_wandb_flag(train)
     train.add_argument("--num-threads", type=_positive_int, help="torch threads (1)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--accelerator", help="Lightning accelerator: cpu (default), gpu, auto")
@@ -154,11 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     lm_train.add_argument("--max-minutes", type=float, help="wall-clock cap (15)")
     lm_train.add_argument("--lr", type=float, help="peak AdamW learning rate (3e-3)")
     lm_train.add_argument("--seed", type=int, help="seeds the weights and the windows (0)")
-    lm_train.add_argument(
-        "--wandb",
-        choices=("online", "offline", "disabled"),
-        help="default: online if WANDB_API_KEY is set, else offline (never blocks on the network)",
-    )
+    _add_wandb_flag(lm_train)
     lm_train.add_argument("--num-threads", type=_positive_int, help="torch threads (default: torch's)")
     lm_train.add_argument("--force", action="store_true", help="retrain even when cached")
     lm_train.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -290,11 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     ablate = sub.add_parser("ablate", help="run an ablation matrix (experiments/configs/*.yaml)")
     ablate.add_argument("--config", type=Path, required=True, help="e.g. experiments/configs/quick.yaml")
     ablate.add_argument("--out", type=Path, required=True, help="writes results.csv, results.md, plots/")
-    ablate.add_argument(
-        "--wandb",
-        choices=("online", "offline", "disabled"),
-        help="default: online if WANDB_API_KEY is set, else offline (never blocks on the network)",
-    )
+    _add_wandb_flag(ablate)
     ablate.add_argument("--jobs", type=_positive_int, help="arms run at once (default: min(cores, arms))")
     ablate.add_argument("--predictor", help="predictor.ckpt for early_lstm arms (else they are skipped)")
     ablate.add_argument("--arms", help="run only these arms (comma-separated)")
@@ -371,11 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the trials' runs as tasks on this Ray cluster (e.g. ray://head:10001 or auto); "
         "default: Ray on this machine with --jobs CPUs (one job: in this process)",
     )
-    tune.add_argument(
-        "--wandb",
-        choices=("online", "offline", "disabled"),
-        help="default: online if WANDB_API_KEY is set, else offline (never blocks on the network)",
-    )
+    _add_wandb_flag(tune)
     tune.add_argument(
         "--resume",
         action="store_true",
