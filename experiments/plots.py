@@ -304,19 +304,24 @@ def sweep_lines(
     arms = list(dict.fromkeys(p["arm"] for p in points))
     fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
     for ax, (metric, label) in zip(axes[0], metrics, strict=True):
+        drawn = False
         for arm, style in zip(arms, _styles(len(arms)), strict=True):
             rows = sorted(
-                (p for p in points if p["arm"] == arm and metric in p), key=lambda p: position(p[axis])
+                (p for p in points if p["arm"] == arm and _finite([p.get(metric)])),
+                key=lambda p: position(p[axis]),
             )
             if not rows:
                 continue
+            drawn = True
             x = np.array([position(r[axis]) for r in rows])
             y = np.array([float(r[metric]) for r in rows])
             lo = np.array([float(r.get(f"{metric}_lo", math.nan)) for r in rows])
             hi = np.array([float(r.get(f"{metric}_hi", math.nan)) for r in rows])
             ax.plot(x, y, marker="o", markersize=3, label=arm, **style)
             ax.fill_between(x, lo, hi, color=style["color"], alpha=0.15, linewidth=0)
-        if categories is not None:
+        if not drawn:  # no run of any arm finished here (e.g. a dead Ray worker): say so
+            ax.text(0.5, 0.5, "no finished run", ha="center", va="center", transform=ax.transAxes)
+        elif categories is not None:
             ax.set_xticks(range(len(categories)), categories, fontsize=8)
         else:
             xs = [float(p[axis]) for p in points if axis in p]
@@ -325,7 +330,8 @@ def sweep_lines(
         ax.set_xlabel(axis)
         ax.set_title(label, fontsize=9)
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    if axes[0][-1].get_legend_handles_labels()[0]:
+        axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.suptitle(title)
     return _save(fig, path)
 

@@ -146,3 +146,15 @@ def test_without_seeds_one_run_per_arm_and_no_error_bars(tmp_path):
     for lines in recorded["ttft_cdf.png"]["lines"]:
         assert len(lines) == len(ARMS)
     assert "seed" not in recorded["ttft_cdf.png"]["title"]
+
+
+def test_a_sweep_panel_where_no_run_finished_is_drawn_empty(tmp_path):
+    """A point whose runs all failed (a dead Ray worker) leaves NaN means: the panel says so
+    instead of failing the log-scaled axis (and the whole ablation with it)."""
+    import math
+
+    from experiments.plots import sweep_lines
+
+    points = [{"arm": "a", "link_gb_s": x, "goodput_req_s": math.nan} for x in (6.25, 25.0, 50.0)]
+    path = sweep_lines(points, "link_gb_s", [("goodput_req_s", "goodput")], tmp_path / "p.png", "t")
+    assert path.is_file()
