@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from experiments.dominance import (
     BETTER,
@@ -82,19 +82,28 @@ def distance(arms: Arms, arm: str, to: str, objective: Objective) -> str:
     return f"{diff.mean:+.3g} ({'worse' if where == WORSE else 'better' if where == BETTER else 'tied'})"
 
 
-def _summary_rows(points: list[dict[str, Any]] | None, arms: Arms) -> dict[str, dict[str, Any]]:
-    """arm -> its summary row (mean, _lo, _hi over seeds)."""
-    return {row["arm"]: row for row in points or [] if row["arm"] in arms}
+class Ranking(NamedTuple):
+    """One point's arms as the leaderboard shows them: their summary rows, the arms best
+    goodput first, and who dominates each (computed once, for the tables and the plot)."""
+
+    summary: dict[str, dict[str, Any]]
+    names: list[str]
+    beaten: dict[str, list[str]]
 
 
-def point_tables(arms: Arms, points: list[dict[str, Any]] | None) -> str:
-    """The leaderboard of one point: an overall table and a per-class table, arms by goodput."""
-    summary = _summary_rows(points, arms)
-    if not summary:
-        return "(no summary.csv: run the sweep with seeds)"
+def rank(arms: Arms, points: list[dict[str, Any]] | None) -> Ranking:
+    """The point's Ranking from its results rows (`arms`) and summary rows (`points`)."""
+    summary = {row["arm"]: row for row in points or [] if row["arm"] in arms}
     names = [n for n in _ok_arms(arms) if n in summary]
     names.sort(key=lambda n: -float(summary[n].get("goodput_req_s", math.nan) or 0.0))
-    beaten = dominators(arms, names)
+    return Ranking(summary, names, dominators(arms, names))
+
+
+def point_tables(ranking: Ranking) -> str:
+    """The leaderboard of one point: an overall table and a per-class table, arms by goodput."""
+    summary, names, beaten = ranking
+    if not names:
+        return "(no summary.csv: run the sweep with seeds)"
     top = top_level([summary[n] for n in names])
     levels = sla_levels([summary[n] for n in names])
     head = ["arm", "goodput req/s", "SLO att."] + [f"L{lv} att." for lv in levels]
@@ -127,20 +136,16 @@ def point_tables(arms: Arms, points: list[dict[str, Any]] | None) -> str:
     return "\n".join(lines)
 
 
-def pareto_plot(
-    arms: Arms, points: list[dict[str, Any]] | None, path: Path, title: str, highlight: Sequence[str] = ()
-) -> Path | None:
+def pareto_plot(ranking: Ranking, path: Path, title: str, highlight: Sequence[str] = ()) -> Path | None:
     """Two panels: goodput against the top class's TTFT p99, and SLO attainment against KV
     moved; 95% error bars over seeds; dominated arms (experiments.dominance.OBJECTIVES)
     hollow and grey, the front filled and labelled. None without summary rows."""
-    summary = _summary_rows(points, arms)
-    names = [n for n in _ok_arms(arms) if n in summary]
+    summary, names, beaten = ranking
     if not names:
         return None
     from experiments.plots import _pyplot, _save
 
     plt = _pyplot()
-    beaten = dominators(arms, names)
     top = top_level([summary[n] for n in names])
     panels = (
         (f"sla{top}_ttft_p99_s", "goodput_req_s", f"level-{top} TTFT p99 s (log)", "goodput req/s", "log"),
@@ -230,8 +235,9 @@ def leaderboard_markdown(
     for label, arms, points in sections:
         lines += [f"## {label}", ""]
         slug = "".join(c if c.isalnum() or c in "-_=." else "-" for c in label).strip("-")
-        plot = pareto_plot(arms, points, images_dir / f"pareto-{slug}.png", label, design_arms)
+        ranking = rank(arms, points)
+        plot = pareto_plot(ranking, images_dir / f"pareto-{slug}.png", label, design_arms)
         if plot is not None:
             lines += [f"![pareto {label}]({plot.relative_to(link_base)})", ""]
-        lines += [point_tables(arms, points), ""]
+        lines += [point_tables(ranking), ""]
     return "\n".join(lines)

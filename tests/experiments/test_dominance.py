@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from experiments.dominance import BETTER, OBJECTIVES, TIED, WORSE, compare_arms, dominators, paired
-from experiments.leaderboard import best_by_interval, pareto_plot, point_tables, where_to_run
+from experiments.leaderboard import best_by_interval, pareto_plot, point_tables, rank, where_to_run
 
 
 def _arm(name: str, goodput: list[float], ttft: list[float], seeds: list[int] | None = None) -> list[dict]:
@@ -88,11 +88,11 @@ def test_best_by_interval_lists_the_ties():
 def test_where_to_run_and_the_point_tables(tmp_path):
     table = where_to_run([("point", ARMS)], design_arms=("b",))
     assert "| point | `a`, `c` | `a` | `c` |" in table and "(worse)" in table
-    text = point_tables(ARMS, _summary(ARMS))
+    text = point_tables(rank(ARMS, _summary(ARMS)))
     assert "**front**" in text and "| `b` |" in text and "`a`" in text.split("| `b` |")[1].split("\n")[0]
-    path = pareto_plot(ARMS, _summary(ARMS), tmp_path / "pareto.png", "point")
+    path = pareto_plot(rank(ARMS, _summary(ARMS)), tmp_path / "pareto.png", "point")
     assert path.is_file() and path.stat().st_size > 1000
-    assert pareto_plot(ARMS, None, tmp_path / "none.png", "point") is None
+    assert pareto_plot(rank(ARMS, None), tmp_path / "none.png", "point") is None
 
 
 def test_a_missing_value_is_not_a_difference():
