@@ -84,7 +84,7 @@ test: $(STAMP) $(PEER_PREEMPT)
 	PREEMPT_REQUIRE_PEER=1 PREEMPT_REQUIRE_LOADGEN=1 $(BIN)/python -m pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check preempt predictor kernels experiments tests
+	$(BIN)/ruff check preempt predictor experiments tests
 
 bench: $(STAMP)
 	$(BIN)/preempt bench engine --json

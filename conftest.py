@@ -2,7 +2,7 @@
 
 Triton fixes compiled vs interpreted when a `@triton.jit` function is defined, so the
 interpreter setting must be in the environment before the first `import triton` (a test
-module importing `kernels.*` or `preempt.kv`). On a machine without CUDA the kernels can
+module importing `preempt.kernels.*` or `preempt.kv`). On a machine without CUDA the kernels can
 only run under the interpreter: set it here, where every import sees it, whatever the
 order pytest collects in. With CUDA it is left unset, so the `gpu` tests compile.
 wandb and `datasets` are kept off the network the same way (a user's setting wins).

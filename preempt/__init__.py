@@ -9,7 +9,8 @@ Subpackages by role, bottom to top; each imports only the layers below it
 (tests/test_architecture.py keeps this true):
 
     core/          requests, KV blocks, the config, clocks, the cost model, workloads
-    model/         the tiny Llama with paged attention (kernels/ beside it: Triton + refs)
+    model/         the tiny Llama with paged attention
+    kernels/       Triton kernels + torch references (beside model/, the same layer)
     kv/            where a preempted request's KV goes: record, saver, codec, host pool
     engine/        who runs and who is preempted (scheduler, policies), early saves,
                    prefetch, the step

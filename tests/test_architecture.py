@@ -1,7 +1,7 @@
 """The import graph keeps its layers: no import circle, and every import points down.
 
 The graph is read from the source (ast), not by importing: every `import` / `from ...
-import` of preempt/, predictor/, kernels/ and experiments/ is an edge, marked `top`
+import` of preempt/, predictor/ and experiments/ is an edge, marked `top`
 (runs at import), `function` (inside a function: runs when called) or `type` (under
 `if TYPE_CHECKING:`, never runs). All three count: a lazy or type-only import still
 makes the lower module know the upper one.
@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ROOTS = ("preempt", "predictor", "kernels", "experiments")
+ROOTS = ("preempt", "predictor", "experiments")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("preempt.core",),  # requests, blocks, config, clocks, cost model, workloads
-    ("kernels", "preempt.model"),  # Triton kernels + references; the tiny model
+    ("preempt.kernels", "preempt.model"),  # Triton kernels + references; the tiny model
     ("preempt.kv",),  # where a preempted request's KV goes and how it comes back
     ("preempt.engine",),  # scheduler, policies, early saves, prefetch, the step
     ("preempt.obs",),  # results files, metrics, the predictor's dataset, wandb seam

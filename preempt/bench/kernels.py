@@ -27,10 +27,10 @@ H200_HBM_TB_S = 4.8
 def bench_kernels(quick: bool, hbm_tb_s: float = H200_HBM_TB_S) -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"skipped": "needs a CUDA device (kernels are checked on CPU by the TRITON_INTERPRET tests)"}
-    from kernels.gather_blocks import gather_blocks
-    from kernels.plan import HeadPlan
-    from kernels.quantize_heads import gather_quantize_heads
-    from kernels.restore_blocks import restore_blocks
+    from preempt.kernels.gather_blocks import gather_blocks
+    from preempt.kernels.plan import HeadPlan
+    from preempt.kernels.quantize_heads import gather_quantize_heads
+    from preempt.kernels.restore_blocks import restore_blocks
 
     num_layers, num_heads, head_dim, block_size = 32, 8, 128, 16
     num_tokens = 2048 if quick else 8192

@@ -3,7 +3,7 @@
 Owns: re-pointing one request's row of the block table (logical block j -> physical
 block id). Switching requests in or out of the batch only rewrites such rows; no KV data
 moves. This is the torch/numpy reference of the article's `update_block_table` kernel (the
-Triton version lives in `kernels/`); it decides nothing about which blocks a request
+Triton version lives in `preempt/kernels/`); it decides nothing about which blocks a request
 owns (the block pool and scheduler do).
 """
 

@@ -32,7 +32,7 @@ from preempt.kv.segment import SavedCopy, Segment, blob_bound, resolve
 
 def head_plan_for(config: PreemptionConfig, num_layers: int, num_kv_heads: int, seed: int):
     """The `swap_mixed` head plan of a model with this many layers and KV heads."""
-    from kernels.plan import HeadPlan
+    from preempt.kernels.plan import HeadPlan
 
     name = config.head_plan
     if name == "fp16":
@@ -56,7 +56,7 @@ def plan_size_ratio(plan) -> float:
     if not plan.is_legacy:
         # KIVI / per-token classes cost depends on the length and head_dim: price them at a
         # nominal 1024-token request of 128-wide heads (Llama-3-8B's), scales included.
-        from kernels.plan import size_vs_fp16
+        from preempt.kernels.plan import size_vs_fp16
 
         return size_vs_fp16(plan, 1024, 128)
     total = plan.num_layers * plan.num_kv_heads
@@ -137,7 +137,7 @@ class BlobStore:
         num_blocks = blocks_needed(num_tokens, self.block_size)
         segment.nbytes_raw = self.raw_bytes(num_tokens)
         if segment.codec == "mixed":
-            from kernels.quantize_heads import gather_quantize_heads
+            from preempt.kernels.quantize_heads import gather_quantize_heads
 
             quantized = gather_quantize_heads(self.kv_cache.kv, block_ids[:num_blocks], num_tokens, self.plan)
             quantized = quantized.to("cpu")
@@ -255,7 +255,7 @@ class BlobStore:
     def _load_mixed(
         self, block_ids: list[int], handle: SlotHandle, segment: Segment, dropped: np.ndarray
     ) -> bool:
-        from kernels.restore_blocks import restore_blocks
+        from preempt.kernels.restore_blocks import restore_blocks
 
         kv_cache = self.kv_cache
         try:

@@ -338,7 +338,7 @@ class MixedCodec(Codec):
     at the cache's dtype (bit-exact), as float8 E4M3 with one scale per (head, K or V), or
     drops it (restored as zeros; attention masks it for the rest of the request).
 
-    The quantization itself runs where the KV lives (`kernels.quantize_heads`: Triton on
+    The quantization itself runs where the KV lives (`preempt.kernels.quantize_heads`: Triton on
     CUDA, fused with the block gather, before the PCIe copy; the torch reference on CPU);
     this codec only packs a `QuantizedKV` into a blob and back (`encode_quantized`,
     `decode_quantized`). `encode`/`decode` of a dense tensor are there for the Codec
@@ -350,10 +350,10 @@ class MixedCodec(Codec):
     codes fix every section's size, so a payload of any other length is refused. With
     `zstd=True` the payload is zstd-compressed, the kept section byte-shuffled first.
 
-    A plan with the newer classes (FP8_TOKEN, KIVI4, KIVI2: kernels/plan.py) or non-default
+    A plan with the newer classes (FP8_TOKEN, KIVI4, KIVI2: preempt/kernels/plan.py) or non-default
     KIVI parameters sets FLAG_FORMATS: the payload then starts with (group_size, num_sink,
     num_recent) as three u32, and after the FP8 heads come the `QuantizedKV.extra` rows of
-    each newer class in code order (sizes from `kernels.plan.head_bytes`). Legacy plans
+    each newer class in code order (sizes from `preempt.kernels.plan.head_bytes`). Legacy plans
     write exactly the old layout.
     """
 
@@ -370,7 +370,7 @@ class MixedCodec(Codec):
         return f"MixedCodec(plan={self.plan.source if self.plan else None!r}, zstd={self.zstd})"
 
     def encode_parts(self, kv: torch.Tensor) -> list[bytes | np.ndarray]:
-        from kernels.quantize_heads import quantize_heads
+        from preempt.kernels.quantize_heads import quantize_heads
 
         if self.plan is None:
             raise ValueError("MixedCodec.encode needs a head plan: MixedCodec(plan=...)")
@@ -405,8 +405,8 @@ class MixedCodec(Codec):
     def decode_quantized(self, blob: bytes | bytearray | memoryview | np.ndarray) -> Any:
         """Blob -> `QuantizedKV` on the CPU (the plan comes from the blob). Raises
         CorruptBlobError on any inconsistency."""
-        from kernels.plan import EXTRA_CLASSES, HeadPlan, head_bytes
-        from kernels.quantize_heads import QuantizedKV
+        from preempt.kernels.plan import EXTRA_CLASSES, HeadPlan, head_bytes
+        from preempt.kernels.quantize_heads import QuantizedKV
 
         header, payload = unpack_blob(blob, self.codec_id)
         if header.flags & ~(FLAG_ZSTD | FLAG_FORMATS):
@@ -480,7 +480,7 @@ class MixedCodec(Codec):
         return QuantizedKV(plan, num_tokens, head_dim, header.dtype, kept, fp8, scales, extra)
 
     def decode(self, blob: bytes | bytearray | memoryview | np.ndarray) -> torch.Tensor:
-        from kernels.restore_blocks import dequantize_heads_ref
+        from preempt.kernels.restore_blocks import dequantize_heads_ref
 
         return dequantize_heads_ref(self.decode_quantized(blob))
 

@@ -3,7 +3,7 @@ yields for the mixed-precision save (docs/design.md §9): `preempt importance --
 
 Owns: the importance scores, the query-head -> KV-head reduction, the gates that mask
 whole KV heads, the masking comparison that checks the scores mean something, and the
-files: the plan (`kernels.plan.HeadPlan`, JSON) and its scores next to it
+files: the plan (`preempt.kernels.plan.HeadPlan`, JSON) and its scores next to it
 (`<plan stem>.scores.json`: the plan file format has no room for them).
 
 Method. A gate xi_h = 1 multiplies each query head's attention output (`head_gates`);
@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels.plan import HeadPlan
+from preempt.kernels.plan import HeadPlan
 from preempt.lm import evaluate, next_byte_loss
 from preempt.model.tiny import TinyLM
 
@@ -394,8 +394,8 @@ def _forward_with_prefix(
 def restore_through_codec(kv: torch.Tensor, plan: HeadPlan) -> torch.Tensor:
     """(L, 2, T, H, D) -> the same KV after a save and restore under `plan` (dropped heads
     zero): the codec's own quantize and dequantize, so the scores price the real format."""
-    from kernels.quantize_heads import quantize_heads_ref
-    from kernels.restore_blocks import dequantize_heads_ref
+    from preempt.kernels.quantize_heads import quantize_heads_ref
+    from preempt.kernels.restore_blocks import dequantize_heads_ref
 
     return dequantize_heads_ref(quantize_heads_ref(kv.contiguous(), plan))
 
@@ -412,7 +412,7 @@ def prefix_sensitivity(
     """class label -> (L, Hkv) mean KL (nats) of the next-token distributions after a
     restored prefix of `prefix_len` tokens with only that head at that class. The last
     `warmup_tokens` of the prefix are recomputed exactly, as the engine's restore does."""
-    from kernels.plan import HeadClass
+    from preempt.kernels.plan import HeadClass
 
     cfg = model.cfg
     clean, kl = _restored_prefix_kl(model, windows, prefix_len, warmup_tokens)
@@ -468,7 +468,7 @@ def key_value_split(
     prefix with every head at that class, but only its keys (values exact), only its
     values, or both quantized. Says which half of the KV carries a class's loss (for KIVI:
     the per-channel keys, which enter a softmax; docs/codec.md)."""
-    from kernels.plan import HeadClass
+    from preempt.kernels.plan import HeadClass
 
     cfg = model.cfg
     clean, kl = _restored_prefix_kl(model, windows, prefix_len, warmup_tokens)
@@ -491,7 +491,7 @@ def key_value_split(
 
 def class_sizes(classes: tuple[str, ...], prefix_len: int, head_dim: int, params) -> dict[str, float]:
     """class label -> one head's stored bytes over its 16-bit bytes for a `prefix_len` request."""
-    from kernels.plan import HeadClass, head_bytes
+    from preempt.kernels.plan import HeadClass, head_bytes
 
     fp16 = 2 * prefix_len * head_dim * 2
     return {c: head_bytes(HeadClass[c.upper()], prefix_len, head_dim, 2, params) / fp16 for c in classes}
@@ -511,7 +511,7 @@ def plan_for_budget(
     solved exactly by dynamic programming over sizes rounded up to 1/`resolution` of a
     head. The scores are additive to first order (`preempt bench codec --model`: per-head
     FP8 KLs sum to 0.00203, all heads at FP8 at once give 0.00204; docs/codec.md)."""
-    from kernels.plan import HeadClass
+    from preempt.kernels.plan import HeadClass
 
     labels = ["fp16", *scores]
     table = np.stack([np.zeros_like(next(iter(scores.values()))), *scores.values()])  # (C, L, H)
@@ -548,7 +548,7 @@ def place_by_rank(plan: HeadPlan, importance: np.ndarray, sizes: dict[str, float
     labels = sorted((c.label for row in plan.classes for c in row), key=lambda c: sizes.get(c, 1.0))
     order = np.argsort(np.asarray(importance, float).reshape(-1), kind="stable")  # least first
     codes = np.zeros(len(labels), dtype=np.int64)
-    from kernels.plan import HeadClass
+    from preempt.kernels.plan import HeadClass
 
     for rank, head in enumerate(order):
         codes[head] = int(HeadClass[labels[rank].upper()])

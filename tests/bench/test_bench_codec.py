@@ -44,7 +44,7 @@ def test_codec_bench_reports_every_plan_and_lossless_fp16_changes_nothing():
 def test_budget_plan_tiles_over_a_served_models_heads_with_its_class_shares():
     import numpy as np
 
-    from kernels.plan import HeadPlan
+    from preempt.kernels.plan import HeadPlan
     from preempt.bench.codec import _tile_plan
 
     codes = np.array([[4, 6, 6, 7], [4, 4, 8, 6], [6, 7, 4, 6], [7, 4, 6, 7]])

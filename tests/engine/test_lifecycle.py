@@ -100,7 +100,7 @@ def _our_cyclic_garbage() -> list[str]:
         module = type(obj).__module__
         if isinstance(obj, types.FunctionType):
             module = obj.__module__ or ""
-        if module.startswith(("preempt", "kernels", "concurrent.futures")):
+        if module.startswith(("preempt", "concurrent.futures")):
             found.append(f"{module}.{type(obj).__qualname__}")
     gc.garbage.clear()
     return found

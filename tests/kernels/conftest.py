@@ -2,7 +2,7 @@
 
 The root conftest.py sets TRITON_INTERPRET=1 on a machine without CUDA before anything
 imports triton; on a CUDA machine it is left unset, so the `gpu` tests run compiled
-kernels and the interpreter tests skip. `kernels.dispatch.launchable` also re-makes a
+kernels and the interpreter tests skip. `preempt.kernels.dispatch.launchable` also re-makes a
 kernel (and its helpers) compiled before the variable was set, so a run that sets it late
 works too (tests/kernels/test_dispatch.py).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.dispatch import interpreter_enabled
+from preempt.kernels.dispatch import interpreter_enabled
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.block_table import update_block_table, update_block_table_ref, update_block_table_rows
+from preempt.kernels.block_table import update_block_table, update_block_table_ref, update_block_table_rows
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])

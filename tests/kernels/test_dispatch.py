@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import dispatch
+from preempt.kernels import dispatch
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -58,10 +58,10 @@ def test_every_kernel_works_after_an_import_before_the_interpreter_was_set():
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
-    modules = sorted(p.stem for p in (here.parents[1] / "kernels").glob("*.py") if p.stem != "__init__")
+    modules = sorted(p.stem for p in (here.parents[1] / "preempt" / "kernels").glob("*.py") if p.stem != "__init__")
     script = (
         "import os, sys, pytest\n"
-        + "".join(f"import kernels.{name}\n" for name in modules)
+        + "".join(f"import preempt.kernels.{name}\n" for name in modules)
         + "os.environ['TRITON_INTERPRET'] = '1'\n"
         + f"args = ['-q', '-p', 'no:cacheprovider', '{here}', '--ignore', '{here / 'test_dispatch.py'}']\n"
         + "sys.exit(pytest.main(args))\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gather_blocks import gather_blocks, gather_blocks_batch, gather_blocks_ref
+from preempt.kernels.gather_blocks import gather_blocks, gather_blocks_batch, gather_blocks_ref
 from tests.kernels.conftest import assert_bits_equal, random_cache
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.fp8_token import dequantize_fp8_token_ref, quantize_fp8_token, quantize_fp8_token_ref
-from kernels.kivi import dequantize_kivi_ref, quantize_kivi, quantize_kivi_ref
-from kernels.kivi_ref import _pack, _unpack
-from kernels.plan import KIVI_BITS, HeadClass, HeadPlan, kivi_layout, stored_bytes
-from kernels.quantize_heads import gather_quantize_heads, quantize_heads
-from kernels.restore_blocks import dequantize_heads_ref, restore_blocks
+from preempt.kernels.fp8_token import dequantize_fp8_token_ref, quantize_fp8_token, quantize_fp8_token_ref
+from preempt.kernels.kivi import dequantize_kivi_ref, quantize_kivi, quantize_kivi_ref
+from preempt.kernels.kivi_ref import _pack, _unpack
+from preempt.kernels.plan import KIVI_BITS, HeadClass, HeadPlan, kivi_layout, stored_bytes
+from preempt.kernels.quantize_heads import gather_quantize_heads, quantize_heads
+from preempt.kernels.restore_blocks import dequantize_heads_ref, restore_blocks
 from tests.kernels.conftest import assert_bits_equal
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -123,7 +123,7 @@ def test_mixed_plan_of_every_class_restores_through_paged_blocks(interp):
 
 
 def _gathered(cache, block_ids, num_tokens):
-    from kernels.gather_blocks import gather_blocks_ref
+    from preempt.kernels.gather_blocks import gather_blocks_ref
 
     return gather_blocks_ref(cache, block_ids, num_tokens)
 
@@ -141,8 +141,8 @@ def test_batched_kivi_equals_the_per_class_reference(monkeypatch, dtype, shape, 
     key group, each quantized in chunks of one group (True), or into spans of two groups
     quantized at once ("spans"): a served model's long request takes that path; and one
     class's heads in shuffled slot order (its rows of a block are then not consecutive)."""
-    import kernels.kivi_batched as kivi_batched
-    from kernels.kivi import KiviClass, quantize_kivi_kv
+    import preempt.kernels.kivi_batched as kivi_batched
+    from preempt.kernels.kivi import KiviClass, quantize_kivi_kv
 
     num_layers, num_tokens, num_heads, head_dim = shape
     if blocks is True:
@@ -173,8 +173,8 @@ def test_batched_kivi_equals_the_per_class_reference(monkeypatch, dtype, shape, 
 def test_quantize_heads_ref_takes_the_batched_path_for_kivi_plans(monkeypatch):
     """A mostly-KIVI plan goes through quantize_kivi_kv (checked by breaking the per-class
     reference for any non-empty class) and packs the same rows as the per-class reference."""
-    import kernels.kivi_triton as kivi_triton  # quantize_kivi looks the reference up there
-    from kernels.plan import EXTRA_CLASSES
+    import preempt.kernels.kivi_triton as kivi_triton  # quantize_kivi looks the reference up there
+    from preempt.kernels.plan import EXTRA_CLASSES
 
     gen = torch.Generator().manual_seed(3)
     kv = torch.randn(2, 2, 70, 3, 16, generator=gen)
@@ -201,7 +201,7 @@ def test_batched_kivi_decode_equals_the_per_class_reference(dtype):
     """dequantize_kivi_kv writes each class's heads as dequantize_kivi_ref decodes them,
     and dequantize_heads_ref of a mostly-KIVI plan (other classes and a dropped head
     written after it) equals the per-class assembly."""
-    from kernels.kivi import KiviClass, dequantize_kivi_kv, quantize_kivi_kv
+    from preempt.kernels.kivi import KiviClass, dequantize_kivi_kv, quantize_kivi_kv
 
     gen = torch.Generator().manual_seed(5)
     kv = (torch.randn(3, 2, 77, 4, 16, generator=gen) * 3).to(dtype)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.plan import HeadClass, HeadPlan, bytes_per_token, scale_bytes
+from preempt.kernels.plan import HeadClass, HeadPlan, bytes_per_token, scale_bytes
 from preempt.kv.kv_cache import KVCache
 
 FP16, FP8, DROP = HeadClass.FP16, HeadClass.FP8, HeadClass.DROP

@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gather_blocks import gather_blocks_ref
-from kernels.plan import HeadClass, HeadPlan, bytes_per_token, scale_bytes
-from kernels.quantize_heads import (
+from preempt.kernels.gather_blocks import gather_blocks_ref
+from preempt.kernels.plan import HeadClass, HeadPlan, bytes_per_token, scale_bytes
+from preempt.kernels.quantize_heads import (
     gather_quantize_heads,
     gather_quantize_heads_ref,
     quantize_heads,

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.gather_blocks import gather_blocks, gather_blocks_ref
-from kernels.plan import HeadClass, HeadPlan
-from kernels.quantize_heads import QuantizedKV, gather_quantize_heads, quantize_heads, quantize_heads_ref
-from kernels.restore_blocks import dequantize_heads_ref, restore_blocks, restore_blocks_ref
+from preempt.kernels.gather_blocks import gather_blocks, gather_blocks_ref
+from preempt.kernels.plan import HeadClass, HeadPlan
+from preempt.kernels.quantize_heads import QuantizedKV, gather_quantize_heads, quantize_heads, quantize_heads_ref
+from preempt.kernels.restore_blocks import dequantize_heads_ref, restore_blocks, restore_blocks_ref
 from tests.kernels.conftest import assert_bits_equal, random_cache
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]

@@ -198,7 +198,7 @@ def blob_for(codec: Codec) -> bytes:
 
 
 def mixed_plan():
-    from kernels.plan import HeadPlan
+    from preempt.kernels.plan import HeadPlan
 
     return HeadPlan.from_codes([[0, 1], [2, 1]])  # FP16, FP8 / DROP, FP8 for blob_for's shape
 
@@ -355,8 +355,8 @@ def test_encode_parts_stored_in_pool_equal_encode(name):
 @pytest.mark.parametrize("zstd", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_mixed_packs_and_unpacks_the_quantized_kv_bit_exactly(zstd, dtype):
-    from kernels.plan import HeadPlan
-    from kernels.quantize_heads import quantize_heads
+    from preempt.kernels.plan import HeadPlan
+    from preempt.kernels.quantize_heads import quantize_heads
 
     kv = kv_like((3, 2, 29, 4, 8), dtype)
     plan = HeadPlan.random(3, 4, fp8_share=0.5, drop_share=0.25, seed=1)
@@ -376,7 +376,7 @@ def test_mixed_packs_and_unpacks_the_quantized_kv_bit_exactly(zstd, dtype):
 
 
 def test_mixed_with_every_head_kept_is_lossless():
-    from kernels.plan import HeadPlan
+    from preempt.kernels.plan import HeadPlan
 
     kv = random_bits((2, 2, 13, 3, 4), torch.float16)
     codec = MixedCodec(HeadPlan.all_fp16(2, 3), zstd=True)
@@ -421,8 +421,8 @@ def test_mixed_zstd_payload_is_bounded_by_the_header():
 
 @pytest.mark.parametrize("zstd", [False, True])
 def test_mixed_newer_classes_round_trip_and_refuse_corruption(zstd):
-    from kernels.plan import HeadPlan
-    from kernels.restore_blocks import dequantize_heads_ref
+    from preempt.kernels.plan import HeadPlan
+    from preempt.kernels.restore_blocks import dequantize_heads_ref
 
     kv = kv_like((2, 2, 41, 5, 16), torch.bfloat16)
     plan = HeadPlan.from_codes(np.array([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]), params=(16, 2, 4))
@@ -437,7 +437,7 @@ def test_mixed_newer_classes_round_trip_and_refuse_corruption(zstd):
 
 
 def test_mixed_legacy_plans_still_write_the_original_layout():
-    from kernels.plan import HeadPlan
+    from preempt.kernels.plan import HeadPlan
     from preempt.kv.codec import FLAG_FORMATS
 
     kv = kv_like((2, 2, 9, 3, 8), torch.float16)

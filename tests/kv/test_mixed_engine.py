@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels.plan import HeadClass, HeadPlan
+from preempt.kernels.plan import HeadClass, HeadPlan
 from preempt.core.request import RequestState
 from tests.kv.test_preemption import _digests, _run
 

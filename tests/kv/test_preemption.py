@@ -244,7 +244,7 @@ def test_lossy_mixed_mode_ends_every_request_and_masks_dropped_prefixes():
 
 
 def test_mixed_restore_dequantizes_into_new_blocks_and_asks_for_warmup():
-    from kernels.plan import HeadClass, HeadPlan
+    from preempt.kernels.plan import HeadClass, HeadPlan
 
     engine = Engine(small_config(preemption={"mode": "swap_mixed", "head_plan": "fp8"}))
     saver = engine.saver

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.plan import HeadClass, HeadPlan
+from preempt.kernels.plan import HeadClass, HeadPlan
 from preempt.cli import main
 from preempt.lm import forward_batch
 from preempt.lm.corpus import CorpusConfig
@@ -251,7 +251,7 @@ def test_prefix_sensitivity_prices_coarser_classes_higher():
 def test_plan_for_budget_is_the_exact_knapsack_optimum():
     import itertools
 
-    from kernels.plan import size_vs_fp16
+    from preempt.kernels.plan import size_vs_fp16
     from preempt.lm.importance import class_sizes, place_at_random, place_by_rank, plan_for_budget
 
     rng = np.random.default_rng(0)

@@ -15,16 +15,16 @@ Classes:
 - DROP: not stored; restored as zeros and reported, so attention masks the head for the
   rest of the request's life.
 - FP8_TOKEN: float8 E4M3 with one float32 scale per (head, K or V, token) = amax over the
-  token's D channels / 448 (kernels/fp8_token.py).
+  token's D channels / 448 (preempt/kernels/fp8_token.py).
 - KIVI4 / KIVI2 (and KIVI_K<k>V<v>: k-bit keys, v-bit values): integers as KIVI does
   (Liu et al. 2024, arXiv 2402.02750):
   keys per channel (min and scale per channel over groups of `group_size` tokens), values
   per token (per group of `group_size` channels), min and scale in float16; the first
   `num_sink` (attention sink) and the last `num_recent` tokens kept bit-exact at the cache
-  dtype (kernels/kivi_ref.py). `group_size`, `num_sink`, `num_recent` are plan-wide.
+  dtype (preempt/kernels/kivi_ref.py). `group_size`, `num_sink`, `num_recent` are plan-wide.
 
 Slot order: heads of one class are packed in (layer, head) row-major order; `slot_index`
-gives each head's row in its class's packed tensor (see kernels/quantize_heads.py).
+gives each head's row in its class's packed tensor (see preempt/kernels/quantize_heads.py).
 
 JSON plan file (version 2; version 1 files, which have no KIVI keys, still load):
 
@@ -390,7 +390,7 @@ def bytes_per_token(plan: HeadPlan, head_dim: int, dtype: torch.dtype) -> int:
 
 
 class KiviLayout(NamedTuple):
-    """Where one KIVI head's bytes go for a request of `num_tokens` (kernels/kivi_ref.py)."""
+    """Where one KIVI head's bytes go for a request of `num_tokens` (preempt/kernels/kivi_ref.py)."""
 
     num_sink: int  # tokens [0, num_sink) kept at full precision
     num_mid: int  # tokens [num_sink, num_sink + num_mid) quantized

@@ -5,9 +5,9 @@ Owns: `_kivi_keys_kernel` and `_kivi_values_kernel` (1, 2, 4 or 8 bits: whole co
 byte, packed in the kernel), `_kivi_key_codes_kernel`, `_kivi_value_codes_kernel` and
 `_kivi_pack_kernel` (any width: 3, 5, 6, 7 bits; one code per byte, then packed across
 byte boundaries), the `@triton.jit` arithmetic they share (`_params16`, `_codes`), and
-`quantize_kivi`, which runs them or the torch reference (kernels/dispatch.py). The format
-and the reference are kernels/kivi_ref.py's. There is no dequantize kernel: a restore
-decodes KIVI heads with the reference's torch ops, on any device (kernels/restore_blocks.py).
+`quantize_kivi`, which runs them or the torch reference (preempt/kernels/dispatch.py). The format
+and the reference are preempt/kernels/kivi_ref.py's. There is no dequantize kernel: a restore
+decodes KIVI heads with the reference's torch ops, on any device (preempt/kernels/restore_blocks.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import dispatch
-from kernels.kivi_ref import Heads, _heads_info, layout_for, quantize_kivi_ref
+from preempt.kernels import dispatch
+from preempt.kernels.kivi_ref import Heads, _heads_info, layout_for, quantize_kivi_ref
 
 
 @triton.jit

@@ -3,11 +3,11 @@ bytes of one `KIVI4`, `KIVI2` or `KIVI_K<k>V<v>` head mean.
 
 Owns: the packed row of one KIVI head, the bit stream of codes of any width
 (`_pack_into` / `_unpack_into`), and the torch references `quantize_kivi_ref` /
-`dequantize_kivi_ref`, which the Triton kernels (kernels/kivi_triton.py) and the batched
-CPU path (kernels/kivi_batched.py) match bit for bit (tests/kernels/test_kivi.py). It
-never decides the plan (kernels/plan.py) and never writes the cache.
+`dequantize_kivi_ref`, which the Triton kernels (preempt/kernels/kivi_triton.py) and the batched
+CPU path (preempt/kernels/kivi_batched.py) match bit for bit (tests/kernels/test_kivi.py). It
+never decides the plan (preempt/kernels/plan.py) and never writes the cache.
 
-Format (per head; `kernels.plan.kivi_layout` gives the byte counts):
+Format (per head; `preempt.kernels.plan.kivi_layout` gives the byte counts):
 - the first `num_sink` tokens (attention sink) and the last `num_recent` tokens: bit-exact
   copies at the cache dtype. The sink soaks up attention mass in every head and the
   recent tokens carry most of a next token's attention: both cost little and pay most.
@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.plan import KiviLayout, kivi_layout
+from preempt.kernels.plan import KiviLayout, kivi_layout
 
 HALF_MAX = 65504.0
 MIN_SCALE = 2.0**-14  # the smallest normal float16: a flat group still divides safely

@@ -3,7 +3,7 @@
 Owns: the packed row of one FP8_TOKEN head, `quantize_fp8_token_ref` / `dequantize_fp8_token_ref`
 (the torch references, and the CPU path), and the Triton kernel `_fp8_token_kernel` with
 its wrapper `quantize_fp8_token` (bit-exact against the reference). It never decides the
-plan (kernels/plan.py) and never writes the cache (kernels/restore_blocks.py).
+plan (preempt/kernels/plan.py) and never writes the cache (preempt/kernels/restore_blocks.py).
 
 Row layout of one head (uint8, `head_bytes(FP8_TOKEN, T, D, ...)` long):
     e4m3  (2, T, D)  K then V, value / scale rounded half-even, saturated to +-448
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import dispatch
+from preempt.kernels import dispatch
 
 FP8_MAX = 448.0
 _E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # code -> value
@@ -103,7 +103,7 @@ def _fp8_token_kernel(
     amax = tl.max(tl.abs(x), axis=1)  # (BLOCK_T,)
     scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
     y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0)
-    # E4M3 with round-half-even done in integers (as kernels/quantize_heads.py, same reasons)
+    # E4M3 with round-half-even done in integers (as preempt/kernels/quantize_heads.py, same reasons)
     y_bits = y.to(tl.int32, bitcast=True)
     sign = (y_bits >> 24) & 0x80
     a_bits = y_bits & 0x7FFFFFFF
@@ -123,7 +123,7 @@ def quantize_fp8_token(
 ) -> torch.Tensor:
     """selected (n, 2, T, D) (or n (2, T, D) views) -> (n, row_bytes) uint8: the Triton
     kernel on CUDA (or under the interpreter when asked), the torch reference otherwise."""
-    if not isinstance(selected, torch.Tensor):  # per-head views (kernels/kivi_ref.py's `Heads`)
+    if not isinstance(selected, torch.Tensor):  # per-head views (preempt/kernels/kivi_ref.py's `Heads`)
         selected = torch.stack(list(selected))
     if selected.ndim != 4 or selected.shape[1] != 2:
         raise ValueError(f"selected heads must be (n, 2, T, D), got {tuple(selected.shape)}")

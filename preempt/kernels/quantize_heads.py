@@ -3,8 +3,8 @@
 Owns: `_quantize_heads_kernel`, its wrappers `quantize_heads` (from a gathered
 (L, 2, T, H, D) tensor) and `gather_quantize_heads` (fused: straight from the paged
 cache, no gathered copy), the packed result `QuantizedKV`, and the torch reference
-`quantize_heads_ref`. It never decides the plan (kernels/plan.py) and never writes the
-cache (kernels/restore_blocks.py).
+`quantize_heads_ref`. It never decides the plan (preempt/kernels/plan.py) and never writes the
+cache (preempt/kernels/restore_blocks.py).
 
 Packed layout (`QuantizedKV`), heads of a class in (layer, head) row-major slot order:
 - kept    (n_fp16, 2, T, D), the cache's dtype: FP16-class heads, bit-exact copies.
@@ -14,7 +14,7 @@ Packed layout (`QuantizedKV`), heads of a class in (layer, head) row-major slot 
           all-zero head. Dequantized value = float(fp8) * scale.
 - DROP heads: nothing stored; the plan says which.
 - extra     one (n_c, row_bytes) uint8 tensor per class of `plan.EXTRA_CLASSES`
-          (FP8_TOKEN: kernels/fp8_token.py, KIVI4/KIVI2: kernels/kivi_ref.py), each head one
+          (FP8_TOKEN: preempt/kernels/fp8_token.py, KIVI4/KIVI2: preempt/kernels/kivi_ref.py), each head one
           row in slot order; empty () when the plan uses none of them. The kernel here
           leaves those heads alone; their own kernels (or references) pack them.
 Per head, K and V sit next to each other and each is one contiguous (T, D) run, so the
@@ -48,8 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import dispatch
-from kernels.plan import EXTRA_CLASSES, KIVI_BITS, HeadClass, HeadPlan
+from preempt.kernels import dispatch
+from preempt.kernels.plan import EXTRA_CLASSES, KIVI_BITS, HeadClass, HeadPlan
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _TILE_ELEMS = 4096
@@ -87,8 +87,8 @@ def pack_extra(plan: HeadPlan, select, use_triton: bool | None) -> tuple[torch.T
 
 
 def _pack_class(cls: HeadClass, selected, params, use_triton: bool | None) -> torch.Tensor:
-    from kernels.fp8_token import quantize_fp8_token
-    from kernels.kivi import quantize_kivi
+    from preempt.kernels.fp8_token import quantize_fp8_token
+    from preempt.kernels.kivi import quantize_kivi
 
     if cls == HeadClass.FP8_TOKEN:
         return quantize_fp8_token(selected, use_triton=use_triton)
@@ -100,7 +100,7 @@ def _pack_extra_ref(kv: torch.Tensor, plan: HeadPlan, select) -> tuple[torch.Ten
     KIVI heads are at least half of the heads, every KIVI class goes through
     `kivi.quantize_kivi_kv` at once (same bytes: a few dozen torch calls for the whole
     request instead of a few per head and class); else each class on its own."""
-    from kernels.kivi import KiviClass, quantize_kivi_kv
+    from preempt.kernels.kivi import KiviClass, quantize_kivi_kv
 
     kivi = [cls for cls in KIVI_BITS if plan.count(cls)]
     if 2 * sum(plan.count(cls) for cls in kivi) < plan.num_layers * plan.num_kv_heads:
@@ -321,7 +321,7 @@ def gather_quantize_heads_ref(
     # every head at once instead of picking each class's heads and quantizing them apart.
     kivi = sum(plan.count(cls) for cls in KIVI_BITS)
     if kv_cache.stride(2) != block_size * kv_cache.stride(3) or 2 * kivi >= num_layers * num_heads:
-        from kernels.gather_blocks import gather_blocks_ref
+        from preempt.kernels.gather_blocks import gather_blocks_ref
 
         return quantize_heads_ref(gather_blocks_ref(kv_cache, block_ids, num_tokens), plan)
     select = _paged_selector(kv_cache, block_ids, num_tokens, plan)

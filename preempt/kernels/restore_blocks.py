@@ -15,7 +15,7 @@ What lands in the cache, per (layer, head), for the first ceil(T / block_size) b
 Kernel: one program per ((layer, head, K or V), token tile), no reduction, so tiles run in
 parallel. The E4M3 byte is decoded with integer arithmetic and the bf16 result rounded
 with an integer round-half-even: Triton's interpreter converts fp8 and bf16 wrongly
-(kernels/dispatch.py), the hardware and torch do not, and this way all three agree.
+(preempt/kernels/dispatch.py), the hardware and torch do not, and this way all three agree.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import dispatch
-from kernels.plan import EXTRA_CLASSES, KIVI_BITS, HeadClass
-from kernels.quantize_heads import QuantizedKV, plan_tables
+from preempt.kernels import dispatch
+from preempt.kernels.plan import EXTRA_CLASSES, KIVI_BITS, HeadClass
+from preempt.kernels.quantize_heads import QuantizedKV, plan_tables
 
 _TILE_ELEMS = 4096
 
@@ -149,8 +149,8 @@ def restore_blocks(
 
 def dequantize_extra_ref(quantized: QuantizedKV, cls: HeadClass) -> torch.Tensor:
     """The heads of one `EXTRA_CLASSES` class, dequantized: (n_c, 2, T, D) of the cache dtype."""
-    from kernels.fp8_token import dequantize_fp8_token_ref
-    from kernels.kivi import dequantize_kivi_ref
+    from preempt.kernels.fp8_token import dequantize_fp8_token_ref
+    from preempt.kernels.kivi import dequantize_kivi_ref
 
     rows = quantized.extra[EXTRA_CLASSES.index(cls)]
     if cls == HeadClass.FP8_TOKEN:
@@ -210,7 +210,7 @@ def dequantize_heads_ref(quantized: QuantizedKV, out: torch.Tensor | None = None
     (`kivi.dequantize_kivi_kv`, writing every head in place, so the other classes come
     after it), and each class's heads go in by one copy per head (a strided (2, T, D)
     copy; an advanced-index assignment runs ~10x slower here)."""
-    from kernels.kivi import KiviClass, dequantize_kivi_kv
+    from preempt.kernels.kivi import KiviClass, dequantize_kivi_kv
 
     plan = quantized.plan
     device = quantized.kept.device

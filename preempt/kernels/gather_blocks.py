@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import dispatch
+from preempt.kernels import dispatch
 
 _TILE_ELEMS = 4096  # elements per program tile: big enough to amortise index math, small for registers
 

@@ -2,19 +2,19 @@
 `KIVI_K<k>V<v>` head classes: the public entry, re-exporting what callers import.
 
 Where each part lives:
-- kernels/kivi_ref.py: the format of a packed head (what the bytes mean), the bit packing
+- preempt/kernels/kivi_ref.py: the format of a packed head (what the bytes mean), the bit packing
   of any width, and the torch references `quantize_kivi_ref` / `dequantize_kivi_ref`;
-- kernels/kivi_triton.py: the five Triton quantize kernels and their wrapper
+- preempt/kernels/kivi_triton.py: the five Triton quantize kernels and their wrapper
   `quantize_kivi` (bit-exact against the reference);
-- kernels/kivi_batched.py: the batched CPU path, every KIVI head of a request at once
+- preempt/kernels/kivi_batched.py: the batched CPU path, every KIVI head of a request at once
   (`KiviClass`, `quantize_kivi_kv`, `dequantize_kivi_kv`: the reference's bytes).
-None decides the plan (kernels/plan.py) or writes the cache. File map: docs/kernels.md.
+None decides the plan (preempt/kernels/plan.py) or writes the cache. File map: docs/kernels.md.
 """
 
 from __future__ import annotations
 
-from kernels.kivi_batched import KiviClass, dequantize_kivi_kv, quantize_kivi_kv
-from kernels.kivi_ref import (
+from preempt.kernels.kivi_batched import KiviClass, dequantize_kivi_kv, quantize_kivi_kv
+from preempt.kernels.kivi_ref import (
     HALF_MAX,
     MIN_SCALE,
     ROUNDER,
@@ -23,7 +23,7 @@ from kernels.kivi_ref import (
     layout_for,
     quantize_kivi_ref,
 )
-from kernels.kivi_triton import quantize_kivi
+from preempt.kernels.kivi_triton import quantize_kivi
 
 __all__ = [
     "HALF_MAX",

@@ -4,7 +4,7 @@ its class.
 Owns: `KiviClass` (one class's heads and bits), `quantize_kivi_kv` / `dequantize_kivi_kv`
 (the same bytes and values as `quantize_kivi_ref` / `dequantize_kivi_ref` of each class's
 heads, tested), their word-parallel packing `_pack_codes` / `_unpack_codes` (the bit
-stream of kernels/kivi_ref.py), and the per-thread scratch buffers they reuse.
+stream of preempt/kernels/kivi_ref.py), and the per-thread scratch buffers they reuse.
 `quantize_heads_ref` and `dequantize_heads_ref` take this path for mostly-KIVI plans. Why
 it batches, chunks and keeps buffers: the functions' docstrings and docs/codec.md ("How the
 CPU path gets there", with the speeds).
@@ -20,8 +20,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kernels.kivi_ref import HALF_MAX, MIN_SCALE, ROUNDER, _copy_low_bytes, _sections, _unit
-from kernels.plan import kivi_layout
+from preempt.kernels.kivi_ref import HALF_MAX, MIN_SCALE, ROUNDER, _copy_low_bytes, _sections, _unit
+from preempt.kernels.plan import kivi_layout
 
 _BATCH_ELEMS = 1 << 18  # float32 elements per batched chunk (all heads): 1 MB, half of L2
 _SCRATCH_MAX_BYTES = 1 << 22  # temporaries up to 4 MB are kept per thread between calls
