@@ -45,13 +45,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from preempt.kernels.plan import HeadClass, HeadPlan, size_vs_fp16
-from preempt.kernels.quantize_heads import quantize_heads
-from preempt.kernels.restore_blocks import restore_blocks
 from preempt.bench.save import _median_s
 from preempt.core.config import build_config
 from preempt.core.request import Request, ScheduledChunk
 from preempt.engine.model_runner import TinyModelRunner
+from preempt.kernels.plan import HeadClass, HeadPlan, size_vs_fp16
+from preempt.kernels.quantize_heads import quantize_heads
+from preempt.kernels.restore_blocks import restore_blocks
 from preempt.kv.codec import MixedCodec
 
 MB = 1e6

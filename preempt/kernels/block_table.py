@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from preempt.kernels import dispatch
 from preempt.core.block_table import update_block_table as update_block_table_ref
+from preempt.kernels import dispatch
 
 __all__ = ["update_block_table", "update_block_table_ref", "update_block_table_rows"]
 

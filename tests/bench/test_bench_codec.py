@@ -44,8 +44,8 @@ def test_codec_bench_reports_every_plan_and_lossless_fp16_changes_nothing():
 def test_budget_plan_tiles_over_a_served_models_heads_with_its_class_shares():
     import numpy as np
 
-    from preempt.kernels.plan import HeadPlan
     from preempt.bench.codec import _tile_plan
+    from preempt.kernels.plan import HeadPlan
 
     codes = np.array([[4, 6, 6, 7], [4, 4, 8, 6], [6, 7, 4, 6], [7, 4, 6, 7]])
     plan = HeadPlan.from_codes(codes, "s", (64, 4, 8))

@@ -58,7 +58,8 @@ def test_every_kernel_works_after_an_import_before_the_interpreter_was_set():
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
-    modules = sorted(p.stem for p in (here.parents[1] / "preempt" / "kernels").glob("*.py") if p.stem != "__init__")
+    package = here.parents[1] / "preempt" / "kernels"
+    modules = sorted(p.stem for p in package.glob("*.py") if p.stem != "__init__")
     script = (
         "import os, sys, pytest\n"
         + "".join(f"import preempt.kernels.{name}\n" for name in modules)

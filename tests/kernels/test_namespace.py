@@ -9,7 +9,6 @@ model.backend=hf` does.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import subprocess
 import sys
@@ -40,7 +39,9 @@ def test_transformers_hub_kernels_and_preempt_kernels_in_one_process():
         "assert is_kernels_available()\n"
         "print(kernels.__file__)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     hf_kernels = Path(done.stdout.strip().splitlines()[-1]).resolve()
     assert "site-packages" in hf_kernels.parts, hf_kernels  # Hugging Face's, not a folder of ours

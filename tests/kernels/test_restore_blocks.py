@@ -9,7 +9,12 @@ import torch
 
 from preempt.kernels.gather_blocks import gather_blocks, gather_blocks_ref
 from preempt.kernels.plan import HeadClass, HeadPlan
-from preempt.kernels.quantize_heads import QuantizedKV, gather_quantize_heads, quantize_heads, quantize_heads_ref
+from preempt.kernels.quantize_heads import (
+    QuantizedKV,
+    gather_quantize_heads,
+    quantize_heads,
+    quantize_heads_ref,
+)
 from preempt.kernels.restore_blocks import dequantize_heads_ref, restore_blocks, restore_blocks_ref
 from tests.kernels.conftest import assert_bits_equal, random_cache
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from preempt.kernels.plan import HeadClass, HeadPlan
 from preempt.core.request import RequestState
+from preempt.kernels.plan import HeadClass, HeadPlan
 from tests.kv.test_preemption import _digests, _run
 
 # small_config's model: 2 layers x 2 KV heads. Groups of 8 tokens, 2 sink and 4 recent

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from preempt.kernels.plan import HeadClass, HeadPlan
 from preempt.cli import main
+from preempt.kernels.plan import HeadClass, HeadPlan
 from preempt.lm import forward_batch
 from preempt.lm.corpus import CorpusConfig
 from preempt.lm.importance import (
