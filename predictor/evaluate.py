@@ -6,7 +6,9 @@ operating threshold on val (max F1, or by the stall avoided and bytes wasted of 
 `expected_value_curve`), and `evaluate_checkpoint`, behind `preempt
 eval-predictor` (and `python -m predictor.evaluate`, which adds the distribution-shift
 options). Every predictor is
-scored the same way: threshold chosen on val, metrics reported on the chosen split. In a
+scored the same way: threshold chosen on val, metrics reported on the chosen split;
+`render_evaluation` is the short table `preempt eval-predictor` prints (`--json`: the
+whole report). In a
 distribution-shift test (`source`), val and the fitted baselines come from the training
 data, and the other dataset is only scored, as a deployed predictor would meet it.
 The LSTM's scores are its outputs over whole request histories, i.e. exactly what the
@@ -332,11 +334,14 @@ def evaluate_checkpoint(
         return out
 
     eval_loader = sequence_loader(SequenceBatches(table, eval_rows), fit.batch_size)
-    results: dict[str, Any] = {
-        "lstm": score(
-            model.predict_rows(fit.loader("val"), val_rows), model.predict_rows(eval_loader, eval_rows)
-        )
-    }
+    lstm_scores = model.predict_rows(eval_loader, eval_rows)
+    results: dict[str, Any] = {"lstm": score(model.predict_rows(fit.loader("val"), val_rows), lstm_scores)}
+    operating = hp.get("threshold")
+    # what the engine's `lstm` policy does: the same scores at the checkpoint's threshold
+    at_checkpoint = None
+    if operating is not None:
+        labels, time_to = table.label[eval_rows], table.time_to_preemption_s[eval_rows]
+        at_checkpoint = binary_metrics(lstm_scores, labels, time_to, float(operating), keys)
     for name, scorer in baseline_scorers(fit.table, fit.rows["train"]).items():
         results[name] = score(scorer(fit.table)[val_rows], scorer(table)[eval_rows])
     return {
@@ -351,7 +356,61 @@ def evaluate_checkpoint(
         # row below is at its own best-F1 threshold on val (to compare scorers alike); the
         # engine's `lstm` policy uses the checkpoint's operating threshold (`preempt train`).
         "threshold_rule": "f1: each scorer at its best-F1 threshold on val",
-        "checkpoint_threshold": hp.get("threshold"),
+        "checkpoint_threshold": operating,
         "checkpoint_threshold_rule": hp.get("threshold_rule"),
+        "checkpoint_metrics": at_checkpoint,
         "predictors": results,
     }
+
+
+EVALUATION_COLUMNS = (
+    ("AUPRC", "auprc", "{:.3f}"),
+    ("threshold", "threshold", "{:.3g}"),
+    ("precision", "precision", "{:.3f}"),
+    ("recall", "recall", "{:.3f}"),
+    ("F1", "f1", "{:.3f}"),
+    ("rows warned", "num_predicted", "{:,}"),
+    ("preemptions warned", "event_recall", "{:.0%}"),
+    ("warned ahead", "event_recall_ahead", "{:.0%}"),
+    ("lead ms", "mean_lead_time_s", "{:.1f}"),
+)
+"""`render_evaluation`'s columns: (heading, metric, format); `lead ms` is in milliseconds."""
+
+
+def _evaluation_row(name: str, metrics: dict[str, Any]) -> str:
+    cells = [name]
+    for _, key, form in EVALUATION_COLUMNS:
+        value = metrics.get(key)
+        if value is None or (isinstance(value, float) and not math.isfinite(value)):
+            cells.append("–")
+        else:
+            cells.append(form.format(value * 1000 if key == "mean_lead_time_s" else value))
+    return "| " + " | ".join(cells) + " |"
+
+
+def render_evaluation(report: dict[str, Any]) -> str:
+    """`evaluate_checkpoint`'s report as a short markdown table: one row per scorer (per
+    trace too, for a mix) and the LSTM at the checkpoint's own threshold, headed by what
+    was scored."""
+    rate, num_rows = report.get("positive_rate"), report["num_rows"]
+    positives = f"{round(rate * num_rows):,}" if rate is not None and math.isfinite(rate) else "?"
+    source = f"; thresholds and logreg from {report['source']}" if report.get("source") else ""
+    horizon = f"{report['horizon_ms']:g}" if report.get("horizon_ms") is not None else "?"
+    lines = [
+        f"{report['data']}, {report['split']} rows{source}: {num_rows:,} logged steps, {positives} of "
+        f"them preempted within {horizon} ms. Each scorer at its own best-F1 "
+        "threshold on val; preemptions warned: those with a warning in the horizon before them "
+        "(ahead: at least one logged step before).",
+        "",
+        "| scorer | " + " | ".join(heading for heading, _, _ in EVALUATION_COLUMNS) + " |",
+        "| --- |" + " ---: |" * len(EVALUATION_COLUMNS),
+    ]
+    for name, metrics in report["predictors"].items():
+        lines.append(_evaluation_row(name, metrics))
+        lines += [_evaluation_row(f"{name}, {s}", m) for s, m in (metrics.get("per_source") or {}).items()]
+    if report.get("checkpoint_metrics") is not None:
+        name = f"lstm at its checkpoint's threshold ({report.get('checkpoint_threshold_rule') or '?'})"
+        lines.append(_evaluation_row(name, report["checkpoint_metrics"]))
+    else:
+        lines += ["", "The checkpoint holds no operating threshold (older than `preempt train` storing one)."]
+    return "\n".join(lines)

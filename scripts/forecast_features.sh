@@ -33,9 +33,9 @@ M=""
 for s in 0 1 2; do
   [ -f "$B/lstm10-s$s/metrics.json" ] || preempt train --data "$D" --out "$B/lstm10-s$s" --seed $s \
       --max-waste-share 0.1 --wandb disabled > "$B/train10-s$s.log"
-  preempt eval-predictor --ckpt "$B/lstm10-s$s/predictor.ckpt" --data "$D" > "$B/eval-s$s.json"
+  preempt eval-predictor --ckpt "$B/lstm10-s$s/predictor.ckpt" --data "$D" --json > "$B/eval-s$s.json"
   preempt eval-predictor --ckpt "$B/lstm10-s$s/predictor.ckpt" --data "$B/moon" --source-data "$D" \
-      --split all > "$B/eval-moon-s$s.json"
+      --split all --json > "$B/eval-moon-s$s.json"
   M=${M:+$M,}$B/lstm10-s$s/predictor.ckpt
 done
 B="$B" python - <<'PY'

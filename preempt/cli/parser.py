@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     evaluate = sub.add_parser(
-        "eval-predictor", help="evaluate a checkpoint and the baselines; one JSON object"
+        "eval-predictor", help="evaluate a checkpoint and the baselines: a table (--json: the whole report)"
     )
     evaluate.add_argument("--ckpt", type=Path, required=True, help="predictor.ckpt from `preempt train`")
     evaluate.add_argument("--data", type=Path, required=True, help="features dataset")
@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--data is only scored (distribution shift)",
     )
     evaluate.add_argument("--num-threads", type=_positive_int, default=1, help="torch threads (default 1)")
+    evaluate.add_argument(
+        "--json", action="store_true", help="the whole report (every metric, per trace) as JSON on one line"
+    )
     evaluate.set_defaults(func=cmd_eval_predictor)
 
     lm = sub.add_parser("lm", help="the reference LM (tiny model trained on Python's stdlib)")

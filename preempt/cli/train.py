@@ -57,7 +57,7 @@ def cmd_eval_predictor(args: argparse.Namespace) -> int:
     import torch
 
     from predictor.data import DataError
-    from predictor.evaluate import evaluate_checkpoint, jsonable
+    from predictor.evaluate import evaluate_checkpoint, jsonable, render_evaluation
     from preempt.engine.online_predictor import PredictorCheckpointError, load_checkpoint
 
     torch.set_num_threads(args.num_threads)
@@ -71,7 +71,7 @@ def cmd_eval_predictor(args: argparse.Namespace) -> int:
     except (DataError, ValueError) as err:
         print(f"preempt: error: --data: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(jsonable(report)))
+    print(json.dumps(jsonable(report)) if args.json else render_evaluation(report))
     return 0
 
 

@@ -101,7 +101,8 @@ def test_checkpoint_loads_weights_only_with_everything_online_use_needs(trained)
 
 def test_eval_predictor_reports_every_metric_for_every_predictor(trained, data_path, capsys):
     out, metrics = trained
-    assert main(["eval-predictor", "--ckpt", str(out / "predictor.ckpt"), "--data", str(data_path)]) == 0
+    argv = ["eval-predictor", "--ckpt", str(out / "predictor.ckpt"), "--data", str(data_path)]
+    assert main([*argv, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)  # exactly one JSON object
     assert set(report["predictors"]) == {"lstm", "rule", "logreg", "oracle"}
     for name, values in report["predictors"].items():
@@ -113,6 +114,24 @@ def test_eval_predictor_reports_every_metric_for_every_predictor(trained, data_p
     assert report["threshold_rule"].startswith("f1")
     assert report["checkpoint_threshold"] == pytest.approx(metrics["threshold"])
     assert report["checkpoint_threshold_rule"] == metrics["threshold_rule"]
+    # the engine's operating point: the LSTM's test scores at the checkpoint's threshold,
+    # what `preempt train` reported
+    at_checkpoint = report["checkpoint_metrics"]
+    for key in ("threshold", "precision", "recall", "f1", "num_predicted"):
+        assert at_checkpoint[key] == pytest.approx(metrics[key]), key
+
+    # without --json: a short table, one row per scorer and the operating point
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows[2:]] == [
+        "| lstm",
+        "| rule",
+        "| logreg",
+        "| oracle",
+        f"| lstm at its checkpoint's threshold ({metrics['threshold_rule']})",
+    ]
+    assert "precision" in rows[0] and len(table) < 1500
 
 
 @pytest.mark.filterwarnings("ignore:The number of training batches")
@@ -154,11 +173,12 @@ def test_missing_data_or_checkpoint_fails_with_one_line(tmp_path, capsys, traine
 
 
 def test_distribution_shift_scores_another_dataset_with_the_source_thresholds(trained, data_path, tmp_path):
-    from predictor.evaluate import evaluate_checkpoint
+    from predictor.evaluate import evaluate_checkpoint, render_evaluation
 
     out, metrics = trained
     other = synthetic_dataset(tmp_path / "other", num_requests=60, seed=5)
     report = evaluate_checkpoint(out / "predictor.ckpt", other, split="all", source=data_path)
+    assert f"all rows; thresholds and logreg from {data_path}" in render_evaluation(report)
     assert report["split"] == "all" and report["num_rows"] == len(load_table(other).label)
     lstm = report["predictors"]["lstm"]
     assert lstm["threshold"] == pytest.approx(metrics["threshold"])  # chosen on the source's val
