@@ -5,9 +5,10 @@ Owns: rendering what experiments.dominance decides -- per point a table of every
 goodput, SLO attainment per class, TTFT/TPOT p50/p99 per class, preemptions and KV moved
 (means with 95% intervals over seeds, from summary.csv), which arms dominate it (paired
 intervals on experiments.dominance.OBJECTIVES), and a Pareto plot (goodput against the
-top class's TTFT p99; SLO attainment against KV moved) with dominated arms hollow; and the
-one-screen table of, per regime, the best policy by interval and the design's distance to
-it. Everything comes from results.csv / summary.csv.
+top class's TTFT p99; SLO attainment against KV moved) with the design and the named
+baselines in colour, the other arms grey, dominated arms hollow; and the one-screen table
+of, per regime, the best policy by interval and the design's distance to it. Everything
+comes from results.csv / summary.csv.
 
 Must never: rank by means where the intervals tie (ties are listed as ties), or call an arm
 dominated without a paired interval (experiments.dominance).
@@ -136,14 +137,19 @@ def point_tables(ranking: Ranking) -> str:
     return "\n".join(lines)
 
 
-def pareto_plot(ranking: Ranking, path: Path, title: str, highlight: Sequence[str] = ()) -> Path | None:
-    """Two panels: goodput against the top class's TTFT p99, and SLO attainment against KV
-    moved; 95% error bars over seeds; dominated arms (experiments.dominance.OBJECTIVES)
-    hollow and grey, the front filled and labelled. None without summary rows."""
+def pareto_plot(
+    ranking: Ranking, path: Path, title: str, design_arms: Sequence[str] = DESIGN_ARMS
+) -> Path | None:
+    """Two panels, one above the other: goodput against the top class's TTFT p99, and SLO
+    attainment against KV moved. The design arms and the named baselines in their colours
+    (experiments.plots.arm_styles), the other arms grey; filled with 95% error bars over
+    seeds on the front, hollow without bars where dominated (experiments.dominance); one
+    legend under the panels names the coloured arms (and who dominates them). None without
+    summary rows."""
     summary, names, beaten = ranking
     if not names:
         return None
-    from experiments.plots import _pyplot, _save
+    from experiments.plots import OTHER_ARMS, _legend_below, _pyplot, _save, arm_styles
 
     plt = _pyplot()
     top = top_level([summary[n] for n in names])
@@ -151,26 +157,31 @@ def pareto_plot(ranking: Ranking, path: Path, title: str, highlight: Sequence[st
         (f"sla{top}_ttft_p99_s", "goodput_req_s", f"level-{top} TTFT p99 s (log)", "goodput req/s", "log"),
         ("kv_bytes_moved", "slo_attainment", "KV moved, bytes (symlog)", "SLO attainment", "symlog"),
     )
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    palette = [plt.get_cmap("tab10")(i) for i in (0, 1, 2, 3, 4, 5, 6, 8, 9)]  # no grey
-    front = [n for n in names if not beaten[n]]
-    colors = {name: palette[i % len(palette)] for i, name in enumerate(front)}
+    fig, axes = plt.subplots(2, 1, figsize=(8, 9))
+    styles = arm_styles(names, design_arms)
+    entries: dict[str, Any] = {}  # the legend: label -> handle, the coloured arms in arm_styles' order
     for ax, (x_key, y_key, x_label, y_label, scale) in zip(axes, panels, strict=True):
-        for name in names:
+        for name, style in styles.items():
             row = summary[name]
             x, y = float(row.get(x_key, math.nan)), float(row.get(y_key, math.nan))
             if math.isnan(x) or math.isnan(y):
                 continue
-            if name not in colors:  # dominated: a hollow grey dot, no bars (they would hide the front)
-                ax.plot([x], [y], "o", color="0.65", markerfacecolor="none", markersize=5,
-                        label=f"{name} (dominated by {', '.join(beaten[name][:2])})")  # fmt: skip
-                continue
-            ax.errorbar(
-                [x], [y], xerr=_half_widths(row, x_key), yerr=_half_widths(row, y_key), fmt="o",
-                color=colors[name], markersize=8 if name in highlight else 6, elinewidth=0.9, capsize=2,
-                label=name,
-            )  # fmt: skip
-            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            if not style.is_highlighted:
+                label = f"{OTHER_ARMS}, {'dominated' if beaten[name] else 'front'}"
+                handle, = ax.plot([x], [y], "o", color=style.color, markersize=5, zorder=2,
+                                  markerfacecolor="none" if beaten[name] else style.color)  # fmt: skip
+            elif beaten[name]:  # hollow, no bars: they would hide the front
+                more = f" +{len(beaten[name]) - 1}" if len(beaten[name]) > 1 else ""
+                label = f"{name} (dominated by {beaten[name][0]}{more})"
+                handle, = ax.plot([x], [y], "o", color=style.color, markerfacecolor="none", markersize=8,
+                                  markeredgewidth=1.6, zorder=3)  # fmt: skip
+            else:
+                label = name
+                handle = ax.errorbar(
+                    [x], [y], xerr=_half_widths(row, x_key), yerr=_half_widths(row, y_key), fmt="o",
+                    color=style.color, markersize=8, elinewidth=1.0, capsize=3, zorder=4,
+                )  # fmt: skip
+            entries.setdefault(label, handle)
         if scale == "log":
             ax.set_xscale("log")
         else:
@@ -178,9 +189,10 @@ def pareto_plot(ranking: Ranking, path: Path, title: str, highlight: Sequence[st
         ax.set_xlabel(x_label)
         ax.set_ylabel(y_label)
         ax.grid(alpha=0.3)
-    if axes[0].get_legend_handles_labels()[0]:
-        axes[0].legend(fontsize=6, loc="center left", bbox_to_anchor=(2.25, 0.5))
-    fig.suptitle(f"{title}: means and 95% intervals over seeds; hollow = dominated (paired intervals)")
+    _legend_below(fig, entries, num_cols=2)
+    fig.suptitle(f"{title}\nmeans and 95% intervals over seeds; hollow = dominated (paired intervals)",
+                 fontsize=11)  # fmt: skip
+    fig.tight_layout()
     return _save(fig, path)
 
 

@@ -14,6 +14,11 @@ per SLA class against each grid axis (the load, `workload.rate_scale`, first; a 
 one such as an SLA mix in the grid's order), one
 line per arm with its 95% band over seeds (`plot_sweep`, from summary.csv's rows).
 
+Colours (`arm_styles`): a figure with more arms than the palette has colours draws the
+design arms and the named baselines (experiments.dominance) each in its own colour, always
+the same one, from a colour-blind-safe palette, and every other arm thin and grey with one
+legend entry between them; a figure with few arms colours them all.
+
 Must never: compute a metric the table does not have (the bar charts plot the results
 or summary rows; only the CDFs and the time series read the runs' parquet files), show
 one seed as if it were the point, or fail the ablation because a run has nothing to plot
@@ -25,11 +30,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow.parquet as pq
 
+from experiments.arms import STANDARD_ARMS
+from experiments.dominance import DESIGN_ARMS, is_baseline
 from preempt.kv.record import is_preemption
 
 
@@ -42,11 +49,57 @@ def _pyplot():
     return plt
 
 
-def _styles(num: int) -> list[dict[str, Any]]:
-    """Distinct line styles for up to 40 runs: ten colours, then a new dash pattern."""
-    cmap = _pyplot().get_cmap("tab10")
-    dashes = ("-", "--", ":", "-.")
-    return [{"color": cmap(i % 10), "linestyle": dashes[(i // 10) % len(dashes)]} for i in range(num)]
+# Paul Tol's "muted" palette (colour-blind safe, nine hues: one per design arm and named
+# baseline), the darkest first; the pale cyan and sand last.
+PALETTE = ("#CC6677", "#332288", "#117733", "#882255", "#44AA99", "#AA4499", "#999933", "#88CCEE", "#DDCC77")
+GREY = "#bbbbbb"
+OTHER_ARMS = "other arms"
+
+
+class ArmStyle(NamedTuple):
+    """How a figure draws one arm. `is_highlighted`: in its own colour with its own legend
+    entry; otherwise grey and thin, and `legend` is the entry the grey arms share ('other
+    arms (N)', given to the first of them) or hidden (a leading '_', matplotlib's rule)."""
+
+    color: str
+    linestyle: str
+    linewidth: float
+    is_highlighted: bool
+    legend: str
+
+    def line(self, **overrides: Any) -> dict[str, Any]:
+        """matplotlib line keywords; the coloured arms are drawn over the grey ones."""
+        style = {"color": self.color, "linestyle": self.linestyle, "linewidth": self.linewidth}
+        return {**style, "zorder": 3 if self.is_highlighted else 2, **overrides}
+
+    def label(self, text: str) -> str:
+        """The legend entry of the arm's main line: `text` for a highlighted arm."""
+        return text if self.is_highlighted else self.legend
+
+
+def arm_styles(arms: Sequence[str], design_arms: Sequence[str] = DESIGN_ARMS) -> dict[str, ArmStyle]:
+    """Each arm's style. The design arms (solid, wide) and the named baselines (dashed) have
+    a fixed colour each, from their place in DESIGN_ARMS + the registry's baselines (present
+    or not), so an arm has the same colour in every figure. With more arms than PALETTE has
+    colours, the other arms are grey; with fewer, they take the colours left over."""
+    arms = list(dict.fromkeys(arms))
+    baselines = [name for name in STANDARD_ARMS if is_baseline(name)]
+    slots = list(dict.fromkeys([*DESIGN_ARMS, *baselines, *design_arms, *filter(is_baseline, arms)]))
+    highlighted = [a for a in arms if a in design_arms or is_baseline(a)]
+    colors = {a: PALETTE[slots.index(a) % len(PALETTE)] for a in highlighted}
+    if len(arms) <= len(PALETTE):  # room for every arm
+        free = iter([c for c in PALETTE if c not in colors.values()] + list(PALETTE))
+        colors.update({a: next(free) for a in arms if a not in colors})
+    grey = [a for a in arms if a not in colors]
+    styles = {a: ArmStyle(GREY, "-", 0.8, False, f"_{a}") for a in grey}
+    if grey:
+        styles[grey[0]] = styles[grey[0]]._replace(legend=f"{OTHER_ARMS} ({len(grey)})")
+    for arm, color in colors.items():
+        second_round = arm in highlighted and slots.index(arm) >= len(PALETTE)  # colour reused
+        linestyle = ":" if second_round else "--" if is_baseline(arm) else "-"
+        styles[arm] = ArmStyle(color, linestyle, 2.2 if arm in design_arms else 1.5, True, arm)
+    first = [a for a in slots if a in highlighted]  # the legend's order: the design, then baselines
+    return {a: styles[a] for a in [*first, *(a for a in arms if a not in first)]}
 
 
 def _suffix(point: dict[str, Any]) -> str:
@@ -62,7 +115,6 @@ def _finite(values: Sequence[Any]) -> bool:
 ArmRuns = list[tuple[str, list[tuple[Any, Path]]]]
 
 FAINT = {"alpha": 0.3, "linewidth": 0.8}  # one seed's line, under its arm's pooled one
-BOLD = {"linewidth": 1.8}  # an arm's line pooled or averaged over its seeds
 
 
 def _seeds_note(arm_runs: ArmRuns, bold: str) -> str:
@@ -91,21 +143,23 @@ def latency_cdfs(arm_runs: ArmRuns, column: str, path: Path) -> Path:
     }
     levels = sorted({level for ts in tables.values() for t in ts for level in t["sla_level"]})
     fig, axes = plt.subplots(1, max(1, len(levels)), figsize=(5 * max(1, len(levels)), 4), squeeze=False)
+    styles = arm_styles(list(tables))
     for ax, level in zip(axes[0], levels, strict=False):
-        for (arm, seed_tables), style in zip(tables.items(), _styles(len(tables)), strict=True):
+        for arm, seed_tables in tables.items():
+            style = styles[arm]
             per_seed = [
                 np.sort(
                     [v for lv, v in zip(t["sla_level"], t[column], strict=True) if lv == level and v == v]
                 )
                 for t in seed_tables
             ]
-            if len(per_seed) > 1:
+            if len(per_seed) > 1 and style.is_highlighted:  # a grey arm: its pooled line only
                 for values in per_seed:
                     if len(values):
-                        _cdf(ax, values, **style, **FAINT)
+                        _cdf(ax, values, **style.line(**FAINT))
             pooled = np.sort(np.concatenate(per_seed)) if per_seed else np.array([])
             if len(pooled):
-                _cdf(ax, pooled, label=arm, **(BOLD if len(per_seed) > 1 else {}), **style)
+                _cdf(ax, pooled, label=style.label(arm), **style.line())
         ax.set_xscale("log")
         ax.set_title(f"SLA level {level}")
         ax.set_xlabel(f"{column} (virtual s, log)")
@@ -132,21 +186,23 @@ def preemptions_over_time(arm_runs: ArmRuns, path: Path) -> Path:
     with seeds, the mean over its seeds of the count so far (bold) and each seed's (faint)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for (arm, runs), style in zip(arm_runs, _styles(len(arm_runs)), strict=True):
+    styles = arm_styles([arm for arm, _ in arm_runs])
+    for arm, runs in arm_runs:
+        style = styles[arm]
         per_seed = [_preemption_times(run_dir) for _, run_dir in runs]
         if len(per_seed) == 1:
             times = per_seed[0]
-            ax.step(
-                [0.0, *times], np.arange(len(times) + 1), where="post", label=f"{arm} ({len(times)})", **style
-            )
+            label = style.label(f"{arm} ({len(times)})")
+            ax.step([0.0, *times], np.arange(len(times) + 1), where="post", label=label, **style.line())
             continue
-        for times in per_seed:
-            ax.step([0.0, *times], np.arange(len(times) + 1), where="post", **style, **FAINT)
+        if style.is_highlighted:  # a grey arm: its mean only
+            for times in per_seed:
+                ax.step([0.0, *times], np.arange(len(times) + 1), where="post", **style.line(**FAINT))
         grid = np.array([0.0, *sorted({t for times in per_seed for t in times})])
         mean = np.mean([np.searchsorted(times, grid, side="right") for times in per_seed], axis=0)
         totals = [len(times) for times in per_seed]
-        label = f"{arm} (mean {np.mean(totals):.3g}; {'/'.join(map(str, totals))})"
-        ax.step(grid, mean, where="post", label=label, **BOLD, **style)
+        label = style.label(f"{arm} (mean {np.mean(totals):.3g}; {'/'.join(map(str, totals))})")
+        ax.step(grid, mean, where="post", label=label, **style.line())
     ax.set_xlabel("simulated time (s)")
     ax.set_ylabel("preemptions so far")
     ax.set_title("Preemptions over time" + _seeds_note(arm_runs, "mean count"))
@@ -294,18 +350,24 @@ def sweep_lines(
     title: str,
     categories: list[str] | None = None,
 ) -> Path:
-    """One panel per metric: mean against `axis`, one line per arm, 95% band over seeds.
-    `categories`: a non-numeric axis (an SLA mix), placed evenly in this order."""
+    """One panel per metric (two a row): mean against `axis`, one line per arm (arm_styles:
+    the design and the named baselines in colour with their 95% band over seeds, the rest
+    grey), and one legend under the panels. `categories`: a non-numeric axis (an SLA mix),
+    placed evenly in this order."""
     plt = _pyplot()
 
     def position(value: Any) -> float:
         return float(categories.index(str(value))) if categories is not None else float(value)
 
-    arms = list(dict.fromkeys(p["arm"] for p in points))
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
-    for ax, (metric, label) in zip(axes[0], metrics, strict=True):
+    styles = arm_styles([p["arm"] for p in points])
+    num_cols = min(2, len(metrics))
+    num_rows = math.ceil(len(metrics) / num_cols)
+    fig, axes = plt.subplots(num_rows, num_cols, figsize=(5 * num_cols, 3.6 * num_rows), squeeze=False)
+    for ax in axes.flat[len(metrics) :]:
+        ax.set_visible(False)
+    for ax, (metric, label) in zip(axes.flat, metrics, strict=False):
         drawn = False
-        for arm, style in zip(arms, _styles(len(arms)), strict=True):
+        for arm, style in styles.items():
             rows = sorted(
                 (p for p in points if p["arm"] == arm and _finite([p.get(metric)])),
                 key=lambda p: position(p[axis]),
@@ -315,10 +377,13 @@ def sweep_lines(
             drawn = True
             x = np.array([position(r[axis]) for r in rows])
             y = np.array([float(r[metric]) for r in rows])
+            if not style.is_highlighted:  # grey: the line alone (bands of ten arms hide the rest)
+                ax.plot(x, y, label=style.legend, **style.line())
+                continue
             lo = np.array([float(r.get(f"{metric}_lo", math.nan)) for r in rows])
             hi = np.array([float(r.get(f"{metric}_hi", math.nan)) for r in rows])
-            ax.plot(x, y, marker="o", markersize=3, label=arm, **style)
-            ax.fill_between(x, lo, hi, color=style["color"], alpha=0.15, linewidth=0)
+            ax.plot(x, y, marker="o", markersize=3, label=arm, **style.line())
+            ax.fill_between(x, lo, hi, color=style.color, alpha=0.15, linewidth=0, zorder=1)
         if not drawn:  # no run of any arm finished here (e.g. a dead Ray worker): say so
             ax.text(0.5, 0.5, "no finished run", ha="center", va="center", transform=ax.transAxes)
         elif categories is not None:
@@ -328,12 +393,31 @@ def sweep_lines(
             if xs and min(xs) > 0 and max(xs) / min(xs) >= 8:  # load from 0.25x to 4x: even steps
                 ax.set_xscale("log", base=2)
         ax.set_xlabel(axis)
-        ax.set_title(label, fontsize=9)
+        ax.set_title(label, fontsize=10)
         ax.grid(alpha=0.3)
-    if axes[0][-1].get_legend_handles_labels()[0]:
-        axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    entries: dict[str, Any] = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            entries.setdefault(label, handle)
+    _legend_below(fig, entries)
     fig.suptitle(title)
+    fig.tight_layout()
     return _save(fig, path)
+
+
+def _legend_below(fig, entries: dict[str, Any], num_cols: int = 4) -> None:
+    """One legend for all panels, under them (label -> handle): the coloured arms in the
+    order given, then the grey arms' shared entries by name."""
+
+    def place(label: str) -> tuple[int, str]:
+        return (1, label) if label.startswith(OTHER_ARMS) else (0, "")
+
+    labels = sorted(entries, key=place)
+    if labels:
+        fig.legend(
+            [entries[label] for label in labels], labels, loc="upper center", bbox_to_anchor=(0.5, 0.0),
+            ncol=min(num_cols, len(labels)), fontsize=10, frameon=False,
+        )  # fmt: skip
 
 
 def plot_sweep(points: list[dict[str, Any]], grid: dict[str, list[Any]], plots_dir: Path) -> list[Path]:

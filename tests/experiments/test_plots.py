@@ -14,6 +14,8 @@ import yaml
 
 from experiments import plots
 from experiments.ablate import ablate
+from experiments.arms import STANDARD_ARMS
+from experiments.dominance import DESIGN_ARMS, is_baseline
 from experiments.stats import NONNEGATIVE, UNIT, metric_range
 from experiments.tables import read_csv
 
@@ -158,3 +160,93 @@ def test_a_sweep_panel_where_no_run_finished_is_drawn_empty(tmp_path):
     points = [{"arm": "a", "link_gb_s": x, "goodput_req_s": math.nan} for x in (6.25, 25.0, 50.0)]
     path = sweep_lines(points, "link_gb_s", [("goodput_req_s", "goodput")], tmp_path / "p.png", "t")
     assert path.is_file()
+
+
+# ------------------------------------------------ colours: the arms that matter, the rest grey
+
+ALL_ARMS = [*DESIGN_ARMS, *(name for name in STANDARD_ARMS if name not in DESIGN_ARMS)]
+
+
+def _is_highlighted(arm: str) -> bool:
+    return arm in DESIGN_ARMS or is_baseline(arm)
+
+
+def test_the_design_and_the_named_baselines_have_colours_the_other_arms_are_grey():
+    styles = plots.arm_styles(ALL_ARMS)
+    coloured = [arm for arm, style in styles.items() if style.is_highlighted]
+    assert {"score", "score_tuned", "vllm_fcfs", "vllm_priority", "fastserve_mlfq"} <= set(coloured)
+    assert sorted(coloured) == sorted(filter(_is_highlighted, ALL_ARMS))
+    assert list(styles)[: len(coloured)] == coloured  # the legend's order: them first
+    assert len({(styles[a].color, styles[a].linestyle) for a in coloured}) == len(coloured)
+    assert all(styles[a].color in plots.PALETTE for a in coloured)
+    grey = [style for style in styles.values() if not style.is_highlighted]
+    assert "swap_mixed" not in coloured and len(grey) == len(ALL_ARMS) - len(coloured) > 0
+    assert {style.color for style in grey} == {plots.GREY}
+    assert all(style.linewidth < min(styles[a].linewidth for a in coloured) for style in grey)
+    # one legend entry between them: the first says how many, the rest are hidden
+    shown = [style.label("x") for style in grey if not style.label("x").startswith("_")]
+    assert shown == [f"other arms ({len(grey)})"]
+
+
+def test_an_arm_has_the_same_colour_in_every_figure():
+    every = plots.arm_styles(ALL_ARMS)
+    fewer = plots.arm_styles([a for a in ALL_ARMS if a not in ("score", "vllm_priority")])
+    small = plots.arm_styles(["fastserve_mlfq", "early_rule", "vllm_fcfs"])
+    for arm in ("vllm_fcfs", "fastserve_mlfq"):
+        assert every[arm].color == fewer[arm].color == small[arm].color
+
+
+def test_a_figure_with_few_arms_colours_them_all():
+    styles = plots.arm_styles(["vllm_priority", "swap_mixed", "early_rule"])
+    assert all(style.is_highlighted for style in styles.values())
+    assert len({style.color for style in styles.values()}) == 3 and plots.GREY not in {
+        style.color for style in styles.values()
+    }
+
+
+def _capture(monkeypatch) -> list[Any]:
+    """The figures plots._save is given, before it writes (and closes) them."""
+    figures: list[Any] = []
+    save = plots._save
+
+    def keep(fig, path: Path) -> Path:
+        figures.append(
+            {
+                "legend": [t.get_text() for legend in fig.legends for t in legend.get_texts()],
+                "lines": [
+                    (line.get_label(), line.get_color(), line.get_linewidth())
+                    for ax in fig.axes
+                    for line in ax.get_lines()
+                ],
+                "size": tuple(fig.get_size_inches()),
+            }
+        )
+        return save(fig, path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    return figures
+
+
+def test_a_sweep_colours_the_arms_that_matter_and_greys_the_rest(tmp_path, monkeypatch):
+    figures = _capture(monkeypatch)
+    points = [
+        {"arm": arm, "rate_scale": x, "goodput_req_s": i + x, "goodput_req_s_lo": i, "goodput_req_s_hi": 99}
+        for i, arm in enumerate(ALL_ARMS)
+        for x in (0.5, 1.0, 2.0)
+    ]
+    metrics = [("goodput_req_s", "goodput"), ("goodput_req_s", "again"), ("goodput_req_s", "thrice")]
+    plots.sweep_lines(points, "rate_scale", metrics, tmp_path / "sweep.png", "t")
+    (figure,) = figures
+    coloured = list(filter(_is_highlighted, ALL_ARMS))
+    num_grey = len(ALL_ARMS) - len(coloured)
+    assert sorted(figure["legend"]) == sorted([*coloured, f"other arms ({num_grey})"])
+    assert figure["legend"][-1] == f"other arms ({num_grey})"
+    for label, color, _ in figure["lines"]:
+        arm = label.lstrip("_")
+        if arm in coloured:
+            assert color in plots.PALETTE, arm
+        else:  # a grey arm's line carries the shared entry or a hidden one
+            assert color == plots.GREY and (label.startswith("_") or label.startswith("other arms"))
+    assert len(figure["lines"]) == 3 * len(ALL_ARMS)  # every arm drawn in every panel
+    width, height = figure["size"]
+    assert width <= 10.5 and height > 4  # three panels: two a row, not one long strip
