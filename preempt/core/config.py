@@ -515,6 +515,17 @@ class SLOConfig(_Section):
         return self.ttft_s.get(level, self.ttft_s[0]), self.tpot_s.get(level, self.tpot_s[0])
 
 
+class ServeConfig(_Section):
+    """`preempt serve`'s own defaults (the engine ignores this section)."""
+
+    default_max_tokens: int | None = Field(256, gt=0)
+    """Output budget of a chat request that sets neither `max_tokens` nor
+    `max_completion_tokens`: at most this many tokens, fewer when the context or the KV
+    cache leaves less after the prompt. None: vLLM's and OpenAI's default, all the context
+    the prompt leaves (thousands of tokens: minutes of CPU for the tiny model). Completions
+    default to 16 (OpenAI's and vLLM's) whatever this says."""
+
+
 class EngineConfig(_Section):
     seed: int = 0
     """Seeds model init, prompt tokens, SLA assignment and sampling."""
@@ -526,6 +537,7 @@ class EngineConfig(_Section):
     preemption: PreemptionConfig = PreemptionConfig()
     early_save: EarlySaveConfig = EarlySaveConfig()
     slo: SLOConfig = SLOConfig()
+    serve: ServeConfig = ServeConfig()
 
     @model_validator(mode="after")
     def _early_saves_need_a_save_path(self) -> EngineConfig:

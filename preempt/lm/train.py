@@ -34,6 +34,11 @@ from preempt.model.tiny import PRESETS, TinyConfig, TinyLM
 from preempt.obs.tracking import quiet_lightning, resolve_wandb_mode
 
 LM_FILE = "lm.pt"
+DEFAULT_LM_DIR = Path("runs/lm")
+"""The reference LM's folder unless told otherwise, relative to the working directory:
+`make run` and `preempt lm train` write DEFAULT_LM_DIR / LM_FILE, and `preempt serve`
+serves it when it exists."""
+
 # Bump when a change to this module changes the model a config produces: the cache key
 # includes it, so stale `lm.pt` files are retrained instead of trusted.
 TRAIN_VERSION = 1

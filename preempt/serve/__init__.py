@@ -7,9 +7,12 @@ Modules, each owning one part (their docstrings say what they must never do):
 - `chat`: chat messages -> prompt (checkpoint chat templates) and EOS ids;
 - `handlers`: the generation routes (sampling params, stop strings, n, logprobs, SSE);
 - `app`: the FastAPI app (auth, error handlers, body limit/timeout, OpenAPI);
-- `args`: the command line and uvicorn (header timeout, connection cap, SIGTERM).
+- `args`: the command line and uvicorn (header timeout, connection cap, SIGTERM);
+- `weights`: which weights are served (the reference LM of `make run` by default) and the
+  startup line that names them.
 
-The layers import downwards only: args -> app -> handlers -> engine_loop/protocol/chat.
+The layers import downwards only: args -> app -> handlers -> engine_loop/protocol/chat;
+args and app -> weights.
 See docs/serving.md.
 """
 

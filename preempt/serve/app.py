@@ -42,6 +42,7 @@ from preempt.serve.protocol import (
     http_error,
     validation_message,
 )
+from preempt.serve.weights import weights_line
 
 logger = logging.getLogger("preempt.server")
 
@@ -172,6 +173,7 @@ def create_app(
             facts.block_size,
             engine_config.preemption.mode,
         )
+        logger.log(*weights_line(engine_config.model, engine_config.seed))
         try:
             yield
         finally:
@@ -214,6 +216,7 @@ def create_app(
         chat_format_for(engine_config),
         eos_token_ids(engine_config),
         strict_fields,
+        engine_config.serve.default_max_tokens,
     )
     generation = {"dependencies": protected, "responses": {200: {"content": _SSE}, **_ERRORS}}
 

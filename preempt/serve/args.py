@@ -24,6 +24,7 @@ from preempt.core.config import ConfigError, EngineConfig, apply_override, build
 from preempt.core.sizes import parse_size
 from preempt.serve.app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, create_app
 from preempt.serve.engine_loop import DEFAULT_MAX_QUEUE, EngineLoop
+from preempt.serve.weights import default_to_reference_lm
 
 logger = logging.getLogger("preempt.server")
 
@@ -211,7 +212,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Config file < --set < dedicated flags; the clock is always the wall clock."""
+    """Config file < --set < dedicated flags; the clock is always the wall clock. A config
+    that chooses no model (no model.backend, model.checkpoint, model.preset or --model)
+    serves the reference LM that `make run` trains, when the working directory holds it."""
     data = read_config_file(args.config) if args.config is not None else {}
     for assignment in args.set:
         apply_override(data, assignment)
@@ -228,6 +231,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         if value is not None:
             section, name = key.split(".")
             data.setdefault(section, {})[name] = value
+    default_to_reference_lm(data)
     config = build_config(data)
     if config.model.backend == "tiny":
         from preempt.model.tiny import PRESETS

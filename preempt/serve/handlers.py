@@ -111,12 +111,14 @@ class Handlers:
         chat_format: ChatFormat,
         eos_token_ids: frozenset[int] = frozenset(),
         strict_fields: bool = False,
+        default_max_tokens: int | None = None,
     ) -> None:
         self.loop = engine_loop
         self.tokenizer = tokenizer
         self.chat_format = chat_format
         self.eos_token_ids = eos_token_ids
         self.strict_fields = strict_fields
+        self.default_max_tokens = default_max_tokens  # serve.default_max_tokens (chat)
 
     # ----------------------------------------------------------------- routes
     async def generate(self, body: GenerateRequest, http: HTTPRequest) -> Response:
@@ -190,7 +192,7 @@ class Handlers:
         prompt_ids = _encode(self.tokenizer, text, "messages")
         max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        choices = self._submit(body, [prompt_ids], max_tokens, num_logprobs, default_to_context=True)
+        choices = self._submit(body, [prompt_ids], max_tokens, num_logprobs, is_chat=True)
         head = self._head("chatcmpl", "chat.completion")
 
         def logprobs_of(delta: Delta) -> dict[str, Any] | None:
@@ -294,11 +296,17 @@ class Handlers:
             )
 
     def context_left(self, num_prompt_tokens: int) -> int:
-        """The default max_tokens of a chat request: what the context and the KV cache
-        leave after the prompt (vLLM and OpenAI: up to the context)."""
+        """What the context and the KV cache leave after the prompt (vLLM's and OpenAI's
+        default max_tokens of a chat request)."""
         facts = self.loop.facts
         limit = min(facts.max_model_len, facts.num_blocks * facts.block_size)
         return max(1, min(limit - num_prompt_tokens, facts.max_model_len - 1))
+
+    def chat_max_tokens(self, num_prompt_tokens: int) -> int:
+        """The max_tokens of a chat request that gives none: `serve.default_max_tokens`, or
+        what the context leaves when that is less (None: all it leaves, as vLLM)."""
+        left = self.context_left(num_prompt_tokens)
+        return left if self.default_max_tokens is None else min(self.default_max_tokens, left)
 
     # ----------------------------------------------------------------- submit
     def _check_token_ids(self, ids: Any, param: str) -> None:
@@ -334,7 +342,7 @@ class Handlers:
         prompts: Sequence[list[int]],
         max_tokens: int | None,
         num_logprobs: int | None,
-        default_to_context: bool = False,
+        is_chat: bool = False,
     ) -> list[Choice]:
         n = body.n or 1
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
@@ -344,7 +352,7 @@ class Handlers:
                 raise APIError(400, "prompt is empty", param="prompt")
             limit = max_tokens
             if limit is None:
-                limit = self.context_left(len(ids)) if default_to_context else DEFAULT_MAX_TOKENS
+                limit = self.chat_max_tokens(len(ids)) if is_chat else DEFAULT_MAX_TOKENS
             if body.min_tokens and body.min_tokens > limit:
                 raise APIError(
                     400, f"min_tokens ({body.min_tokens}) > max_tokens ({limit})", param="min_tokens"
@@ -427,16 +435,18 @@ class Handlers:
         async def one(choice: Choice) -> list[Delta]:
             return [delta async for delta in self._deltas(choice)]
 
-        work = asyncio.ensure_future(asyncio.gather(*(one(c) for c in choices)))
+        work = asyncio.gather(*(one(c) for c in choices))
         gone = asyncio.ensure_future(_client_gone(http))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:  # also when this handler itself is cancelled
             gone.cancel()
+            gone.add_done_callback(_consume)
             is_gone = not work.done()
             if is_gone:
                 work.cancel()
-                for choice in choices:
+                work.add_done_callback(_consume)
+                for choice in choices:  # each ends ABORTED(client_disconnected), blocks freed
                     self.loop.abort(choice.stream)
         return None if is_gone else work.result()
 
@@ -636,6 +646,14 @@ def end_error(end: EndEvent) -> APIError:
 
 def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _consume(future: asyncio.Future[Any]) -> None:
+    """Done callback of a future nobody awaits: read its outcome. A cancelled `gather`
+    finishes with CancelledError as its *exception*, which asyncio logs with a traceback
+    ("exception was never retrieved") unless it is read."""
+    if not future.cancelled():
+        future.exception()
 
 
 async def _client_gone(http: HTTPRequest) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
+import logging
 import signal
 import socket
 import time
@@ -78,6 +80,41 @@ def test_disconnect_while_waiting_for_a_whole_answer_aborts(one_seat: LiveServer
     assert wait_for(lambda: not one_seat.on_engine(lambda e: e.scheduler.has_unfinished), timeout=5)
     free, total, _, _ = one_seat.resources()
     assert free == total
+
+
+def _send_raw(live: LiveServer, path: str, body: dict[str, Any]) -> socket.socket:
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode()
+    sock = socket.create_connection(("127.0.0.1", int(live.url.rsplit(":", 1)[1])), timeout=10)
+    sock.sendall(head + data)
+    return sock
+
+
+def test_chat_disconnects_abort_quietly(caplog: pytest.LogCaptureFixture) -> None:
+    """A chat without max_tokens, on vLLM's default budget (the whole context): its client
+    leaves while it runs, whole (n=2: a gather of two choices) and streamed. Each request
+    ends ABORTED, its blocks freed, and nothing is logged: no "exception was never
+    retrieved" with a CancelledError traceback."""
+    caplog.set_level(logging.INFO)
+    with running_server(serve_config(serve={"default_max_tokens": None})) as live:
+        caplog.clear()  # from here on: the startup lines are not the point
+        chat = {"messages": [{"role": "user", "content": "tell me everything"}]}
+        for body, num in (({**chat, "n": 2}, 2), ({**chat, "stream": True}, 1)):
+            with _send_raw(live, "/v1/chat/completions", body) as sock:
+                assert wait_for(lambda n=num: live.on_engine(lambda e: len(e.scheduler.running)) == n)
+                if body.get("stream"):
+                    assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+            assert wait_for(lambda: not live.on_engine(lambda e: e.scheduler.has_unfinished), timeout=5)
+        free, total, free_slots, slots = live.resources()
+        assert (free, free_slots) == (total, slots)
+        metrics = httpx.get(f"{live.url}/metrics", timeout=10).text
+        assert 'preempt_requests_total{final_state="ABORTED"} 3.0' in metrics
+        gc.collect()  # an unread future's exception is logged when the future is collected
+    assert "never retrieved" not in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 def test_full_queue_answers_503_with_retry_after(one_seat: LiveServer) -> None:

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from preempt.core.config import EngineConfig
 from tests.serve.conftest import AUTH, LiveServer, running_server, serve_config
 
 MODEL = "tiny-2l"
@@ -154,12 +155,32 @@ def test_continuous_usage_stats(client: openai.OpenAI) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == len("usage")
 
 
-def test_chat_max_tokens_defaults_to_the_context_left(client: openai.OpenAI, live: LiveServer) -> None:
-    content = "x" * 1900  # tiny-2l serves 2048 tokens of context
+def test_chat_max_tokens_defaults_to_serve_default_max_tokens(client: openai.OpenAI) -> None:
+    default = EngineConfig().serve.default_max_tokens
+    assert default == 256  # docs/serving.md says so
+    whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert whole.usage.completion_tokens == default and whole.choices[0].finish_reason == "length"
+    # Less when the context leaves less: tiny-2l serves 2048 tokens here.
+    content = "x" * 1900
     whole = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": content}], temperature=0
     )
-    assert whole.usage.total_tokens == 2048 and whole.choices[0].finish_reason == "length"
+    assert whole.usage.total_tokens == 2048 and whole.usage.completion_tokens < default
+    # Completions keep OpenAI's and vLLM's 16.
+    assert client.completions.create(model=MODEL, prompt="hi").usage.completion_tokens == 16
+
+
+def test_chat_max_tokens_default_is_configurable() -> None:
+    config = serve_config(serve={"default_max_tokens": 5})
+    with running_server(config) as server:
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        body = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=30).json()
+        assert body["usage"]["completion_tokens"] == 5
+    # None: vLLM's and OpenAI's default, all the context the prompt leaves.
+    with running_server(serve_config(serve={"default_max_tokens": None})) as server:
+        chat["messages"] = [{"role": "user", "content": "x" * 1900}]
+        body = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60).json()
+        assert body["usage"]["total_tokens"] == 2048 and body["choices"][0]["finish_reason"] == "length"
 
 
 def test_unknown_fields_and_guidellm_body_are_accepted(live: LiveServer) -> None:
