@@ -11,12 +11,13 @@ experiments/ may import experiments.stats (tests/test_architecture.py).
 
 from __future__ import annotations
 
+import json
 import math
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from experiments.stats import compare, t_interval
+from experiments.stats import UNIT, Range, compare, t_interval
 from preempt.bench.early import (
     ASYNC_MODES,
     COLLECT,
@@ -217,11 +218,31 @@ set's LSTM reads forecast_k4; the length model filters the projection)."""
 TARGETS = {"stall_hidden": 0.80, "waste_share": 0.30, "oracle_lead": 0.10}
 """Issue 15's targets: hidden >= 0.80, waste <= 0.30, the LSTM within 0.10 of the oracle."""
 
+RANGES: dict[str, Range] = {
+    "stall_hidden": (-math.inf, 1.0),
+    "waste_share": UNIT,
+    "oracle_lead": (-math.inf, math.inf),
+    "minus_stall_hidden": (-math.inf, math.inf),
+    "minus_waste_share": (-1.0, 1.0),
+}
+"""What each summarized quantity can take, so its interval is clipped to it
+(experiments.stats: the same coverage of a mean that lies in the range). `waste_share`
+(wasted / early-saved bytes) is a share; `stall_hidden` = 1 - stall / stall of `none`
+is at most 1 and negative when an arm stalls more than `none`; differences of two
+hidden shares are unbounded, of two waste shares in [-1, 1]."""
+
+INTERVAL = (
+    "95% Student-t intervals clipped to each quantity's range (waste share to [0, 1], stall "
+    "hidden to at most 1, a difference of waste shares to [-1, 1])"
+)
+"""The interval every `--windows` summary shows, as its table says it."""
+
 
 def summarize_windows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per mode and arm of `bench_early_windows`' rows: the mean over windows (of the mean
     over checkpoints for the LSTM arms) of `stall_hidden` and `waste_share`, each with its
-    95% Student-t interval over windows; for the LSTM arms where the oracle ran, the
+    95% Student-t interval over windows clipped to its range (`RANGES`, `INTERVAL`); for
+    the LSTM arms where the oracle ran, the
     oracle's lead in `stall_hidden`, paired by window; each learned arm minus the forecast
     it builds on (`LEARNED_OVER`; hidden and waste, paired by window, no target); a verdict per target
     (`TARGETS`): 'held' / 'did not hold' when the whole interval is on one side, else None."""
@@ -231,8 +252,8 @@ def summarize_windows(rows: list[dict[str, Any]]) -> dict[str, Any]:
         values = [v for v in values if v is not None]
         return sum(values) / len(values) if values else math.nan
 
-    def interval(values: list[float]) -> dict[str, Any]:
-        iv = t_interval(values)
+    def interval(values: list[float], key: str) -> dict[str, Any]:
+        iv = t_interval(values, bounds=RANGES[key])
         out: dict[str, Any] = {
             k: None if math.isnan(v) else round(v, 4)
             for k, v in (("mean", iv.mean), ("lo", iv.lo), ("hi", iv.hi))
@@ -241,7 +262,9 @@ def summarize_windows(rows: list[dict[str, Any]]) -> dict[str, Any]:
         return {**out, "n": iv.num, "num_nan": iv.num_nan}
 
     def judged(values: list[float], key: str, claimed: str) -> dict[str, Any]:
-        return {**interval(values), "verdict": compare(t_interval(values), TARGETS[key], claimed=claimed)}
+        # Clipping to the range moves no verdict: every target lies inside its range.
+        iv = t_interval(values, bounds=RANGES[key])
+        return {**interval(values, key), "verdict": compare(iv, TARGETS[key], claimed=claimed)}
 
     summary: dict[str, Any] = {}
     for mode in dict.fromkeys(row["mode"] for row in rows):
@@ -266,7 +289,9 @@ def summarize_windows(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 # What the learned part adds to the forecast it reads (no target): arm
                 # minus that forecast, paired by window.
                 entry[f"minus_{base}"] = {
-                    key: interval([mean_of(row, arm, key) - mean_of(row, base, key) for row in of_mode])
+                    key: interval(
+                        [mean_of(row, arm, key) - mean_of(row, base, key) for row in of_mode], f"minus_{key}"
+                    )
                     for key in ("stall_hidden", "waste_share")
                 }
             summary[mode][arm] = entry
@@ -276,7 +301,9 @@ def summarize_windows(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def render_windows(result: dict[str, Any]) -> str:
     """`bench_early_windows`' summary as markdown: per mode, each arm's stall hidden and
     early bytes wasted (means over windows, 95% intervals, verdicts against `TARGETS`),
-    and what each learned arm adds to the forecast it builds on (`LEARNED_OVER`)."""
+    and what each learned arm adds to the forecast it builds on (`LEARNED_OVER`). The
+    summary is computed again from the windows' rows, so a result written before the
+    intervals were clipped (`INTERVAL`) shows them clipped too."""
 
     def cell(entry: dict[str, Any] | None, digits: int = 3) -> str:
         if entry is None or entry.get("mean") is None:
@@ -287,13 +314,15 @@ def render_windows(result: dict[str, Any]) -> str:
         verdict = entry.get("verdict")
         return text + (f" ({verdict})" if verdict else "")
 
+    summary = summarize_windows(result["windows"]) if "windows" in result else result["summary"]
     lines = [
         f"{result['workload']}; max_tokens `{result.get('max_tokens_mode', '?')}`; restores "
         "asynchronous, hidden against the same window's synchronous `none`. Targets: hidden >= "
-        f"{TARGETS['stall_hidden']}, waste <= {TARGETS['waste_share']}.",
+        f"{TARGETS['stall_hidden']}, waste <= {TARGETS['waste_share']}. Means over windows with "
+        f"{INTERVAL}; a verdict only when the whole interval is on one side of its target.",
         "",
     ]
-    for mode, arms in result["summary"].items():
+    for mode, arms in summary.items():
         if not arms:
             continue  # no arm ran in this mode (the oracle runs in swap only)
         lines += [
@@ -313,3 +342,20 @@ def render_windows(result: dict[str, Any]) -> str:
             )
         lines.append("")
     return "\n".join(lines)
+
+
+RESULTS_DIR = Path("runs/bench/early_windows")
+"""Where `preempt bench early --windows` writes its results unless `--out` says."""
+
+
+def write_windows(result: dict[str, Any], out: Path, command: str) -> list[Path]:
+    """`result` as `out`/result.json (what `--json` prints, `preempt report --early` reads)
+    and `out`/results.md (`render_windows`, headed by `command`); returns both paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    data = out / "result.json"
+    data.write_text(json.dumps(result, indent=2) + "\n")
+    table = out / "results.md"
+    table.write_text(
+        f"# Early saves over held-out windows\n\nGenerated by `{command}`.\n\n{render_windows(result)}\n"
+    )
+    return [data, table]

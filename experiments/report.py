@@ -1,4 +1,5 @@
-"""`docs/results.md` from ablation outputs: `preempt report --quick DIR [--paper DIR2] --out F`.
+"""The results page from ablation outputs: `preempt report --quick DIR [--paper DIR2] [--out F]`
+(F: runs/report/results.md; the published page is docs/results.md, `make results`).
 
 Owns: the generated report: the claims at a glance, one claims table per source and grid
 point (measured value, verdict; the claims themselves and how each is measured are
@@ -49,12 +50,18 @@ class Source:
     summary: list[dict[str, Any]] | None = None  # summary.csv: points with intervals (seeds)
 
     @classmethod
-    def load(cls, label: str, path: str | Path) -> Source:
+    def load(cls, flag: str, path: str | Path, taken: Sequence[str] = ()) -> Source:
+        """The ablation in `path` (passed as `--flag`), labelled by its config's name (its
+        ablation.json, `preempt ablate`'s), else by `flag`; a label in `taken` gets the
+        directory's name after it."""
         path = Path(path)
         for name in ("results.csv", "ablation.json"):
             if not (path / name).is_file():
-                raise FileNotFoundError(f"--{label}: {path / name} not found (run `preempt ablate` first)")
+                raise FileNotFoundError(f"--{flag}: {path / name} not found (run `preempt ablate` first)")
         info = json.loads((path / "ablation.json").read_text())
+        label = str(info.get("name") or flag)
+        if label in taken:
+            label = f"{label}-{path.name}"
         configs = {run["run"]: run["config"] for run in info["runs"]}
         rows = read_csv(path / "results.csv")
         for row in rows:
@@ -63,6 +70,17 @@ class Source:
                 row[key] = "" if _nan(row.get(key)) else row.get(key, "")
         summary = read_csv(path / "summary.csv") if (path / "summary.csv").is_file() else None
         return cls(label, path, info, rows, summary)
+
+    def plots(self) -> list[Path]:
+        """The plots the report shows for this ablation (the rest stay in its run directory)."""
+        # A sweep's per-point plots (CDFs, bars: ~25 a point) stay in its run directory; the
+        # report shows the lines against its axis, with bands. A grid of several axes has one
+        # such plot per combination of the others (48 for regimes.yaml): those stay too, and
+        # its table (docs/regimes.md) is the summary.
+        grid = self.info.get("grid") or {}
+        axes = [key for key, values in grid.items() if len(values) > 1]
+        pattern = "*.png" if not grid else "sweep_*.png" if len(axes) <= 1 else None
+        return sorted((self.path / "plots").glob(pattern)) if pattern else []
 
     def points(self) -> list[tuple[str, Arms, list[dict[str, Any]], list[dict[str, Any]] | None]]:
         """(grid point label, arm -> its rows over seeds, rows, summary rows or None) per
@@ -88,14 +106,7 @@ class Source:
 
 
 def _copy_plots(source: Source, images_dir: Path, link_base: Path) -> list[tuple[str, str]]:
-    # A sweep's per-point plots (CDFs, bars: ~25 a point) stay in its run directory; the
-    # report shows the lines against its axis, with bands. A grid of several axes has one
-    # such plot per combination of the others (48 for regimes.yaml): those stay too, and
-    # its table (docs/regimes.md) is the summary.
-    grid = source.info.get("grid") or {}
-    axes = [key for key, values in grid.items() if len(values) > 1]
-    pattern = "*.png" if not grid else "sweep_*.png" if len(axes) <= 1 else None
-    plots = sorted((source.path / "plots").glob(pattern)) if pattern else []
+    plots = source.plots()
     target = images_dir / source.label
     if target.exists():
         shutil.rmtree(target)  # stale plots of an earlier report must not linger
@@ -129,6 +140,8 @@ def render(
     by_source = {
         s.label: [c for c in columns if c == s.label or c.startswith(s.label + " (")] for s in sources
     }
+    images_dir = out.parent / out.stem
+    links = {source.label: _copy_plots(source, images_dir, out.parent) for source in sources}
 
     lines = [
         "# Results",
@@ -138,7 +151,10 @@ def render(
         + ". Do not edit by hand: rerun the ablations and this command. Every number the article "
         "claims is a hypothesis here; each row says what we measured and whether it held. "
         "Values are means over seeds with 95% intervals `[lo, hi]` (Student t, clipped to the "
-        "metric's range; differences between arms are paired by seed); a claim is `held` or "
+        "metric's range: a share to [0, 1], a time, count or rate to [0, inf), a relative change "
+        "`a / b - 1` to [-100%, inf), a reduction `1 - a / b` to (-inf, 100%]; differences between "
+        "arms are paired by seed, in the metric's units, and not clipped; a ratio of two paired means "
+        "has Fieller's interval, shown only where it is bounded); a claim is `held` or "
         "`did not hold` only when the "
         "interval lies on one side of its bound, otherwise `inconclusive` with the interval; "
         "`idle` where the mechanism never acted at that point (no priority preemption, a cap never "
@@ -154,8 +170,8 @@ def render(
         cells = [_glance([verdicts[claim.key][c].verdict for c in cols]) for cols in by_source.values()]
         regime = claim.regime or "–"
         lines.append(f"| {claim.text} | {claim.source} | " + " | ".join(cells) + f" | {regime} |")
+    lines += ["", *_main_figure(links)]
     lines += [
-        "",
         "## What to run where",
         "",
         "Per regime (a sweep point), from the leaderboard ([leaderboard.md](leaderboard.md), beside "
@@ -191,7 +207,6 @@ def render(
             )
         lines.append("")
 
-    images_dir = out.parent / out.stem
     for source in sources:
         info = source.info
         lines += [
@@ -218,15 +233,37 @@ def render(
         notes = [(r["run"], r["notes"]) for r in source.rows if r.get("notes")]
         if notes:
             lines += ["Notes:", ""] + [f"- `{run}`: {note}" for run, note in notes] + [""]
-        links = _copy_plots(source, images_dir, out.parent)
-        if links:
-            lines += ["Plots:", ""] + [f"![{stem}]({link})" for stem, link in links] + [""]
+        if links[source.label]:
+            lines += ["Plots:", ""] + [f"![{stem}]({link})" for stem, link in links[source.label]] + [""]
         else:
             lines += [
                 f"Plots: `{source.path}/plots/` (not copied: one per combination of the grid's axes).",
                 "",
             ]
     return "\n".join(lines)
+
+
+def _main_figure(links: dict[str, list[tuple[str, str]]]) -> list[str]:
+    """The report's one figure on its first screen, with its caption: the load sweep's
+    goodput against load, else the first sweep's goodput plot, else an ablation's goodput
+    bars, else its first plot; no lines when no plot was copied."""
+    figures = [(label, stem, link) for label, plots in links.items() for stem, link in plots]
+
+    def rank(figure: tuple[str, str, str]) -> int:
+        label, stem, _ = figure
+        if stem.startswith("sweep_goodput"):
+            return 0 if label == "load" else 1
+        return 2 if stem == "goodput" else 3
+
+    if not figures:
+        return []
+    label, stem, link = min(figures, key=rank)  # min keeps the first of equal rank
+    return [
+        f"![{stem}]({link})",
+        "",
+        f"`{stem}` of the `{label}` ablation (every plot is in its section below).",
+        "",
+    ]
 
 
 def _glance(verdicts: list[str]) -> str:
@@ -242,7 +279,9 @@ def _glance(verdicts: list[str]) -> str:
     return ", ".join(f"{v} {n}/{len(verdicts)}" for v, n in counts.items())
 
 
-def _write_leaderboard(sources: list[Source], path: Path, command: str, design_arms: tuple[str, ...]) -> None:
+def _write_leaderboard(
+    sources: list[Source], path: Path, command: str, design_arms: tuple[str, ...], report_path: Path
+) -> None:
     images = path.parent / path.stem
     if images.exists():
         shutil.rmtree(images)  # stale plots of an earlier report must not linger
@@ -254,7 +293,7 @@ def _write_leaderboard(sources: list[Source], path: Path, command: str, design_a
     body = leaderboard_markdown(sections, images, path.parent, design_arms)
     path.write_text(
         "# Leaderboard\n\n"
-        f"Generated by `{command}` with the report (docs/results.md): every policy at every point "
+        f"Generated by `{command}` with the report ({report_path}): every policy at every point "
         "of every ablation, best goodput first. Means over seeds with 95% intervals (Student t, "
         "clipped to the metric's range); `dominated by` lists the arms that beat it on goodput, the "
         "top class's TTFT p99 or its SLO attainment by a paired interval and are worse on none "
@@ -272,28 +311,27 @@ def report(
     sweeps: list[str | Path] = (),
     early: str | Path | None = None,
     compare: Sequence[str] = (),
-) -> Path:
+) -> list[Path]:
     """Write the report to `out` (plots copied to `out`'s stem directory) and the
     leaderboard beside it (`leaderboard.md`, its Pareto plots under `leaderboard/`);
-    returns `out`. `sweeps`: more ablation directories (regime sweeps), each judged per
-    grid point and labelled by its ablation's name. `early`: a `preempt bench early
-    --windows --json` result, shown as the early-save policies side by side. `compare`:
-    a user's own arms, judged against every named baseline by the design's two claims
-    (experiments.claims.design_claims) and shown in "what to run where"."""
+    returns every file and folder written. Each ablation is labelled by its config's
+    name (`Source.load`). `sweeps`: more ablation directories (regime sweeps), each
+    judged per grid point. `early`: a `preempt bench early --windows` result (its
+    result.json, or what `--json` prints), shown as the early-save policies side by side.
+    `compare`: a user's own arms, judged against every named baseline by the design's two
+    claims (experiments.claims.design_claims) and shown in "what to run where"."""
     out = Path(out)
     extra = [arm for arm in compare if arm not in DESIGN_ARMS]
     design_arms = (*DESIGN_ARMS, *extra)
     claims = [*CLAIMS, *(claim for arm in extra for claim in design_claims(arm))]
     sources = [Source.load("quick", quick)]
-    if paper is not None:
-        sources.append(Source.load("paper", paper))
-    for path in sweeps:
-        source = Source.load("sweep", path)
-        sources.append(Source.load(source.info.get("name", Path(path).name), path))
+    for flag, path in [("paper", paper)] * (paper is not None) + [("sweep", path) for path in sweeps]:
+        sources.append(Source.load(flag, path, taken=[source.label for source in sources]))
     out.parent.mkdir(parents=True, exist_ok=True)
     command = command or f"preempt report --quick {quick} --out {out}"
     text = render(sources, out, command, claims, design_arms)
-    _write_leaderboard(sources, out.parent / "leaderboard.md", command, design_arms)
+    leaderboard = out.parent / "leaderboard.md"
+    _write_leaderboard(sources, leaderboard, command, design_arms, out)
     if paper is None:
         text += (
             "\n## Paper ablation\n\nNot run for this report: `preempt ablate --config "
@@ -301,8 +339,6 @@ def report(
             "(docs/regimes.md: its time on N Ray workers), then add `--paper runs/ablate-paper`.\n"
         )
     if early is not None:
-        import json
-
         from experiments.early_windows import render_windows
 
         result = json.loads(Path(early).read_text())
@@ -310,8 +346,10 @@ def report(
         text += (
             "\n## Early saves, side by side\n\n"
             f"`preempt bench early --windows` over {num_windows} held-out windows: with so few, the "
-            "Student-t intervals are wide and can leave [0, 1]; docs/predictor.md has the study "
-            "over four windows and three training seeds.\n\n" + render_windows(result)
+            "intervals are wide; docs/predictor.md has the study over four windows and three training "
+            "seeds.\n\n" + render_windows(result)
         )
     out.write_text(text)
-    return out
+    images = [out.parent / out.stem] if any(source.plots() for source in sources) else []
+    pareto = leaderboard.parent / leaderboard.stem  # removed and written again: there iff plotted
+    return [out, *images, leaderboard, *([pareto] if pareto.is_dir() else [])]

@@ -46,6 +46,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ("max-tokens", args.max_tokens),
         ("lengths", args.lengths),
         ("modes", args.modes),
+        ("out", args.out),
     ):
         if value is not None and not args.windows:
             print(f"preempt: error: --{flag} applies to `bench early --windows` only", file=sys.stderr)
@@ -109,10 +110,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"preempt: error: {err}", file=sys.stderr)
         return 2
 
+    if args.windows:
+        return _print_windows(result, args)
     if args.json:
         print(json.dumps(result))
     else:
         print(json.dumps(result, indent=2))
+    return 0
+
+
+def _print_windows(result: dict[str, Any], args: argparse.Namespace) -> int:
+    """`bench early --windows`: the table on stdout (`--json`: the result, compact), and
+    both written to `--out`; the paths written on stdout (`--json`: on stderr)."""
+    from experiments.early_windows import RESULTS_DIR, render_windows, write_windows
+
+    out = args.out or RESULTS_DIR
+    flags = [("--model", args.model), ("--trace", args.trace), ("--arms", args.arms)]
+    flags += [("--max-tokens", args.max_tokens), ("--lengths", args.lengths), ("--modes", args.modes)]
+    command = " ".join(
+        ["preempt bench early --windows", *(["--quick"] if args.quick else [])]
+        + [f"{flag} {value}" for flag, value in flags if value is not None]
+        + [f"--out {out}"]
+    )
+    paths = write_windows(result, out, command)
+    print(json.dumps(result) if args.json else render_windows(result))
+    for path in paths:
+        print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

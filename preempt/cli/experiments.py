@@ -95,7 +95,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     paper += "".join(f" --compare {arm}" for arm in args.compare)
     command = f"preempt report --quick {args.quick}{paper} --out {args.out}"
     try:
-        path = report(
+        paths = report(
             args.quick,
             args.out,
             paper=args.paper,
@@ -107,5 +107,6 @@ def cmd_report(args: argparse.Namespace) -> int:
     except FileNotFoundError as err:
         print(f"preempt: error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {path}")
+    for path in paths:
+        print(f"wrote {path}{'/' if path.is_dir() else ''}")
     return 0

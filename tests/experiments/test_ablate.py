@@ -115,8 +115,9 @@ def test_report_judges_every_claim(smoke, tmp_path):
     for claim in CLAIMS:
         assert claim.text in text
     assert "Do not edit by hand" in text and "not measured by this run" in text  # early_lstm absent
-    assert (tmp_path / "docs" / "results" / "quick" / "ttft_cdf.png").is_file()
-    assert "](results/quick/ttft_cdf.png)" in text
+    # labelled by the config's name (smoke.yaml), though passed as --quick
+    assert (tmp_path / "docs" / "results" / "smoke" / "ttft_cdf.png").is_file()
+    assert "](results/smoke/ttft_cdf.png)" in text
 
 
 def _write(tmp_path: Path, **changes) -> Path:

@@ -1,11 +1,14 @@
 """`preempt bench early --windows` (experiments/early_windows.py): the summary judges each
-target by its interval over windows."""
+target by its interval over windows, clipped to each quantity's range; the command prints
+a table and writes its results."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from experiments.early_windows import summarize_windows
+from experiments.early_windows import INTERVAL, render_windows, summarize_windows
 
 
 def test_windows_summary_judges_each_target_by_its_interval():
@@ -143,3 +146,80 @@ def test_arms_picks_what_runs_and_what_is_judged(monkeypatch):
     assert ran == ["none", "projection"] * 2 and list(result["summary"]) == ["swap"]
     with pytest.raises(ValueError, match="--modes: choose from swap, swap_zstd"):
         windows.bench_early_windows(True, [], arms=["projection"], modes=("pause",))
+
+
+def _two_windows(waste: tuple[float, float], hidden: tuple[float, float]) -> list[dict]:
+    return [
+        {
+            "mode": "swap",
+            "window_s": [i, i + 1],
+            "arms": {
+                "none_sync": {"stall_total_s": 1.0},
+                "rule": {"stall_hidden": hidden[i], "waste_share": waste[i]},
+                "projection": {"stall_hidden": hidden[i], "waste_share": waste[i]},
+                "projection_learned": {"stall_hidden": hidden[i] - 0.5, "waste_share": 1 - waste[i]},
+            },
+        }
+        for i in range(2)
+    ]
+
+
+def test_windows_intervals_stay_in_each_quantitys_range():
+    """Two windows far apart (t = 12.7 at n = 2): a waste share's interval is clipped to
+    [0, 1], stall hidden's to at most 1; differences of waste shares to [-1, 1]; the
+    verdicts are those of the unclipped interval (every target is inside its range)."""
+    summary = summarize_windows(_two_windows(waste=(0.1, 0.9), hidden=(0.6, 0.99)))["swap"]
+    waste, hidden = summary["rule"]["waste_share"], summary["rule"]["stall_hidden"]
+    assert (waste["lo"], waste["hi"]) == (0.0, 1.0) and waste["mean"] == pytest.approx(0.5)
+    assert hidden["hi"] == 1.0 and hidden["lo"] < 0.6 and hidden["verdict"] is None
+    added = summary["projection_learned"]["minus_projection"]
+    assert (added["waste_share"]["lo"], added["waste_share"]["hi"]) == (-1.0, 1.0)
+    assert added["stall_hidden"]["hi"] < 0  # -0.5 every window: a difference, not clipped
+
+
+def test_windows_table_names_its_interval_and_reclips_an_old_result():
+    """A result written before the intervals were clipped (its summary out of [0, 1])
+    is shown with its summary computed again from the windows."""
+    rows = _two_windows(waste=(0.1, 0.9), hidden=(0.6, 0.99))
+    old = {"workload": "w", "windows": rows, "summary": {"swap": {"rule": {
+        "stall_hidden": {"mean": 0.795, "lo": -1.68, "hi": 3.27},
+        "waste_share": {"mean": 0.5, "lo": -0.70, "hi": 2.45},
+    }}}}  # fmt: skip
+    text = render_windows(old)
+    assert INTERVAL in text and "-0.700" not in text and "2.450" not in text
+    assert "| rule | 0.795 [" in text and "0.500 [0.000, 1.000]" in text
+
+
+def _result(monkeypatch) -> None:
+    import experiments.early_windows as windows
+
+    def fake(quick, models, trace, arms, *rest):
+        rows = _two_windows(waste=(0.1, 0.2), hidden=(0.8, 0.9))
+        return {"workload": "fake", "windows": rows, "summary": summarize_windows(rows)}
+
+    monkeypatch.setattr(windows, "bench_early_windows", fake)
+
+
+def test_bench_early_windows_prints_a_table_and_writes_its_results(monkeypatch, tmp_path, capsys):
+    from preempt.cli import main
+
+    _result(monkeypatch)
+    out = tmp_path / "early"
+    assert main(["bench", "early", "--windows", "--quick", "--arms", "rule", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| rule |" in printed and INTERVAL in printed and not printed.lstrip().startswith("{")
+    assert f"wrote {out / 'result.json'}" in printed and f"wrote {out / 'results.md'}" in printed
+    assert json.loads((out / "result.json").read_text())["workload"] == "fake"
+    table = (out / "results.md").read_text()
+    assert "| rule |" in table and f"--arms rule --out {out}`" in table
+    # --json: the result alone on stdout (the main job redirects it to a file)
+    assert main(["bench", "early", "--windows", "--arms", "rule", "--json", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["workload"] == "fake" and f"wrote {out / 'result.json'}" in captured.err
+
+
+def test_out_applies_to_bench_early_windows_only(capsys):
+    from preempt.cli import main
+
+    assert main(["bench", "early", "--out", "x"]) == 2
+    assert "--out applies to `bench early --windows` only" in capsys.readouterr().err

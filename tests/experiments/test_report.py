@@ -1,23 +1,34 @@
 """The claims' judges on hand-made results: a verdict follows the intervals and the twins
-that ran, and a mechanism that never acted is `idle`, not evidence either way."""
+that ran, and a mechanism that never acted is `idle`, not evidence either way. The report
+on hand-made ablations: where it writes, what it prints, how it labels, its first screen."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
+import pytest
+
 from experiments.claims import (
+    CLAIMS,
     HELD,
     IDLE,
     INCONCLUSIVE,
     NOT_HELD,
     NOT_MEASURED,
+    Claim,
+    Finding,
     _as_strict,
     _front,
     _rate_limit,
+    _threshold,
     _vip,
     _zero_copy,
 )
-from experiments.report import _glance
+from experiments.report import _glance, report
+from experiments.tables import write_csv
+from preempt.cli import main
 
 
 def _rows(arm: str, cap: int | None = 30, **metrics: list[float]) -> list[dict[str, Any]]:
@@ -158,3 +169,112 @@ def test_glance_counts_idle_points_apart():
     assert _glance([HELD, IDLE, IDLE]) == "held 1/3, idle 2/3"
     assert _glance([INCONCLUSIVE]) == INCONCLUSIVE
     assert _glance([NOT_MEASURED, NOT_MEASURED]) == "–" and _glance([NOT_MEASURED]) == NOT_MEASURED
+
+
+def test_relative_changes_are_clipped_and_strict_priority_is_judged_by_a_difference():
+    """The report's header says every interval is clipped to its range: a relative change
+    `a / b - 1` to [-100%, inf); the strict-priority comparison, whose ratio no range
+    bounds usefully, is a difference in seconds."""
+    goodput = {"threshold_0": [10.0, 1.0, 10.0], "score": [1.0, 10.0, 1.0], "threshold_50": [1.0, 10.0, 1.0]}
+    arms = {
+        name: _rows(name, goodput_req_s=g, sla2_ttft_p99_s=[1.0, 1.0, 1.0]) for name, g in goodput.items()
+    }
+    assert "0.2 vs 0: +240.0% [-100.0%, +" in _threshold(arms).measured  # t alone: -663%
+
+    def arm(name: str, ttft: list[float]) -> list[dict[str, Any]]:
+        return _rows(name, sla2_ttft_p99_s=ttft, num_priority_preemptions=[3] * len(ttft))
+
+    # A strict-priority TTFT near 0 in one seed: the mean ratio would be +1,000s of percent.
+    strict, design = arm("vllm_priority", [0.01, 1.0, 2.0]), arm("score", [5.0, 1.2, 2.1])
+    finding = _as_strict("score")({"vllm_priority": strict, "score": design})
+    assert "%" not in finding.measured and "score - 1.1 x vllm_priority 1.66 [" in finding.measured
+    assert finding.verdict == INCONCLUSIVE
+
+
+def _ablation(path: Path, name: str, plots: tuple[str, ...], grid: dict | None = None) -> Path:
+    """A minimal `preempt ablate` output: results.csv, ablation.json and plots."""
+    rows = [
+        {**row, "parent": "", "notes": "", "sla2_slo_attainment": 0.9}
+        | {key.rsplit(".", 1)[-1]: values[0] for key, values in (grid or {}).items()}
+        for arm in ("vllm_fcfs", "vllm_priority", "score")
+        for row in _rows(arm, goodput_req_s=[3.0, 3.1, 3.2], sla2_ttft_p99_s=[1.0, 1.2, 1.1])
+    ]
+    configs = [{"run": row.pop("run"), "config": row.pop("_config")} for row in rows]
+    for row, config in zip(rows, configs, strict=True):
+        row["run"] = config["run"]
+    path.mkdir(parents=True)
+    write_csv(rows, path / "results.csv")
+    info = {"name": name, "source": f"{name}.yaml", "runs": configs, **({"grid": grid} if grid else {})}
+    (path / "ablation.json").write_text(json.dumps(info))
+    (path / "plots").mkdir()
+    for stem in plots:
+        (path / "plots" / f"{stem}.png").write_bytes(b"\x89PNG")
+    return path
+
+
+@pytest.fixture
+def claims_alike(monkeypatch):
+    """As many claims as the report has, none measured (the hand-made rows lack their
+    metrics): the glance table as long as the real one."""
+    import experiments.report as report_module
+
+    fake = [
+        Claim(f"c{i}", "here", f"claim {i}", "how", lambda arms: Finding("–", NOT_MEASURED))
+        for i in range(len(CLAIMS))
+    ]
+    monkeypatch.setattr(report_module, "CLAIMS", fake)
+
+
+def test_report_writes_beside_out_prints_every_path_and_labels_ablations_by_name(
+    tmp_path, capsys, claims_alike
+):
+    smoke = _ablation(tmp_path / "runs" / "smoke", "smoke", ("goodput", "ttft_cdf"))
+    load = _ablation(
+        tmp_path / "runs" / "load",
+        "load",
+        ("sweep_goodput_req_s_vs_rate_scale", "sweep_ttft_p99_s_vs_rate_scale"),
+        grid={"workload.rate_scale": [1.0]},
+    )
+    out = tmp_path / "report" / "results.md"
+    assert main(["report", "--quick", str(smoke), "--sweep", str(load), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    written = sorted(p for p in out.parent.iterdir())
+    assert printed == [
+        f"wrote {out}",
+        f"wrote {out.parent / 'results'}/",
+        f"wrote {out.parent / 'leaderboard.md'}",
+    ] + [f"wrote {p}/" for p in written if p.name == "leaderboard"]
+    assert {line.split()[1].rstrip("/") for line in printed} == {str(p) for p in written}
+    text = out.read_text()
+    # labelled by its config's name, not by the flag it came with
+    assert (
+        "| claim | source | smoke | load |" in text
+        and (out.parent / "results" / "smoke" / "goodput.png").is_file()
+    )
+    assert "| quick |" not in text
+    # the report's first screen: verdicts, then the load sweep's goodput against load
+    lines = text.splitlines()
+    figure = lines.index(
+        "![sweep_goodput_req_s_vs_rate_scale](results/load/sweep_goodput_req_s_vs_rate_scale.png)"
+    )
+    assert figure < 40 and figure < lines.index("## What to run where")
+    assert "clipped to the metric's range" in text and "a relative change `a / b - 1` to [-100%, inf)" in text
+
+
+def test_report_without_a_load_sweep_shows_the_ablations_goodput_and_names_a_clash(tmp_path, claims_alike):
+    first = _ablation(tmp_path / "a" / "quick", "quick", ("bytes_saved", "goodput"))
+    again = _ablation(tmp_path / "b" / "quick", "quick", ("goodput",))  # the same config twice
+    out = tmp_path / "results.md"
+    paths = report(first, out, sweeps=[again])
+    assert paths[:3] == [out, tmp_path / "results", tmp_path / "leaderboard.md"]
+    lines = out.read_text().splitlines()
+    assert lines.index("![goodput](results/quick/goodput.png)") < 40
+    assert "| claim | source | quick | quick-quick | where its mechanism binds |" in lines
+    assert (tmp_path / "results" / "quick-quick" / "goodput.png").is_file()
+
+
+def test_report_defaults_to_runs_not_the_published_page():
+    from preempt.cli.parser import build_parser
+
+    args = build_parser().parse_args(["report", "--quick", "runs/main/ablate"])
+    assert args.out == Path("runs/report/results.md")
