@@ -120,10 +120,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _print_windows(result: dict[str, Any], args: argparse.Namespace) -> int:
-    """`bench early --windows`: the table on stdout (`--json`: the result, compact), and
-    both written to `--out`; the paths written on stdout (`--json`: on stderr)."""
+    """`bench early --windows`: the table on stdout and both written to `--out`, then the
+    paths written. `--json`: the result alone on stdout, compact, and files only with an
+    explicit `--out` (their paths on stderr): scripts run several at once, each to its own
+    file, and must not race on the default folder."""
     from experiments.early_windows import RESULTS_DIR, render_windows, write_windows
 
+    if args.json and args.out is None:
+        print(json.dumps(result))
+        return 0
     out = args.out or RESULTS_DIR
     flags = [("--model", args.model), ("--trace", args.trace), ("--arms", args.arms)]
     flags += [("--max-tokens", args.max_tokens), ("--lengths", args.lengths), ("--modes", args.modes)]

@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         type=Path,
         help="early --windows: the folder it writes result.json (what --json prints) and "
-        "results.md (the table) to (runs/bench/early_windows)",
+        "results.md (the table) to (runs/bench/early_windows; with --json, none unless given)",
     )
     bench.add_argument(
         "--http",

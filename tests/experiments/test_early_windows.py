@@ -212,10 +212,18 @@ def test_bench_early_windows_prints_a_table_and_writes_its_results(monkeypatch, 
     assert json.loads((out / "result.json").read_text())["workload"] == "fake"
     table = (out / "results.md").read_text()
     assert "| rule |" in table and f"--arms rule --out {out}`" in table
-    # --json: the result alone on stdout (the main job redirects it to a file)
+    # --json: the result alone on stdout (the main job redirects it to a file); files only
+    # with an explicit --out (scripts run several at once)
     assert main(["bench", "early", "--windows", "--arms", "rule", "--json", "--out", str(out)]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["workload"] == "fake" and f"wrote {out / 'result.json'}" in captured.err
+    monkeypatch.chdir(tmp_path / "early")
+    assert main(["bench", "early", "--windows", "--arms", "rule", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["workload"] == "fake" and not captured.err
+    assert not (tmp_path / "early" / "runs").exists()
+    assert main(["bench", "early", "--windows", "--arms", "rule"]) == 0  # the table: to runs/
+    assert (tmp_path / "early" / "runs" / "bench" / "early_windows" / "results.md").is_file()
 
 
 def test_out_applies_to_bench_early_windows_only(capsys):
