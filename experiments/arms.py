@@ -118,6 +118,21 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
         "within an SLA level but never lifts one over a level (at the quick weights 0.05/s x 10 s "
         "= 0.5 < 0.8 a level); the suspect in the top class's TTFT p99 against strict priority",
     ),
+    Arm(
+        "score_learned",
+        "score",
+        {"preemption.remaining": "learned"},
+        "the design with a learned estimate of the remaining output (preempt.engine.remaining: "
+        "expected output left given prompt length, cap and tokens so far, fitted outside the "
+        "replayed window, re-estimated every token) instead of what max_tokens allows",
+    ),
+    Arm(
+        "score_oracle",
+        "score",
+        {"preemption.remaining": "oracle"},
+        "oracle: the design told each request's true output length (an upper bound on what "
+        "length knowledge is worth to it)",
+    ),
     Arm("threshold_0", "score", {"preemption.threshold": 0.0}, "score with no margin (sensitivity)"),
     Arm("threshold_50", "score", {"preemption.threshold": 0.5}, "score with a 50% margin (sensitivity)"),
     Arm(
@@ -237,6 +252,20 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
         "FastServe (arXiv 2305.05920; its artifact's rules, docs/fastserve.md): skip-join MLFQ at "
         "iteration granularity, starvation promotion, KV kept on the GPU until needed, swapped out "
         "raw and in ahead",
+    ),
+    Arm(
+        "srpt",
+        "vllm_fcfs",
+        {"scheduler.policy": "srpt", "preemption.remaining": "learned"},
+        "the length-aware baseline (docs/srpt.md): shortest learned remaining work first "
+        "(Fu et al. 2024; Trail, ICLR 2025), a 5 s starvation guard, preemption only in the "
+        "first half of a request's expected output, recompute; no SLA classes",
+    ),
+    Arm(
+        "srpt_oracle",
+        "srpt",
+        {"preemption.remaining": "oracle"},
+        "oracle: srpt told each request's true output length (an upper bound)",
     ),
     Arm(
         "early_always",

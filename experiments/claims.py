@@ -27,7 +27,7 @@ from experiments.dominance import (
     paired_interval,
     top_level,
 )
-from experiments.stats import Interval, compare, metric_range, t_interval
+from experiments.stats import Interval, compare, metric_range, ratio_interval, t_interval
 from experiments.tables import metric_fingerprint
 
 HELD, NOT_HELD, INCONCLUSIVE, IDLE, NOT_MEASURED = (
@@ -552,6 +552,62 @@ def _zstd_ratio(arms: Arms) -> Finding:
     return Finding("no swap_zstd save on real KV (the null backend uses the configured ratio)", NOT_MEASURED)
 
 
+# The metrics length knowledge is judged on: goodput and the top class's SLO attainment.
+SHARE_METRICS = (("goodput_req_s", "goodput"), ("sla{top}_slo_attainment", "top-class SLO attainment"))
+SHARE_TARGET = 0.5
+
+
+def _oracle_share(without: str, learned: str, oracle: str) -> Callable[[Arms], Finding]:
+    """The share of the oracle's advantage over `without` (remaining work from max_tokens)
+    that `learned` recovers: mean(learned - without) / mean(oracle - without), paired by
+    seed, with Fieller's interval (experiments.stats.ratio_interval). Per metric: held
+    when the interval is above SHARE_TARGET, did not hold when below; a metric where the
+    oracle's own advantage is not clear of 0 decides nothing."""
+
+    def evaluate(arms: Arms) -> Finding:
+        rows = paired(arms, without, learned, oracle)
+        if rows is None:
+            return _missing(arms, without, learned, oracle)
+        base, mid, best = rows
+        top = top_level(base)
+        parts, decisions = [], []
+        for template, label in SHARE_METRICS:
+            key = template.format(top=top)
+            gain = paired_interval(best, base, _diff(key))
+            share = ratio_interval(
+                [m[key] - b[key] for m, b in zip(mid, base, strict=True)],
+                [o[key] - b[key] for o, b in zip(best, base, strict=True)],
+            )
+            text = f"{label}: oracle - {without} {_f(gain)}"
+            if compare(gain, 0.0, claimed="above") != HELD:
+                parts.append(text + "; the oracle's advantage is not clear of 0, so no share is judged")
+                continue
+            shown = _f(share) if share.is_defined else f"{share.mean:.3g} (no bounded interval)"
+            parts.append(text + f"; share recovered by {learned} {shown}")
+            decisions.append(compare(share, SHARE_TARGET, claimed="above"))
+        measured = "; ".join(parts) + f" ({_n(base)})"
+        if not decisions:
+            return Finding(measured, IDLE)
+        return Finding(measured, _verdict(*decisions))
+
+    return evaluate
+
+
+def share_claim(without: str, learned: str, oracle: str) -> Claim:
+    return Claim(
+        f"oracle_share_{without}",
+        "docs/design.md §1",
+        f"The learned estimate of the remaining output recovers at least half of what true output "
+        f"lengths are worth to `{without}` (goodput; the top class's SLO attainment)",
+        f"(`{learned}` - `{without}`) / (`{oracle}` - `{without}`) per metric, means paired by seed, "
+        f"Fieller's 95% interval: above {SHARE_TARGET:g} held, below did not hold; a metric where the "
+        "oracle's advantage is not clear of 0 is not judged",
+        _oracle_share(without, learned, oracle),
+        regime="memory pressure with a loose cap (workload.max_tokens_mode fixed): regimes sweep "
+        "(docs/results.md)",
+    )
+
+
 DESIGN_CLAIMS: list[Claim] = [claim for arm in DESIGN_ARMS for claim in design_claims(arm)]
 
 CLAIMS: list[Claim] = [
@@ -574,6 +630,7 @@ CLAIMS: list[Claim] = [
         regime="queues: load.yaml from 1x (verdict per load point with `--sweep runs/load`)",
     ),
     *DESIGN_CLAIMS,
+    share_claim("score", "score_learned", "score_oracle"),
     Claim(
         "dynamic_slices",
         "docs/design.md §3",

@@ -34,9 +34,17 @@ Arms = dict[str, Rows]  # arm name -> its results rows, one per seed (+ "_config
 # Named after a system: each schedules as that system (docs/parity.md, docs/sglang.md,
 # docs/fastserve.md). The leaderboard's and the claims' "named baselines".
 BASELINE_PREFIXES = ("vllm_", "sglang_", "fastserve_")
-DESIGN_ARMS = ("score", "score_tuned")
-"""The design as specified (docs/design.md §1, its defaults) and its tuned variant
-(experiments/configs/tune.yaml); `preempt report --compare ARM` adds a user's own."""
+# The simplest policy that uses a length estimate: shortest predicted remaining work first
+# (docs/srpt.md). Not named after a system, but judged beside them: a design that reads an
+# estimate must beat the plainest use of the same estimate.
+LENGTH_AWARE_BASELINES = ("srpt",)
+ORACLE_SUFFIX = "_oracle"
+"""Arms told the truth about the future (true output lengths, arrivals): upper bounds,
+never baselines or design arms a verdict rests on."""
+DESIGN_ARMS = ("score", "score_learned", "score_tuned")
+"""The design as specified (docs/design.md §1, its defaults: the remaining work is what
+`max_tokens` allows), the same with the learned remaining-output estimate, and its tuned
+variant (experiments/configs/tune.yaml); `preempt report --compare ARM` adds a user's own."""
 BETTER, WORSE, TIED = "better", "worse", "tied"
 
 
@@ -82,8 +90,14 @@ def comparable(arms: Arms) -> Arms:
     return {name: arms[name] for name in largest}
 
 
+def is_oracle(arm: str) -> bool:
+    return arm.endswith(ORACLE_SUFFIX)
+
+
 def is_baseline(arm: str) -> bool:
-    return arm.startswith(BASELINE_PREFIXES)
+    """A named baseline (vllm_*, sglang_*, fastserve_*) or the length-aware one, never an
+    oracle arm."""
+    return (arm.startswith(BASELINE_PREFIXES) or arm in LENGTH_AWARE_BASELINES) and not is_oracle(arm)
 
 
 @dataclass(frozen=True)

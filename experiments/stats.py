@@ -227,6 +227,39 @@ def t_interval(values: Sequence[float], level: float = LEVEL, *, bounds: Range =
     return Interval(mean, mean - half, mean + half, n, num_nan, level).clip(*bounds)
 
 
+def ratio_interval(
+    numerator: Sequence[float], denominator: Sequence[float], level: float = LEVEL
+) -> Interval:
+    """The ratio of two paired means, mean(numerator) / mean(denominator), with Fieller's
+    interval (Fieller 1954): the values of theta for which mean(x) - theta * mean(y) is
+    within its own t-interval of 0, correlations between x and y included. Pairs with a
+    NaN are left out. Bounded only when the denominator's mean is itself clear of 0 at
+    `level`; otherwise lo/hi are NaN (the ratio's interval would be the whole line)."""
+    x = np.asarray([float(v) for v in numerator], dtype=np.float64)
+    y = np.asarray([float(v) for v in denominator], dtype=np.float64)
+    if x.shape != y.shape:
+        raise ValueError("numerator and denominator need one value per pair")
+    mask = np.isfinite(x) & np.isfinite(y)
+    x, y, n = x[mask], y[mask], int(mask.sum())
+    num_nan = int((~mask).sum())
+    if n == 0 or y.mean() == 0:
+        return Interval(math.nan, math.nan, math.nan, n, num_nan, level)
+    mx, my = float(x.mean()), float(y.mean())
+    ratio = mx / my
+    if n < 2:
+        return Interval(ratio, math.nan, math.nan, n, num_nan, level)
+    t2 = t_quantile(0.5 + level / 2.0, n - 1) ** 2
+    cov = np.cov(np.stack([x, y]), ddof=1) / n  # covariance of the two means
+    a = my * my - t2 * cov[1, 1]
+    b = mx * my - t2 * cov[0, 1]
+    c = mx * mx - t2 * cov[0, 0]
+    disc = b * b - a * c
+    if a <= 0 or disc < 0:  # the denominator is not clear of 0: no bounded interval
+        return Interval(ratio, math.nan, math.nan, n, num_nan, level)
+    root = math.sqrt(disc)
+    return Interval(ratio, float((b - root) / a), float((b + root) / a), n, num_nan, level)
+
+
 def bootstrap_interval(
     groups: Sequence[Sequence[float]],
     statistic: Callable[[np.ndarray], np.ndarray],

@@ -269,6 +269,21 @@ class PreemptionConfig(_Section):
     score_floor): 20% of the incumbent's magnitude, never less than 20% of the floor."""
     score_floor: float = Field(1.0, gt=0)
     """Keeps the margin meaningful when the incumbent's score is near zero."""
+    remaining: Literal["max_tokens", "learned", "oracle"] = "max_tokens"
+    """The remaining output the score (and `srpt`) reads (preempt.engine.remaining):
+    `max_tokens`: what the server is told, the output the client's cap still allows;
+    `learned`: the expected output still to come given the prompt length, the cap and the
+    tokens so far, under an output-length model, re-estimated after every token;
+    `oracle`: the true output length (an upper bound; arms using it are labelled oracle)."""
+    length_model: str | None = None
+    """`remaining: learned`: a `preempt lengths` file. None: fitted from the trace's
+    records outside the window the run replays (never the requests being judged)."""
+    srpt_starvation_s: float = Field(5.0, gt=0)
+    """`srpt`: a request waiting this long since it last ran (or arrived) goes ahead of
+    every non-starving one, oldest first (the starvation guard)."""
+    srpt_preempt_below: float = Field(0.5, ge=0, le=1)
+    """`srpt`: a running request can be displaced only while it has made less than this
+    share of its expected output (Trail's limited preemption; 0: never, 1: always)."""
     mlfq: MlfqConfig = MlfqConfig()
     """`fastserve_mlfq`: the queues of FastServe's skip-join MLFQ."""
     max_preemption_per_min: int | None = Field(30, gt=0)

@@ -98,6 +98,7 @@ SCHEDULING_POLICIES = Registry(
         "sglang_priority": "preempt.engine.policies:SglangPriorityPolicy",
         "priority_score": "preempt.engine.policies:PriorityScorePolicy",
         "fastserve_mlfq": "preempt.engine.policies:FastServeMlfqPolicy",
+        "srpt": "preempt.engine.policies:SrptPolicy",
     },
 )
 """`scheduler.policy`: whom to admit and whom to preempt (preempt.engine.policies)."""

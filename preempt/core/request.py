@@ -76,6 +76,10 @@ class Request:
     # keys below this position stay masked for the rest of the request's life (docs/design.md §9);
     # 0 where nothing is masked. None: no head dropped.
     kv_masked_until: Any = None
+    # The scheduler's estimate of the output still to come (preempt.engine.remaining, set
+    # when the request joins the queue and after each token); None: `max_tokens` is the
+    # estimate (the output the client's cap still allows).
+    expected_output_left: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:

@@ -23,6 +23,7 @@ from preempt.core.config import ConfigError, EngineConfig
 from preempt.core.cost_model import CostModel, StepShape, get_target, step_shape
 from preempt.core.request import Request, RequestState
 from preempt.engine.policies import get_policy
+from preempt.engine.remaining import make_estimator
 from preempt.engine.scheduler import Scheduler, SchedulerOutput
 from preempt.engine.step import EngineView, StepOutput
 
@@ -64,6 +65,7 @@ class Engine:
             self.block_size,
             preemption=config.preemption,
             mover=self.saver,
+            remaining=make_estimator(config),
         )
         self.early_saver = None
         if config.early_save.policy != "none":
@@ -325,6 +327,7 @@ def _fork(engine: Engine) -> Engine:
         raise ValueError("the lookahead needs clock.kind 'virtual' (a fork cannot replay real time)")
     memo: dict[int, object] = {}
     _shared(memo, engine.config, engine.cost_model, engine.scheduler.config, engine.scheduler.preemption)
+    _shared(memo, engine.scheduler.remaining)  # an estimator's model is read, never written
     memo[id(engine.runner)] = NullModelRunner(engine.config)
     memo[id(engine.early_saver)] = None
     memo[id(engine.scheduler.records)] = []

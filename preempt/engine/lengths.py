@@ -99,6 +99,7 @@ class LengthModel:
         self._pooled_row = len(keys)
         self._matrix = np.stack([*(cells[key] for key in keys), pooled])
         self._row_of: dict[int, int] = {}  # request id -> its row of _matrix
+        self._survival: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (S, cumsum S)
 
     @classmethod
     def fit(
@@ -190,6 +191,31 @@ class LengthModel:
         if num_output + 1 >= max_tokens:
             return 1.0
         return float(self._matrix[self._row_for(prompt_tokens, max_tokens), _position_bin(num_output + 1)])
+
+    def expected_output_left(self, prompt_tokens: int, max_tokens: int, num_output: int) -> float:
+        """E[output tokens still to come | not ended after `num_output`], under the cap
+        `max_tokens`: sum over q in [n, C) of S(q) / S(n), where S(q) = P(output > q) is
+        the row's survival. At least 1 (a running request makes its next token), 0 at the
+        cap. O(1) per call after a row's survival is tabulated once (`_survival_of`)."""
+        n, cap = int(num_output), int(max_tokens)
+        if n >= cap:
+            return 0.0
+        survival, cumulative = self._survival_of(self._row_for(prompt_tokens, max_tokens), cap)
+        if survival[n] <= 1e-300:  # every modelled output ended before here: the next token
+            return 1.0
+        below = cumulative[n - 1] if n > 0 else 0.0
+        return float((cumulative[cap - 1] - below) / survival[n])
+
+    def _survival_of(self, row: int, cap: int) -> tuple[np.ndarray, np.ndarray]:
+        """(S, cumsum S) of a row over positions 0..N >= cap: S[q] = P(output > q), S[0] = 1."""
+        table = self._survival.get(row)
+        if table is None or len(table[0]) <= cap:
+            size = max(4096, 1 << int(cap).bit_length())  # a power of two above the cap
+            positions = np.arange(1, size)
+            bins = np.minimum(np.searchsorted(_EDGES, positions, side="right") - 1, len(_EDGES) - 2)
+            survival = np.concatenate([[1.0], np.cumprod(1.0 - self._matrix[row, bins])])  # (size,)
+            table = self._survival[row] = (survival, np.cumsum(survival))
+        return table
 
     def expected_ends(self, running: Sequence[Request], num_tokens: int) -> np.ndarray:
         """(num_tokens,) expected natural ends among `running` within each of the next

@@ -2,7 +2,8 @@
 
 Owns: the arithmetic of "who is more important, by enough, and has the incumbent had its
 turn". Plain Python over request fields a real server knows; never reads the future
-(`target_output_tokens`) and never mutates a request.
+(`target_output_tokens`; the `oracle` estimator of preempt.engine.remaining does, labelled)
+and never mutates a request.
 
 Score (units are part of the definition, see PriorityWeights):
     score = age_s * w_age + sla_level * w_sla - remaining_ktokens * w_tokens
@@ -24,12 +25,20 @@ from preempt.core.config import PreemptionConfig, PriorityWeights
 from preempt.core.request import Request
 
 
+def output_left(request: Request) -> float:
+    """Output tokens the scheduler expects `request` still to make: its estimator's
+    (`preemption.remaining`, preempt.engine.remaining) or, by default, what `max_tokens`
+    still allows (the estimate a server has, not the truth)."""
+    if request.expected_output_left is not None:
+        return request.expected_output_left
+    return max(request.max_tokens - request.num_output_tokens, 0)
+
+
 def remaining_ktokens(request: Request) -> float:
-    """Estimated remaining work in thousands of tokens: prompt not yet prefilled plus
-    output still allowed by `max_tokens` (the estimate a server has, not the truth)."""
+    """Estimated remaining work in thousands of tokens: prompt not yet prefilled plus the
+    output still expected (`output_left`)."""
     prefill_left = max(request.num_prompt_tokens - request.num_computed_tokens, 0)
-    decode_left = max(request.max_tokens - request.num_output_tokens, 0)
-    return (prefill_left + decode_left) / 1000.0
+    return (prefill_left + output_left(request)) / 1000.0
 
 
 def priority_score(request: Request, now: float, weights: PriorityWeights) -> float:
@@ -52,20 +61,13 @@ def priority_scores(requests: Sequence[Request], now: float, weights: PriorityWe
     reads, then numpy (the feature logger scores thousands of waiting requests a step)."""
     fields = np.array(
         [
-            (
-                r.arrival_s,
-                r.sla_level,
-                r.num_prompt_tokens,
-                r.num_computed_tokens,
-                r.max_tokens,
-                len(r.output_token_ids),
-            )
+            (r.arrival_s, r.sla_level, r.num_prompt_tokens, r.num_computed_tokens, output_left(r))
             for r in requests
         ],
         dtype=np.float64,
-    ).reshape(len(requests), 6)
-    arrival, sla, prompt, computed, max_tokens, output = fields.T
-    remaining = (np.maximum(prompt - computed, 0) + np.maximum(max_tokens - output, 0)) / 1000.0
+    ).reshape(len(requests), 5)
+    arrival, sla, prompt, computed, decode_left = fields.T
+    remaining = (np.maximum(prompt - computed, 0) + decode_left) / 1000.0
     return age_terms(now, arrival, weights) + sla * weights.sla - remaining * weights.tokens
 
 

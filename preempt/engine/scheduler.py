@@ -75,6 +75,7 @@ from preempt.core.registry import save_codec
 from preempt.core.request import Request, RequestState, ScheduledChunk
 from preempt.engine.policies import SchedulingPolicy
 from preempt.engine.priority import priority_scores, remaining_ktokens, time_slice_s
+from preempt.engine.remaining import RemainingEstimator
 from preempt.kv.copy_out import CopyOut
 from preempt.kv.record import KVMover, PreemptionRecord, RestoreResult
 
@@ -98,9 +99,12 @@ class Scheduler:
         block_size: int,
         preemption: PreemptionConfig | None = None,
         mover: KVMover | None = None,
+        remaining: RemainingEstimator | None = None,
     ) -> None:
         self.config = config
         self.preemption = preemption or PreemptionConfig()
+        # Sets each request's expected output left (`preemption.remaining`); None: max_tokens.
+        self.remaining = remaining
         if self.preemption.mode != "recompute" and mover is None:
             raise ValueError(f"preemption.mode '{self.preemption.mode}' needs a KV mover (saver)")
         self.policy = policy
@@ -171,6 +175,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.state is not RequestState.PREEMPTED:
             request.state = RequestState.WAITING
+        if self.remaining is not None:
+            self.remaining.update(request)
         self.policy.on_enqueue(request)
         heapq.heappush(self._waiting, (self.policy.admission_key(request), next(self._counter), request))
         self._score_parts[request] = self._score_part(request)
@@ -338,6 +344,8 @@ class Scheduler:
             if request.is_finished_generating:
                 request.finish_s = now
                 finished.append(request)
+            elif self.remaining is not None:
+                self.remaining.update(request)
         if self.policy.on_step([chunk.request for chunk in output.chunks], step_s, now):
             # The policy moved waiting requests (FastServe's starvation promotion).
             self._waiting = [(self.policy.admission_key(r), n, r) for _, n, r in self._waiting]
