@@ -82,11 +82,20 @@ gpu-wheels: $(STAMP)
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 	  -d .whl $$($(BIN)/python -c "import importlib.metadata as m, sys; print(' '.join(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" $(GPU_WHEELS))
 
-# The whole suite: the vLLM peer (for parity and the plugin's tests) and guidellm (the
-# `load` extra) are installed first, so nothing skips but the GPU tests; REQUIRE turns a
-# missing one into a failure. The root conftest.py sets TRITON_INTERPRET=1 without CUDA.
-test: $(STAMP) $(PEER_PREEMPT)
-	PREEMPT_REQUIRE_PEER=1 PREEMPT_REQUIRE_LOADGEN=1 $(BIN)/python -m pytest
+# Headless Chromium, Debian's package, for the docs' check in a real browser at 1280 px
+# (tests/test_docs_browser.py): installed once, as root (CI runs as root).
+CHROMIUM ?= /usr/bin/chromium
+$(CHROMIUM):
+	@command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] || { \
+	  echo "make test needs Debian's chromium at $(CHROMIUM): apt-get install chromium (as root)"; exit 1; }
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+
+# The whole suite: the vLLM peer (for parity and the plugin's tests), guidellm (the
+# `load` extra) and Chromium (the docs' browser check) are installed first, so nothing
+# skips but the GPU tests; REQUIRE turns a missing one
+# into a failure. The root conftest.py sets TRITON_INTERPRET=1 without CUDA.
+test: $(STAMP) $(PEER_PREEMPT) $(CHROMIUM)
+	PREEMPT_REQUIRE_PEER=1 PREEMPT_REQUIRE_LOADGEN=1 PREEMPT_REQUIRE_BROWSER=1 $(BIN)/python -m pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check preempt predictor experiments tests
