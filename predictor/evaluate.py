@@ -369,7 +369,7 @@ EVALUATION_COLUMNS = (
     ("precision", "precision", "{:.3f}"),
     ("recall", "recall", "{:.3f}"),
     ("F1", "f1", "{:.3f}"),
-    ("rows warned", "num_predicted", "{:,}"),
+    ("steps warned", "num_predicted", "{:,}"),
     ("preemptions warned", "event_recall", "{:.0%}"),
     ("warned ahead", "event_recall_ahead", "{:.0%}"),
     ("lead ms", "mean_lead_time_s", "{:.1f}"),
@@ -398,9 +398,9 @@ def render_evaluation(report: dict[str, Any]) -> str:
     horizon = f"{report['horizon_ms']:g}" if report.get("horizon_ms") is not None else "?"
     lines = [
         f"{report['data']}, {report['split']} rows{source}: {num_rows:,} logged steps, {positives} of "
-        f"them preempted within {horizon} ms. Each scorer at its own best-F1 "
-        "threshold on val; preemptions warned: those with a warning in the horizon before them "
-        "(ahead: at least one logged step before).",
+        f"them preempted within {horizon} ms.",
+        "Each scorer at its own best-F1 threshold on val; preemptions warned: with a warning in the "
+        "horizon before them (ahead: a logged step or more before).",
         "",
         "| scorer | " + " | ".join(heading for heading, _, _ in EVALUATION_COLUMNS) + " |",
         "| --- |" + " ---: |" * len(EVALUATION_COLUMNS),
