@@ -65,7 +65,7 @@ run: $(STAMP)
 # The sweeps behind docs/results.md (experiments/configs/*.yaml; null backend, 5 seeds per
 # point, Ray on this machine's cores; docs/results.md gives each one's wall time), then
 # the report from them and the main job's quick ablation (`make run` first).
-SWEEPS := load slices sla margin pool regimes
+SWEEPS := load lengths slices sla margin pool regimes
 sweeps: $(STAMP)
 	for s in $(SWEEPS); do $(BIN)/preempt ablate --config experiments/configs/$$s.yaml --out runs/$$s || exit 1; done
 

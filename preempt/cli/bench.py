@@ -12,6 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# Benchmarks judged by experiments/ (intervals over seeds or windows), by name.
+JUDGED_BENCHMARKS = ("lengths",)
+
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from preempt.bench import BENCHMARKS
@@ -80,6 +83,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             with tempfile.TemporaryDirectory(prefix="preempt-bench-vllm-http-") as tmp:
                 result = bench_vllm_http(peer_python(None), Path(tmp), args.quick)
+        elif args.name == "lengths":  # experiments/ judges the minutes by intervals
+            from experiments.length_estimates import bench_lengths, render_lengths
+
+            result = bench_lengths(args.quick)
+            if not args.json:
+                print(render_lengths(result))
+                return 0
         elif args.windows:  # experiments/ judges the windows by intervals
             from experiments.early_windows import bench_early_windows
 

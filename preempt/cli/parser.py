@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from preempt.cli.bench import cmd_bench, cmd_calibrate
+from preempt.cli.bench import JUDGED_BENCHMARKS, cmd_bench, cmd_calibrate
 from preempt.cli.engine import cmd_collect, cmd_lengths, cmd_run
 from preempt.cli.experiments import cmd_ablate, cmd_parity_vllm, cmd_report, cmd_tune
 from preempt.cli.serve import add_serve_command, cmd_tokenizer
@@ -216,9 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     lengths.set_defaults(func=cmd_lengths)
 
     bench = sub.add_parser(
-        "bench", help="micro/macro benchmarks; one JSON object on stdout (early --windows: a table)"
+        "bench", help="micro/macro benchmarks; one JSON object on stdout (early --windows, lengths: a table)"
     )
-    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    bench.add_argument("name", choices=sorted([*BENCHMARKS, *JUDGED_BENCHMARKS]))
     bench.add_argument("--json", action="store_true", help="compact JSON on one line")
     bench.add_argument(
         "--quick",
