@@ -161,6 +161,11 @@ def render(
         "reached, a slice that never decided: no evidence either way). In the glance table `–` "
         "marks a sweep without the arms a claim needs.",
         "",
+        "What each policy was told of a request's length (`workload.max_tokens_mode`; arms "
+        "named `*_oracle` are told the true output length, an upper bound):",
+        "",
+        *(f"- `{s.label}`: {length_regime(s.rows)}" for s in sources),
+        "",
         "## Claims at a glance",
         "",
         "| claim | source | " + " | ".join(by_source) + " | where its mechanism binds |",
@@ -218,7 +223,7 @@ def render(
             f"{info.get('wall_s', 0):.0f} s wall with {info.get('jobs')} jobs"
             f"{' on Ray at ' + info['ray_address'] if info.get('ray_address') else ''}; "
             f"wandb {info.get('wandb')}; "
-            f"predictor {info.get('predictor') or 'none'}.",
+            f"predictor {info.get('predictor') or 'none'}. Lengths: {length_regime(source.rows)}.",
             "",
         ]
         for label, _, rows, points in source.points():
@@ -241,6 +246,25 @@ def render(
                 "",
             ]
     return "\n".join(lines)
+
+
+def length_regime(rows: list[dict[str, Any]]) -> str:
+    """What the runs' requests told the scheduler of their length, in words."""
+    modes = set()
+    for row in rows:
+        workload = (row.get("_config") or {}).get("workload") or {}
+        mode = workload.get("max_tokens_mode", "trace")
+        if mode == "fixed":
+            modes.add(
+                f"max_tokens as clients send it, a fixed cap of {workload.get('max_tokens_fixed', 1024)}"
+            )
+        elif mode == "noisy":
+            modes.add(
+                f"a noisy estimate of the true length (lognormal sigma {workload.get('max_tokens_noise')})"
+            )
+        else:
+            modes.add("**oracle**: max_tokens is each request's true output length (`trace`)")
+    return "; ".join(sorted(modes)) or "unknown (no run's config)"
 
 
 def _main_figure(links: dict[str, list[tuple[str, str]]]) -> list[str]:
@@ -298,8 +322,13 @@ def _write_leaderboard(
         "clipped to the metric's range); `dominated by` lists the arms that beat it on goodput, the "
         "top class's TTFT p99 or its SLO attainment by a paired interval and are worse on none "
         "(experiments/dominance.py); `front` marks the arms nobody dominates. Each plot: goodput "
-        "against the top class's TTFT p99, and SLO attainment against KV moved; hollow grey "
-        "markers are dominated arms.\n\n" + body
+        "against the top class's TTFT p99, and SLO attainment against KV moved; hollow markers "
+        "are dominated arms, grey ones the arms other than the design's and the baselines.\n\n"
+        "What each policy was told of a request's length (arms named `*_oracle` are told the true "
+        "output length, an upper bound):\n\n"
+        + "".join(f"- `{s.label}`: {length_regime(s.rows)}\n" for s in sources)
+        + "\n"
+        + body
     )
 
 
