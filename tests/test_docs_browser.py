@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_docs import ROOT, TUTORIALS, _installed
+from tests.test_docs import TUTORIALS, build_site
 
 WIDTH = 1280  # a laptop's browser window, CSS px
 PAGES = ["results/", "leaderboard/", *(f"tutorials/{t.stem}/" for t in TUTORIALS)]
@@ -125,18 +125,6 @@ def serve(site: Path) -> ThreadingHTTPServer:
     server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Handler, directory=str(site)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
-
-
-def build_site(site: Path) -> None:
-    result = subprocess.run(
-        [_installed("mkdocs"), "build", "--strict", "--site-dir", str(site)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
