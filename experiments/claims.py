@@ -726,4 +726,85 @@ CLAIMS: list[Claim] = [
 ]
 
 
+# ---------------------------------------------------------------- benchmarks' claims
+
+
+@dataclass(frozen=True)
+class BenchClaim:
+    """A claim judged from a benchmark's JSON (what `preempt bench NAME --json` prints), not
+    from an ablation's arms: one verdict per report. `bench`: the benchmark's name (the
+    report's `--NAME PATH` flag); `missing` says how to measure it when the report was given
+    no such JSON."""
+
+    bench: str
+    key: str
+    source: str
+    text: str
+    method: str
+    evaluate: Callable[[dict[str, Any]], Finding]
+    missing: str
+
+    def judge(self, result: dict[str, Any] | None) -> Finding:
+        if result is None:
+            return Finding(self.missing, NOT_MEASURED)
+        return self.evaluate(result)
+
+
+CODEC_PLAN, CODEC_BASELINE = "budget_sensitivity", "fp8"
+
+
+def _codec_budget(result: dict[str, Any]) -> Finding:
+    """`preempt bench codec`'s sensitivity plan against uniform FP8, paired by prompt: the
+    greedy agreement difference (plan - fp8) above 0 and the KL difference below 0 hold;
+    either interval on its wrong side, or a plan not smaller than both the budget and FP8,
+    does not hold."""
+    plans = result.get("plans", {})
+    absent = [name for name in (CODEC_PLAN, CODEC_BASELINE) if name not in plans]
+    if absent:
+        return Finding(
+            f"no plan {', '.join(absent)} in the codec result (the budget plans need a trained LM: --model)",
+            NOT_MEASURED,
+        )
+    plan, fp8 = plans[CODEC_PLAN], plans[CODEC_BASELINE]
+    if "per_prompt" not in plan or "per_prompt" not in fp8:
+        return Finding("no per-prompt values in the codec result (from before they were kept)", NOT_MEASURED)
+    diffs = {
+        key: t_interval([a - b for a, b in zip(plan["per_prompt"][key], fp8["per_prompt"][key], strict=True)])
+        for key in ("greedy_agreement", "kl_mean", "top1_agreement")
+    }
+    agreement, kl = diffs["greedy_agreement"], diffs["kl_mean"]
+    target = result.get("budget", {}).get("target_size_vs_fp16", math.inf)
+    size, fp8_size = plan["size_vs_fp16"], fp8["size_vs_fp16"]
+    measured = (
+        f"size {size:.3f}x vs {fp8_size:.3f}x of FP16 (budget {target:g}x); greedy agreement "
+        f"{plan['greedy_agreement']:.3g} vs {fp8['greedy_agreement']:.3g}, difference {_f(agreement)}; "
+        f"KL {plan['kl_mean']:.3g} vs {fp8['kl_mean']:.3g} nats, difference {_f(kl)}; top-1 difference "
+        f"{_f(diffs['top1_agreement'])} (n={agreement.num} prompts, one trained LM)"
+    )
+    if not size <= min(target, fp8_size):
+        return Finding(measured + "; the plan is not within the budget and smaller than FP8", NOT_HELD)
+    return Finding(
+        measured, _verdict(compare(agreement, 0.0, claimed="above"), compare(kl, 0.0, claimed="below"))
+    )
+
+
+BENCH_CLAIMS: list[BenchClaim] = [
+    BenchClaim(
+        "codec",
+        "codec_budget",
+        "docs/codec.md (issue #17)",
+        "The sensitivity plan (budget 0.35x of FP16) keeps the output better than uniform FP8 at a "
+        "smaller size",
+        "`preempt bench codec` on the trained LM: `budget_sensitivity` - `fp8` per held-out prompt, "
+        "greedy agreement of the 64 tokens after a restore and mean KL of their distributions, "
+        "t-intervals over the prompts (one trained LM: the spread between LM training seeds is not in "
+        "them). Held when agreement's interval is above 0 and KL's below 0 (better on both, as the "
+        "claim says; FP8's quality or better, the budget's target, then follows), did not hold when "
+        "either is on its wrong side or the plan is not within the budget and smaller than FP8",
+        _codec_budget,
+        "no codec result: `preempt bench codec --json --model runs/lm/lm.pt > codec.json`, then "
+        "`preempt report --codec codec.json`",
+    ),
+]
+
 # ---------------------------------------------------------------- sources

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.claims import (
+    BENCH_CLAIMS,
     CLAIMS,
     HELD,
     IDLE,
@@ -24,6 +25,7 @@ from experiments.claims import (
     NOT_HELD,
     NOT_MEASURED,
     Arms,
+    BenchClaim,
     Claim,
     Finding,
     _nan,
@@ -125,7 +127,11 @@ def render(
     command: str,
     claims: list[Claim] = CLAIMS,
     design_arms: tuple[str, ...] = DESIGN_ARMS,
+    bench: Sequence[tuple[BenchClaim, Finding]] = (),
 ) -> str:
+    """The report's text. `bench`: claims judged from benchmarks' JSON, with their findings
+    (`judge_benchmarks`): one verdict each, beside the ablations' glance table and in a
+    section of their own."""
     verdicts: dict[str, dict[str, Finding]] = {}
     columns: list[str] = []
     regimes: list[tuple[str, Arms]] = []
@@ -175,6 +181,10 @@ def render(
         cells = [_glance([verdicts[claim.key][c].verdict for c in cols]) for cols in by_source.values()]
         regime = claim.regime or "–"
         lines.append(f"| {claim.text} | {claim.source} | " + " | ".join(cells) + f" | {regime} |")
+    if bench:
+        lines += ["", "Judged from a benchmark's JSON (one verdict per report):", ""]
+        lines += ["| claim | source | verdict |", "| --- | --- | --- |"]
+        lines += [f"| {claim.text} | {claim.source} | {finding.verdict} |" for claim, finding in bench]
     lines += ["", *_main_figure(links)]
     lines += [
         "## What to run where",
@@ -206,6 +216,20 @@ def render(
         ]
         for claim in shown:
             finding = verdicts[claim.key][column]
+            measured = finding.measured.replace("|", "\\|")
+            lines.append(
+                f"| {claim.text} ({claim.source}) | {claim.method} | {measured} | **{finding.verdict}** |"
+            )
+        lines.append("")
+
+    if bench:
+        lines += [
+            "## Claims: benchmarks",
+            "",
+            "| claim | how measured | measured | verdict |",
+            "| --- | --- | --- | --- |",
+        ]
+        for claim, finding in bench:
             measured = finding.measured.replace("|", "\\|")
             lines.append(
                 f"| {claim.text} ({claim.source}) | {claim.method} | {measured} | **{finding.verdict}** |"
@@ -246,6 +270,18 @@ def render(
                 "",
             ]
     return "\n".join(lines)
+
+
+def judge_benchmarks(paths: dict[str, str | Path | None]) -> list[tuple[BenchClaim, Finding]]:
+    """Every benchmark claim with its finding from the JSON at `paths[name]` (`codec`: the
+    `--codec` file); a benchmark without a path is not measured."""
+    results = {}
+    for name, path in paths.items():
+        if path is not None:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"--{name}: {path} not found (`preempt bench {name} --json > FILE`)")
+            results[name] = json.loads(Path(path).read_text())
+    return [(claim, claim.judge(results.get(claim.bench))) for claim in BENCH_CLAIMS]
 
 
 def length_regime(rows: list[dict[str, Any]]) -> str:
@@ -340,6 +376,7 @@ def report(
     sweeps: list[str | Path] = (),
     early: str | Path | None = None,
     compare: Sequence[str] = (),
+    codec: str | Path | None = None,
 ) -> list[Path]:
     """Write the report to `out` (plots copied to `out`'s stem directory) and the
     leaderboard beside it (`leaderboard.md`, its Pareto plots under `leaderboard/`);
@@ -348,7 +385,9 @@ def report(
     judged per grid point. `early`: a `preempt bench early --windows` result (its
     result.json, or what `--json` prints), shown as the early-save policies side by side.
     `compare`: a user's own arms, judged against every named baseline by the design's two
-    claims (experiments.claims.design_claims) and shown in "what to run where"."""
+    claims (experiments.claims.design_claims) and shown in "what to run where". `codec`: a
+    `preempt bench codec --json` result, which the codec claim is judged from (without it,
+    `not measured by this run`)."""
     out = Path(out)
     extra = [arm for arm in compare if arm not in DESIGN_ARMS]
     design_arms = (*DESIGN_ARMS, *extra)
@@ -358,7 +397,7 @@ def report(
         sources.append(Source.load(flag, path, taken=[source.label for source in sources]))
     out.parent.mkdir(parents=True, exist_ok=True)
     command = command or f"preempt report --quick {quick} --out {out}"
-    text = render(sources, out, command, claims, design_arms)
+    text = render(sources, out, command, claims, design_arms, judge_benchmarks({"codec": codec}))
     leaderboard = out.parent / "leaderboard.md"
     _write_leaderboard(sources, leaderboard, command, design_arms, out)
     if paper is None:

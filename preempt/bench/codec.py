@@ -18,7 +18,12 @@ on real KV from the model:
   `kl_mean` (mean KL(p_ref || p_restored) of next-token distributions, nats) and
   `top1_agreement`. The restore follows the engine: the restored prefix of dropped heads
   masked for the rest of the request, the last `warmup_tokens` recomputed at full
-  precision (and visible to every head).
+  precision (and visible to every head). Each plan's row keeps `greedy_agreement`,
+  `kl_mean` and `top1_agreement` per prompt too (`per_prompt`, the same prompt order in
+  every row), so plans can be compared prompt by prompt; whether the sensitivity plan beats
+  uniform FP8 is judged from those pairs with 95% intervals in the claims report
+  (`preempt report --codec PATH`, experiments/claims.py), not from the means here: over a
+  few prompts the means' order flips with the number of prompts.
 - CPU speed on `CPU_THREADS` torch thread(s) (`cpu_threads` in the JSON; encode, decode
   and clone alike): encode (quantize + pack into blob parts) and decode (unpack +
   dequantize into blocks) MB/s of raw KV, against `torch.clone` of the same tensor timed
@@ -69,6 +74,12 @@ SERVED_MODEL = ("Llama-3-8B", 32, 8, 128)
 SERVED_DTYPE = torch.bfloat16  # Llama-3's own dtype, as a served cache holds it
 SERVED_CLASSES = ("fp8", "kivi4", "kivi_k5v4", "kivi_k6v4")  # uniform plans timed at that shape
 CPU_THREADS = 1  # torch intra-op threads for everything timed (module doc)
+# Quality kept per prompt in every plan's row (`per_prompt`), besides the means.
+PER_PROMPT_KEYS = ("greedy_agreement", "kl_mean", "top1_agreement")
+VERDICT = (
+    "judged in the claims report, not here: `preempt report --codec PATH` pairs budget_sensitivity "
+    "with fp8 prompt by prompt (`per_prompt`) with 95% intervals (experiments/claims.py, codec_budget)"
+)
 
 
 def bench_codec(
@@ -125,6 +136,8 @@ def bench_codec(
         }
         for key in ("greedy_agreement", "prefix_match", "top1_agreement", "kl_mean"):
             row[key] = float(f"{np.mean([q[key] for q in quality]):.4g}")
+        # prompt by prompt, in `prompts` order for every plan: a judge pairs plans by prompt
+        row["per_prompt"] = {key: [float(f"{q[key]:.6g}") for q in quality] for key in PER_PROMPT_KEYS}
         for size, kv in speed_kvs.items():
             speed = _speed(kv, head_plan)
             row.update(speed if size == "short" else {f"{k}_{size}": v for k, v in speed.items()})
@@ -191,7 +204,8 @@ def _budget_plans(
 
 
 def _budget_summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Random placements' mean and spread against the sensitivity and gate placements."""
+    """Random placements' mean and spread (the sensitivity and gate placements are rows of
+    their own), and where the sensitivity plan is judged against FP8 (`VERDICT`)."""
     randoms = [row for name, row in rows.items() if name.startswith("budget_random_s")]
     summary: dict[str, Any] = {}
     for key in ("greedy_agreement", "kl_mean", "top1_agreement"):
@@ -202,12 +216,8 @@ def _budget_summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "min": float(f"{values.min():.4g}"),
             "max": float(f"{values.max():.4g}"),
         }
-    fp8, chosen = rows["fp8"], rows["budget_sensitivity"]
-    summary["sensitivity_meets_target"] = bool(
-        chosen["size_vs_fp16"] <= BUDGET
-        and chosen["greedy_agreement"] >= fp8["greedy_agreement"]
-        and chosen["kl_mean"] <= fp8["kl_mean"]
-    )
+    # Not a verdict from the means here: over a few prompts it flips with their number.
+    summary["sensitivity_vs_fp8"] = VERDICT
     return summary
 
 

@@ -92,6 +92,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     paper = f" --paper {args.paper}" if args.paper else ""
     paper += "".join(f" --sweep {path}" for path in args.sweep)
     paper += f" --early {args.early}" if args.early else ""
+    paper += f" --codec {args.codec}" if args.codec else ""
     paper += "".join(f" --compare {arm}" for arm in args.compare)
     command = f"preempt report --quick {args.quick}{paper} --out {args.out}"
     try:
@@ -103,6 +104,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             sweeps=args.sweep,
             early=args.early,
             compare=args.compare,
+            codec=args.codec,
         )
     except FileNotFoundError as err:
         print(f"preempt: error: {err}", file=sys.stderr)

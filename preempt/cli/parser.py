@@ -372,6 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
         "saves side by side",
     )
     report.add_argument(
+        "--codec",
+        type=Path,
+        help="a `preempt bench codec --json` result on the trained LM (--model): the codec budget claim "
+        "is judged from it, paired by prompt (else not measured)",
+    )
+    report.add_argument(
         "--compare",
         action="append",
         default=[],

@@ -21,6 +21,12 @@ def test_codec_bench_reports_every_plan_and_lossless_fp16_changes_nothing():
     assert fp16["kl_mean"] < 1e-9
     assert 0.5 < plans["fp8"]["size_vs_fp16"] < 0.501 and plans["fp8"]["blob_vs_raw"] < 0.26  # float32 cache
     assert plans["fp8"]["kl_mean"] > 1e-6  # lossy: the distributions moved, however little
+    for row in plans.values():  # per prompt, for a judge to pair plans prompt by prompt
+        assert set(row["per_prompt"]) == {"greedy_agreement", "kl_mean", "top1_agreement"}
+        for key, values in row["per_prompt"].items():
+            assert len(values) == 4  # quick: 4 prompts
+            assert abs(sum(values) / len(values) - row[key]) <= 1e-3 * max(abs(row[key]), 1e-9) + 1e-6
+    assert plans["fp16"]["per_prompt"]["greedy_agreement"] == [1.0] * 4
     for row in plans.values():
         assert row["encode_mb_s"] > 0 and row["decode_mb_s"] > 0
         assert row["encode_vs_clone_long"] > 0 and row["clone_mb_s_long"] > 0  # both request sizes
@@ -71,3 +77,17 @@ def test_served_kv_has_outlier_key_channels_and_is_seeded():
 
 def test_the_served_model_speed_section_can_be_skipped():
     assert "served_model_speed" not in bench_codec(quick=True, served_speed=False)
+
+
+def test_the_budget_summary_leaves_the_verdict_to_the_claims_report():
+    from preempt.bench.codec import _budget_summary
+
+    def row(agreement: float, kl: float) -> dict:
+        return {"greedy_agreement": agreement, "kl_mean": kl, "top1_agreement": 0.97, "size_vs_fp16": 0.348}
+
+    rows = {"fp8": row(0.5, 0.003), "budget_sensitivity": row(0.6, 0.002)}
+    rows |= {f"budget_random_s{seed}": row(0.4 + seed / 100, 0.004) for seed in range(3)}
+    summary = _budget_summary(rows)
+    assert "sensitivity_meets_target" not in summary  # a boolean of means flipped with the prompts
+    assert "preempt report --codec" in summary["sensitivity_vs_fp8"]
+    assert summary["random_greedy_agreement"]["max"] == 0.42
