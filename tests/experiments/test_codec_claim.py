@@ -121,3 +121,24 @@ def test_the_report_command_takes_the_flag():
     args = build_parser().parse_args(["report", "--quick", "q", "--codec", "c.json"])
     assert args.codec == Path("c.json")
     assert build_parser().parse_args(["report", "--quick", "q"]).codec is None
+
+
+def test_the_main_job_measures_its_prompts_and_hands_them_to_the_report(tmp_path, monkeypatch):
+    import experiments.early_windows
+    import experiments.main as main_job
+
+    steps: list[list[str]] = []
+
+    def step(title: str, argv: list[str], stdout_to: Path | None = None) -> float:
+        steps.append(argv)
+        if stdout_to is not None:
+            stdout_to.write_text("{}")
+        return 0.0
+
+    monkeypatch.setattr(main_job, "_step", step)
+    monkeypatch.setattr(experiments.early_windows, "render_windows", lambda result: "")
+    main_job.run(tmp_path, tmp_path / "lm", "disabled")
+    codec = next(argv for argv in steps if argv[:2] == ["bench", "codec"])
+    assert codec[codec.index("--prompts") + 1] == str(main_job.CODEC_PROMPTS) == "32"
+    report = next(argv for argv in steps if argv[0] == "report")
+    assert report[report.index("--codec") + 1] == str(tmp_path / "codec.json")
