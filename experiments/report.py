@@ -269,7 +269,27 @@ def render(
                 f"Plots: `{source.path}/plots/` (not copied: one per combination of the grid's axes).",
                 "",
             ]
+    lines += _main_job_times(sources)
     return "\n".join(lines)
+
+
+def _main_job_times(sources: list[Source]) -> list[str]:
+    """The main job's steps and their times, when an ablation came from one (`make run`
+    writes main_times.json beside its ablation)."""
+    for source in sources:
+        path = source.path.parent / "main_times.json"
+        if path.is_file():
+            times = json.loads(path.read_text())
+            total = times.pop("total", sum(times.values()))
+            steps = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in times.items())
+            return [
+                "## How long the main job took",
+                "",
+                f"`make run` ({path}): {total / 60:.1f} min on this machine after the install: {steps}. "
+                "The reference LM is cached in runs/lm after its first training.",
+                "",
+            ]
+    return []
 
 
 def judge_benchmarks(paths: dict[str, str | Path | None]) -> list[tuple[BenchClaim, Finding]]:
