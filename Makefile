@@ -70,7 +70,8 @@ sweeps: $(STAMP)
 	for s in $(SWEEPS); do $(BIN)/preempt ablate --config experiments/configs/$$s.yaml --out runs/$$s || exit 1; done
 
 results: sweeps
-	$(BIN)/preempt report --quick runs/main/ablate $(foreach s,$(SWEEPS),--sweep runs/$(s)) --early runs/main/early.json --out docs/results.md
+	$(BIN)/preempt report --quick runs/main/ablate $(foreach s,$(SWEEPS),--sweep runs/$(s)) --early runs/main/early.json \
+	  --codec runs/main/codec.json --out docs/results.md
 
 # Wheels for the GPU machine, which reaches no registry and lacks these (its Python is
 # 3.12 on x86-64; it has torch, triton, numpy, pyyaml, pytest, hypothesis). The versions are
