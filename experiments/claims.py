@@ -580,7 +580,10 @@ def _oracle_share(without: str, learned: str, oracle: str) -> Callable[[Arms], F
             )
             text = f"{label}: oracle - {without} {_f(gain)}"
             if compare(gain, 0.0, claimed="above") != HELD:
-                parts.append(text + "; the oracle's advantage is not clear of 0, so no share is judged")
+                point = f" (share of the means {share.mean:.2g})" if math.isfinite(share.mean) else ""
+                parts.append(
+                    text + f"; the oracle's advantage is not clear of 0, so no share is judged{point}"
+                )
                 continue
             shown = _f(share) if share.is_defined else f"{share.mean:.3g} (no bounded interval)"
             parts.append(text + f"; share recovered by {learned} {shown}")
