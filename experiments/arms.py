@@ -318,6 +318,14 @@ def _tuned_arm(path: Path) -> Arm:
 
 _TUNED = _tuned_arm(TUNED_ARM)
 STANDARD_ARMS[_TUNED.name] = _TUNED
+# The tuned design with each other remaining-work estimate: what length knowledge is worth
+# to it (the claims report's oracle share, per design arm).
+for _remaining, _doc in (
+    ("learned", "the tuned design with the learned estimate of the remaining output"),
+    ("oracle", "oracle: the tuned design told each request's true output length (an upper bound)"),
+):
+    _arm = Arm(f"{_TUNED.name}_{_remaining}", _TUNED.name, {"preemption.remaining": _remaining}, _doc)
+    STANDARD_ARMS[_arm.name] = _arm
 
 # ---------------------------------------------------------------- the config file
 

@@ -634,6 +634,7 @@ CLAIMS: list[Claim] = [
     ),
     *DESIGN_CLAIMS,
     share_claim("score", "score_learned", "score_oracle"),
+    share_claim("score_tuned", "score_tuned_learned", "score_tuned_oracle"),
     Claim(
         "dynamic_slices",
         "docs/design.md §3",

@@ -113,6 +113,7 @@ def test_the_shipped_config_is_valid_and_its_windows_avoid_the_judge():
         "preemption.slice_mode": "gate",
         "preemption.max_preemption_per_min": None,
         "preemption.mode": "recompute",
+        "preemption.remaining": "max_tokens",
     }
     held = {w["start_s"] for w in plan.windows if w["config"] == "load.yaml"}
     assert held == {0, 600, 1200, 1800, 2400}
