@@ -36,6 +36,7 @@ class RequestView:
         "slice_used_s",
         "preemption_failed",
         "preempted_at_s",
+        "expected_output_left",
     )
 
     def __init__(self, request: Any, arrival_s: float) -> None:
@@ -46,6 +47,8 @@ class RequestView:
         self.slice_used_s = 0.0
         self.preemption_failed = False
         self.preempted_at_s: float | None = None
+        # The plugin's score reads the client's max_tokens (preemption.remaining's default).
+        self.expected_output_left: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
