@@ -59,7 +59,8 @@ def test_run_writes_contract_files(tmp_path, capsys):
     assert set(table.column("final_state").to_pylist()) <= {"FINISHED", "ABORTED"}
     out = capsys.readouterr().out
     assert "requests.parquet" in out
-    assert '"workload": "azure-conv [0 s, 15 s) at 4x its rate, max_tokens trace"' in out
+    told = "max_tokens trace (the true length: an oracle)"
+    assert f'"workload": "azure-conv [0 s, 15 s) at 4x its rate, {told}"' in out
 
 
 def test_run_names_the_window_and_rate_a_config_file_brings(tmp_path, capsys):
@@ -68,8 +69,8 @@ def test_run_names_the_window_and_rate_a_config_file_brings(tmp_path, capsys):
     assert main([*argv, "--duration", "5", "--out", str(tmp_path / "a"), "--no-progress"]) == 0
     line = json.loads(capsys.readouterr().out.rsplit("\nwrote", 1)[0])["workload"]
     assert line == (
-        "azure-code [0 s, 5 s) at 4x its rate, max_tokens trace "
-        "(workload.rate_scale=4.0 from experiments/configs/engine_quick.yaml)"
+        "azure-code [0 s, 5 s) at 4x its rate, max_tokens fixed at 1024 "
+        "(workload.rate_scale=4.0, workload.max_tokens_mode=fixed from experiments/configs/engine_quick.yaml)"
     )
 
 

@@ -39,7 +39,9 @@ def _workload_line(config: EngineConfig, path: Path | None, overrides: list[str]
     workload = config.workload
     end = "its end" if workload.duration_s is None else f"{workload.start_s + workload.duration_s:g} s"
     line = f"{workload.trace} [{workload.start_s:g} s, {end}) at {workload.rate_scale:g}x"
-    line += f" its rate, max_tokens {workload.max_tokens_mode}"
+    mode = workload.max_tokens_mode
+    told = {"trace": "trace (the true length: an oracle)", "fixed": f"fixed at {workload.max_tokens_fixed}"}
+    line += f" its rate, max_tokens {told.get(mode, mode)}"
     if path is not None:
         given = {o.partition("=")[0].strip() for o in overrides}
         from_file = [
