@@ -33,7 +33,7 @@ from experiments.dominance import (
     dominators,
     top_level,
 )
-from experiments.tables import interval_cell, sla_levels
+from experiments.tables import interval_cell, length_regime, sla_levels
 
 MAX_NAMES = 3
 
@@ -245,10 +245,12 @@ def leaderboard_markdown(
     """Per point (section label, arms, summary rows): the Pareto plot and the tables."""
     lines = []
     for label, arms, points in sections:
-        lines += [f"## {label}", ""]
+        regime = length_regime([row for rows in arms.values() for row in rows])
+        lines += [f"## {label}", "", f"Lengths: {regime}.", ""]
         slug = "".join(c if c.isalnum() or c in "-_=." else "-" for c in label).strip("-")
         ranking = rank(arms, points)
-        plot = pareto_plot(ranking, images_dir / f"pareto-{slug}.png", label, design_arms)
+        title = f"{label}; lengths: {regime.replace('**', '')}"
+        plot = pareto_plot(ranking, images_dir / f"pareto-{slug}.png", title, design_arms)
         if plot is not None:
             lines += [f"![pareto {label}]({plot.relative_to(link_base)})", ""]
         lines += [point_tables(ranking), ""]

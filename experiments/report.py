@@ -36,6 +36,7 @@ from experiments.leaderboard import leaderboard_markdown, where_to_run
 from experiments.tables import (
     MD_COLUMNS,
     interval_table,
+    length_regime,
     markdown_table,
     read_csv,
     sla_interval_table,
@@ -313,25 +314,6 @@ def judge_benchmarks(paths: dict[str, str | Path | None]) -> list[tuple[BenchCla
                 raise FileNotFoundError(f"--{name}: {path} not found (`preempt bench {name} --json > FILE`)")
             results[name] = json.loads(Path(path).read_text())
     return [(claim, claim.judge(results.get(claim.bench))) for claim in BENCH_CLAIMS]
-
-
-def length_regime(rows: list[dict[str, Any]]) -> str:
-    """What the runs' requests told the scheduler of their length, in words."""
-    modes = set()
-    for row in rows:
-        workload = (row.get("_config") or {}).get("workload") or {}
-        mode = workload.get("max_tokens_mode", "trace")
-        if mode == "fixed":
-            modes.add(
-                f"max_tokens as clients send it, a fixed cap of {workload.get('max_tokens_fixed', 1024)}"
-            )
-        elif mode == "noisy":
-            modes.add(
-                f"a noisy estimate of the true length (lognormal sigma {workload.get('max_tokens_noise')})"
-            )
-        else:
-            modes.add("**oracle**: max_tokens is each request's true output length (`trace`)")
-    return "; ".join(sorted(modes)) or "unknown (no run's config)"
 
 
 def _main_figure(links: dict[str, list[tuple[str, str]]]) -> list[str]:

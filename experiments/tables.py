@@ -234,3 +234,23 @@ def sla_interval_table(rows: list[dict[str, Any]]) -> str:
             (f"sla{level}_tpot_p99_s", f"L{level} TPOT p99"),
         ]
     return interval_table(rows, columns)
+
+
+def length_regime(rows: list[dict[str, Any]]) -> str:
+    """What the runs' requests told the scheduler of their length, in words (every report,
+    leaderboard section and Pareto plot says it: docs/design.md §1)."""
+    modes = set()
+    for row in rows:
+        workload = (row.get("_config") or {}).get("workload") or {}
+        mode = workload.get("max_tokens_mode", "trace")
+        if mode == "fixed":
+            modes.add(
+                f"max_tokens as clients send it, a fixed cap of {workload.get('max_tokens_fixed', 1024)}"
+            )
+        elif mode == "noisy":
+            modes.add(
+                f"a noisy estimate of the true length (lognormal sigma {workload.get('max_tokens_noise')})"
+            )
+        else:
+            modes.add("**oracle**: max_tokens is each request's true output length (`trace`)")
+    return "; ".join(sorted(modes)) or "unknown (no run's config)"
