@@ -31,9 +31,6 @@ if TYPE_CHECKING:
     from preempt.core.config import EngineConfig
     from preempt.engine.lengths import LengthModel
 
-REMAINING_ESTIMATORS = ("max_tokens", "learned", "oracle")
-
-
 class RemainingEstimator(ABC):
     """Sets `request.expected_output_left` from what it knows."""
 
