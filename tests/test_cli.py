@@ -59,8 +59,7 @@ def test_run_writes_contract_files(tmp_path, capsys):
     assert set(table.column("final_state").to_pylist()) <= {"FINISHED", "ABORTED"}
     out = capsys.readouterr().out
     assert "requests.parquet" in out
-    told = "max_tokens trace (the true length: an oracle)"
-    assert f'"workload": "azure-conv [0 s, 15 s) at 4x its rate, {told}"' in out
+    assert '"workload": "azure-conv [0 s, 15 s) at 4x its rate, max_tokens fixed at 1024"' in out
 
 
 def test_run_names_the_window_and_rate_a_config_file_brings(tmp_path, capsys):

@@ -159,9 +159,10 @@ class WorkloadConfig(_Section):
     """Coefficient of variation of gamma inter-arrivals (bursty when > 1)."""
     sla_mix: dict[int, float] = Field(default_factory=lambda: {0: 0.8, 1: 0.2})
     """SLA level -> share of requests (higher level = more important; e.g. 1 = VIP)."""
-    max_tokens_mode: Literal["trace", "fixed", "noisy"] = "trace"
-    """What the scheduler is told as max_tokens: the trace's true length, a fixed cap,
-    or the true length times lognormal noise (an estimate)."""
+    max_tokens_mode: Literal["trace", "fixed", "noisy"] = "fixed"
+    """What the scheduler is told as max_tokens: a fixed cap, as clients send it (the
+    default: docs/design.md §1), the true length times lognormal noise (an estimate), or
+    the trace's true length (`trace`: an oracle, for labelled upper bounds only)."""
     max_tokens_fixed: int = Field(1024, gt=0)
     """max_tokens in `fixed` mode, and the upper clamp in `noisy` mode."""
     max_tokens_noise: float = Field(0.5, ge=0)

@@ -229,7 +229,7 @@ def _prompt_arrays(requests: list) -> list[np.ndarray]:
 
 def test_whole_trace_workload_matches_the_trace() -> None:
     rows = load_trace("azure-code")
-    requests = build_workload(WorkloadConfig(trace="azure-code"), seed=0)
+    requests = build_workload(WorkloadConfig(trace="azure-code", max_tokens_mode="trace"), seed=0)
     assert [r.request_id for r in requests] == list(range(len(rows)))
     assert [r.arrival_s for r in requests] == [row.arrival_s for row in rows]
     assert [r.num_prompt_tokens for r in requests] == [row.prompt_tokens for row in rows]

@@ -26,6 +26,9 @@ _BASE = {
         "duration_s": 30,
         "rate_scale": 8.0,
         "sla_mix": {0: 0.7, 1: 0.2, 2: 0.1},
+        # Pins the mechanisms on one fixed workload (not a policy comparison): each request's
+        # max_tokens is its true length, as when these files were made.
+        "max_tokens_mode": "trace",
     },
     "preemption": {
         "host_mem": "16GB",
