@@ -109,7 +109,9 @@ clean:
 
 # Refresh both locks after changing pyproject.toml, constraints.txt or locks/peer.in: uv
 # (pinned, in its own small virtualenv) resolves every package for this machine's Python
-# and platform, taking torch from the local wheelhouse (the CPU build). Then `make test`.
+# and platform, taking torch from the local wheelhouse (the CPU build). Pins already in a lock
+# stay (only what an input added or changed is resolved); `make lock UPGRADE=--upgrade`
+# re-resolves everything to the newest versions. Then `make test`.
 UV_VERSION ?= 0.13.9
 LOCKENV := .lockenv
 UV_COMPILE = $(LOCKENV)/bin/uv pip compile -q --custom-compile-command "make lock" \
@@ -118,5 +120,5 @@ $(LOCKENV)/bin/uv:
 	$(PY) -m venv $(LOCKENV)
 	$(LOCKENV)/bin/pip install -q uv==$(UV_VERSION)
 lock: $(LOCKENV)/bin/uv
-	$(UV_COMPILE) --upgrade pyproject.toml --extra dev --extra load -c constraints.txt -o locks/venv.txt
-	$(UV_COMPILE) --upgrade locks/peer.in -o locks/peer.txt
+	$(UV_COMPILE) $(UPGRADE) pyproject.toml --extra dev --extra load -c constraints.txt -o locks/venv.txt
+	$(UV_COMPILE) $(UPGRADE) locks/peer.in -o locks/peer.txt
