@@ -14,6 +14,10 @@ vLLM's are `vllm:*`):
   directory named by its parent's pid (the API server that started it), and a collector
   that preempt's stat-logger plugin registers in the API server (`stat_logger.py`, an
   entry point vLLM loads by itself) reads them at scrape time. No variable to set.
+
+Two sets travel these routes: the scheduler's (`PLUGIN`: `PluginMetrics`, counters) and
+the KV connector's (`CONNECTOR`: `ConnectorMetrics`, counters and two latency
+histograms), each in its own snapshot file per engine core.
 """
 
 from __future__ import annotations
@@ -81,34 +85,139 @@ class PluginMetrics:
         }
 
 
-_process_counters: dict | None = None
+# Save and load latencies, seconds: a copy of a few MB encodes in milliseconds on a CPU.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+CONNECTOR_COUNTERS = (
+    ("preempt:kv_saves", "Preempted requests whose KV the connector stored in the host pool", None, "saves"),
+    ("preempt:kv_loads", "Resumed requests whose KV the connector loaded instead of recomputing", None, "loads"),
+    ("preempt:kv_fallbacks", "Preempted requests recomputed instead of loaded, by reason", "reason", "fallbacks"),
+    ("preempt:kv_stored_bytes", "Bytes of the copies stored in the host pool", None, "stored_bytes"),
+    ("preempt:kv_raw_bytes", "KV bytes of those copies before encoding", None, "raw_bytes"),
+    ("preempt:kv_preempted_tokens", "Tokens of KV the preempted requests held", None, "preempted_tokens"),
+    ("preempt:kv_loaded_tokens", "Tokens loaded from the host pool: recomputation avoided", None, "loaded_tokens"),
+    ("preempt:kv_early_tokens", "Tokens copied ahead of a predicted preemption", None, "early_tokens"),
+    ("preempt:kv_early_wasted", "Requests copied ahead that finished without being preempted", None, "early_wasted"),
+)
+CONNECTOR_HISTOGRAMS = (
+    ("preempt:kv_save_seconds", "From a preemption to its copy stored (gather, encode, store)", "save_s"),
+    ("preempt:kv_load_seconds", "Decoding a copy into the resumed request's blocks", "load_s"),
+)
+FALLBACKS = ("pool_full", "slot_too_small", "corrupt", "encode", "cost", "prefix_cache")
 
 
-def _counters() -> dict:
-    """The `COUNTERS` as prometheus_client counters, made once per process (a registry
+@dataclass
+class ConnectorMetrics:
+    """The KV connector's counters (scheduler side: it sees every save's and load's report)."""
+
+    saves: int = 0
+    loads: int = 0
+    fallbacks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FALLBACKS, 0))
+    """`pool_full`, `slot_too_small`: the host pool refused the copy; `corrupt`: a copy
+    failed its checksum on load; `encode`: the codec failed; `cost`: the plugin chose to
+    recompute (`saves: cost`); `prefix_cache`: vLLM's prefix cache held the whole copy."""
+    stored_bytes: int = 0
+    raw_bytes: int = 0
+    preempted_tokens: int = 0
+    loaded_tokens: int = 0
+    early_tokens: int = 0
+    early_wasted: int = 0
+    save_s: dict = field(default_factory=lambda: empty_histogram())
+    load_s: dict = field(default_factory=lambda: empty_histogram())
+    observed: list[tuple[str, float]] = field(default_factory=list)
+    """Latencies not yet given to prometheus_client histograms (`PrometheusExport`)."""
+
+    def preempted(self, num_tokens: int) -> None:
+        self.preempted_tokens += num_tokens
+
+    def fallback(self, reason: str) -> None:
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+
+    def stored(self, report) -> None:
+        self.saves += 1
+        self.stored_bytes += report.stored_bytes
+        self.raw_bytes += report.raw_bytes
+        self._observe("save_s", report.seconds)
+
+    def loaded(self, report) -> None:
+        if report.error is not None:
+            self.fallback(report.error)
+            return
+        self.loads += 1
+        self.loaded_tokens += report.num_tokens
+        self._observe("load_s", report.seconds)
+
+    def _observe(self, key: str, seconds: float) -> None:
+        hist = getattr(self, key)
+        for i, bound in enumerate(LATENCY_BUCKETS):
+            if seconds <= bound:
+                hist["buckets"][i] += 1
+        hist["buckets"][-1] += 1
+        hist["sum"] += seconds
+        self.observed.append((key, seconds))
+
+    def snapshot(self) -> dict:
+        out = {key: getattr(self, key) for _, _, _, key in CONNECTOR_COUNTERS}
+        out["fallbacks"] = dict(self.fallbacks)
+        for _, _, key in CONNECTOR_HISTOGRAMS:
+            hist = getattr(self, key)
+            out[key] = {"buckets": list(hist["buckets"]), "sum": hist["sum"]}
+        return out
+
+    def take_observed(self) -> list[tuple[str, float]]:
+        observed, self.observed = self.observed, []
+        return observed
+
+
+def empty_histogram() -> dict:
+    """Cumulative counts per `LATENCY_BUCKETS` bound (Prometheus' `le`), then +Inf; the sum."""
+    return {"buckets": [0] * (len(LATENCY_BUCKETS) + 1), "sum": 0.0}
+
+
+@dataclass(frozen=True)
+class MetricSet:
+    """One set of families on `/metrics`: counters `(family, help, label, key)`,
+    histograms `(family, help, key)`, the snapshot of no events, and its file's prefix."""
+
+    counters: tuple
+    histograms: tuple
+    empty: object  # () -> snapshot
+    prefix: str
+
+
+PLUGIN = MetricSet(COUNTERS, (), lambda: PluginMetrics().snapshot(), "engine")
+CONNECTOR = MetricSet(CONNECTOR_COUNTERS, CONNECTOR_HISTOGRAMS, lambda: ConnectorMetrics().snapshot(), "connector")
+
+
+_process_metrics: dict[str, dict] = {}
+
+
+def _prometheus(metric_set: MetricSet) -> dict:
+    """A set's families as prometheus_client metrics, made once per process (a registry
     holds one timeseries per name: a second scheduler in the process adds to them)."""
-    global _process_counters
-    if _process_counters is None:
-        from prometheus_client import Counter
+    if metric_set.prefix not in _process_metrics:
+        from prometheus_client import Counter, Histogram
 
-        _process_counters = {
-            key: Counter(name, doc, [label] if label else []) for name, doc, label, key in COUNTERS
-        }
-    return _process_counters
+        made = {key: Counter(name, doc, [label] if label else []) for name, doc, label, key in metric_set.counters}
+        for name, doc, key in metric_set.histograms:
+            made[key] = Histogram(name, doc, buckets=LATENCY_BUCKETS)
+        _process_metrics[metric_set.prefix] = made
+    return _process_metrics[metric_set.prefix]
 
 
 class PrometheusExport:
-    """prometheus_client counters mirroring `PluginMetrics` (`COUNTERS`). `sync()` pushes
-    the deltas of a `PluginMetrics.snapshot()` since the last call."""
+    """prometheus_client metrics mirroring a set (`PLUGIN` by default). `sync()` pushes
+    the counters' deltas since the last call; histograms get the new observations."""
 
-    def __init__(self) -> None:
-        self._counters = _counters()
-        self._labels = {key: label for _, _, label, key in COUNTERS}
-        self._last = PluginMetrics().snapshot()
+    def __init__(self, metric_set: MetricSet = PLUGIN) -> None:
+        self.metric_set = metric_set
+        self._metrics = _prometheus(metric_set)
+        self._labels = {key: label for _, _, label, key in metric_set.counters}
+        self._last = metric_set.empty()
 
-    def sync(self, now: dict) -> None:
-        for key, counter in self._counters.items():
-            label = self._labels[key]
+    def sync(self, now: dict, observed: list[tuple[str, float]] = ()) -> None:
+        for key, label in self._labels.items():
+            counter = self._metrics[key]
             if label is None:
                 delta = now[key] - self._last[key]
                 if delta > 0:
@@ -118,6 +227,8 @@ class PrometheusExport:
                 delta = count - self._last[key].get(value, 0)
                 if delta:
                     counter.labels(**{label: value}).inc(delta)
+        for key, seconds in observed:
+            self._metrics[key].observe(seconds)
         self._last = now
 
 
@@ -127,16 +238,15 @@ def snapshot_dir(api_server_pid: int) -> Path:
 
 
 class SnapshotWriter:
-    """In the engine core: `PluginMetrics.snapshot()` to `<snapshot_dir(parent)>/engine-<pid>
-    .json`, atomically (write, then rename), and only when it changed."""
+    """In the engine core: a set's snapshot to `<snapshot_dir(parent)>/<prefix>-<pid>.json`,
+    atomically (write, then rename), and only when it changed."""
 
-    def __init__(self, directory: Path | None = None) -> None:
+    def __init__(self, directory: Path | None = None, metric_set: MetricSet = PLUGIN) -> None:
         self.directory = directory or snapshot_dir(os.getppid())
-        self.path = self.directory / f"engine-{os.getpid()}.json"
+        self.path = self.directory / f"{metric_set.prefix}-{os.getpid()}.json"
         self._last: dict | None = None
 
     def write(self, snapshot: dict) -> None:
-        """`snapshot`: a `PluginMetrics.snapshot()`."""
         if snapshot == self._last:
             return
         try:
@@ -149,6 +259,19 @@ class SnapshotWriter:
         self._last = snapshot
 
 
+class ConnectorMetricsExport:
+    """The connector's metrics on both routes, synced once per step."""
+
+    def __init__(self) -> None:
+        self._prometheus = PrometheusExport(CONNECTOR)
+        self._snapshots = SnapshotWriter(metric_set=CONNECTOR)
+
+    def sync(self, metrics: ConnectorMetrics) -> None:
+        snapshot = metrics.snapshot()
+        self._prometheus.sync(snapshot, metrics.take_observed())
+        self._snapshots.write(snapshot)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -159,30 +282,36 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def read_snapshots(directory: Path) -> dict:
-    """The counters of every live engine core that wrote to `directory`, summed (a dead
-    one's file is from an earlier server whose pid this one reuses)."""
-    total = PluginMetrics().snapshot()
-    for path in sorted(directory.glob("engine-*.json")):
+def read_snapshots(directory: Path, metric_set: MetricSet = PLUGIN) -> dict | None:
+    """A set's snapshots from every live engine core that wrote to `directory`, summed (a
+    dead one's file is from an earlier server whose pid this one reuses); None if none."""
+    total = metric_set.empty()
+    found = False
+    for path in sorted(directory.glob(f"{metric_set.prefix}-*.json")):
         try:
-            if not _alive(int(path.stem.removeprefix("engine-"))):
+            if not _alive(int(path.stem.removeprefix(f"{metric_set.prefix}-"))):
                 continue
             snapshot = json.loads(path.read_text())
         except (OSError, ValueError):
             continue  # replaced between glob and read, or not a snapshot: skip
-        for _, _, label, key in COUNTERS:
+        found = True
+        for _, _, label, key in metric_set.counters:
             if label is None:
                 total[key] += snapshot.get(key, 0)
             else:
                 for value, count in snapshot.get(key, {}).items():
                     total[key][value] = total[key].get(value, 0) + count
-    return total
+        for _, _, key in metric_set.histograms:
+            theirs = snapshot.get(key, {})
+            total[key]["buckets"] = [a + b for a, b in zip(total[key]["buckets"], theirs.get("buckets", []))]
+            total[key]["sum"] += theirs.get("sum", 0.0)
+    return total if found else None
 
 
 class SnapshotCollector:
-    """A prometheus_client collector in the API server: the `COUNTERS` families from the
-    engine cores' snapshot files, read at each scrape; nothing while there are none (a
-    plain vLLM scheduler writes none). The directory goes at exit."""
+    """A prometheus_client collector in the API server: each set's families from the
+    engine cores' snapshot files, read at each scrape; nothing for a set no engine core
+    wrote (a plain vLLM scheduler writes none). The directory goes at exit."""
 
     def __init__(self, directory: Path | None = None) -> None:
         self.directory = directory or snapshot_dir(os.getpid())
@@ -190,20 +319,29 @@ class SnapshotCollector:
 
     def describe(self) -> list:
         # Nothing to declare: in one process (vllm.LLM in-process) PrometheusExport's
-        # counters of the same names are already registered and this reads no files.
+        # metrics of the same names are already registered and this reads no files.
         return []
 
     def collect(self) -> Iterator:
-        from prometheus_client.core import CounterMetricFamily
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
-        if not self.directory.is_dir() or not any(self.directory.glob("engine-*.json")):
+        if not self.directory.is_dir():
             return
-        total = read_snapshots(self.directory)
-        for name, doc, label, key in COUNTERS:
-            family = CounterMetricFamily(name, doc, labels=[label] if label else None)
-            if label is None:
-                family.add_metric([], total[key])
-            else:
-                for value, count in sorted(total[key].items()):
-                    family.add_metric([value], count)
-            yield family
+        for metric_set in (PLUGIN, CONNECTOR):
+            total = read_snapshots(self.directory, metric_set)
+            if total is None:
+                continue
+            for name, doc, label, key in metric_set.counters:
+                family = CounterMetricFamily(name, doc, labels=[label] if label else None)
+                if label is None:
+                    family.add_metric([], total[key])
+                else:
+                    for value, count in sorted(total[key].items()):
+                        family.add_metric([value], count)
+                yield family
+            for name, doc, key in metric_set.histograms:
+                hist = total[key]
+                bounds = [str(b) for b in LATENCY_BUCKETS] + ["+Inf"]
+                family = HistogramMetricFamily(name, doc)
+                family.add_metric([], list(zip(bounds, hist["buckets"], strict=True)), sum_value=hist["sum"])
+                yield family
