@@ -45,8 +45,10 @@ def store(codec="raw", **extra):
 def test_cpu_layout_gathers_what_attention_reads():
     caches = cpu_caches()
     paged = PagedKV(caches, NB, BS, H, D)
-    assert torch.equal(paged.gather([4, 1, 7], 0, 70), reference(caches, [4, 1, 7], 70))
-    assert torch.equal(paged.gather([4, 1, 7], 40, 30), reference(caches, [4, 1, 7], 70)[:, :, 40:])
+    assert torch.equal(paged.gather([4, 1, 7], 0, 96), reference(caches, [4, 1, 7], 96))
+    assert torch.equal(paged.gather([4, 1, 7], 32, 64), reference(caches, [4, 1, 7], 96)[:, :, 32:])
+    with pytest.raises(ValueError, match="whole blocks"):
+        paged.gather([4, 1, 7], 0, 70)
 
 
 @pytest.mark.parametrize("layout", ["flash", "flashinfer"])
@@ -54,7 +56,7 @@ def test_gpu_layouts(layout):
     shape = (2, NB, BS, H, D) if layout == "flash" else (NB, 2, BS, H, D)
     caches = [torch.randn(shape) for _ in range(L)]
     paged = PagedKV(caches, NB, BS, H, D)
-    kv = paged.gather([2, 5], 0, 40)
+    kv = paged.gather([2, 5], 0, 64)
     k0 = caches[0][0] if layout == "flash" else caches[0][:, 0]
     assert torch.equal(kv[0, 0, 33], k0[5, 1])
 
@@ -68,17 +70,17 @@ def test_unknown_layout_is_named():
 def test_lossless_round_trip_into_other_blocks(codec):
     caches = cpu_caches()
     paged = PagedKV(caches, NB, BS, H, D)
-    saved = reference(caches, [0, 1, 2], 90)
+    saved = reference(caches, [0, 1, 2], 96)
     kv_store = store(codec)
-    kv_store.save("r", paged, [0, 1, 2], 0, 50)
-    kv_store.save("r", paged, [0, 1, 2], 50, 90)  # a second segment (an early copy, then the rest)
+    kv_store.save("r", paged, [0, 1, 2], 0, 64)
+    kv_store.save("r", paged, [0, 1, 2], 64, 96)  # a second segment (an early copy, then the rest)
     kv_store.wait("r")
-    assert kv_store.stored("r") == (90, None)
+    assert kv_store.stored("r") == (96, None)
     for t in caches:  # vLLM reuses the blocks
         t.zero_()
-    stats = kv_store.load("r", paged, [6, 3, 9], 32, 90)  # the first block came from the prefix cache
-    assert stats.num_tokens == 58
-    assert torch.equal(reference(caches, [6, 3, 9], 90)[:, :, 32:], saved[:, :, 32:])
+    stats = kv_store.load("r", paged, [6, 3, 9], 32, 96)  # the first block came from the prefix cache
+    assert stats.num_tokens == 64
+    assert torch.equal(reference(caches, [6, 3, 9], 96)[:, :, 32:], saved[:, :, 32:])
     assert kv_store.pool.bytes_used == 0 and "r" not in kv_store.copies
 
 

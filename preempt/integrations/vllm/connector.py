@@ -192,8 +192,9 @@ class PreemptKVConnector(KVConnectorBase_V1):
         saved = self.saved.get(request_id)
         if saved is None:
             return 0, False
-        # the last token is always computed (its logits sample the next one)
-        num_external = min(saved, request.num_tokens - 1) - num_computed_tokens
+        # whole blocks (kv_store.PagedKV), and the last token is always computed (its
+        # logits sample the next one): the last partial block is recomputed
+        num_external = self._floor(min(saved, request.num_tokens - 1)) - num_computed_tokens
         self.matched[request_id] = num_computed_tokens
         if num_external <= 0:
             return 0, False
@@ -227,12 +228,18 @@ class PreemptKVConnector(KVConnectorBase_V1):
         meta, self.meta = self.meta, PreemptConnectorMetadata()
         return meta
 
+    def _floor(self, num_tokens: int) -> int:
+        return num_tokens - num_tokens % self.block_size
+
     def _on_preempted(self, request_id: str) -> None:
         table = self.tables.pop(request_id, None)
         if table is None or table[1] == 0:
             return
         block_ids, num_tokens = table
         self.metrics.preempted(num_tokens)
+        num_tokens = self._floor(num_tokens)
+        if num_tokens == 0:
+            return  # not one whole block: nothing worth a copy
         if self.advisor is None:
             if not self._warned_no_advisor:
                 logger.warning(
@@ -254,9 +261,9 @@ class PreemptKVConnector(KVConnectorBase_V1):
 
     def _copy_early(self, request_id: str) -> None:
         block_ids, num_tokens = self.tables[request_id]
-        start = self.copied.get(request_id, 0)
-        if num_tokens - start < self.block_size:
-            return  # less than a block new since the last copy: not worth a blob
+        start, num_tokens = self.copied.get(request_id, 0), self._floor(num_tokens)
+        if num_tokens <= start:
+            return  # no whole block new since the last copy
         self.meta.early.append(CopyJob(request_id, list(block_ids), start, num_tokens))
         self.copied[request_id] = num_tokens
         self.metrics.early_tokens += num_tokens - start

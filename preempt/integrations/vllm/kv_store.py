@@ -10,7 +10,8 @@ environment.
 
 Codecs (`ConnectorSettings.codec`): `raw` (lossless), `zstd` (lossless, byte-shuffled),
 `fp8` (every KV head float8 E4M3 with one scale per head and K/V) and `mixed` (FP16 /
-FP8 per head by a plan: `random` or a plan file from `preempt importance`). The
+FP8 per head by a plan: `random` or a plan file from `preempt importance`). Copies are
+whole blocks (`PagedKV`): a resumed request recomputes its last, partial block. The
 quantization runs where the KV lives (`preempt.kernels.quantize_heads`: the Triton
 kernel on CUDA, its torch reference on CPU); only packed bytes reach the pool.
 
@@ -108,6 +109,12 @@ def make_store_codec(settings: ConnectorSettings, num_layers: int, num_kv_heads:
         plan = HeadPlan.load(settings.head_plan)
         plan.check_shape(num_layers, num_kv_heads)
     codes = plan.codes()
+    other = set(codes.reshape(-1).tolist()) - {int(HeadClass.FP16), int(HeadClass.FP8), int(HeadClass.DROP)}
+    if other:
+        raise ConnectorSettingsError(
+            f"head_plan {settings.head_plan!r}: classes {sorted(HeadClass(c).name for c in other)} quantize per "
+            "channel, which depends on the cache's order inside a block; the connector takes FP16/FP8 plans"
+        )
     if (codes == int(HeadClass.DROP)).any():
         if log is not None:
             log(f"preempt connector: {int((codes == int(HeadClass.DROP)).sum())} DROP heads of plan "
@@ -119,15 +126,22 @@ def make_store_codec(settings: ConnectorSettings, num_layers: int, num_kv_heads:
 
 
 class PagedKV:
-    """vLLM's per-layer KV cache tensors as one request's KV in preempt's layout.
+    """vLLM's per-layer KV cache tensors as one request's KV in preempt's layout, whole
+    blocks at a time.
 
     Each layer's tensor is seen as K and V views of shape `(num_blocks, block_size, H, D)`,
     whichever of the layouts vLLM's attention backends allocate it is:
-    - CPU attention: `(num_blocks, H, block_size, 2 * D)`, per (block, head) the block's
-      K rows then its V rows (`cpu_attn.py` views it as `(nb, H, 2 * bs, D)`);
+    - CPU attention: `(num_blocks, H, block_size, 2 * D)`: per (block, head) a K area then
+      a V area of `block_size * D` values each. Inside the K area the kernel's own order
+      holds (the `vec` ISA stores it dim-major, `(D, block_size)`), so a "token" row of
+      the view is one only for V;
     - FlashAttention / Triton: `(2, num_blocks, block_size, H, D)`;
     - FlashInfer: `(num_blocks, 2, block_size, H, D)`.
-    Views share the cache's memory: a scatter writes into vLLM's blocks.
+    The connector therefore moves whole blocks only (`start` and `end` multiples of the
+    block size): a block's K and V areas per head go out and come back byte for byte,
+    whatever their inner order, and FP8's one scale per (layer, head, K or V) does not
+    depend on it either. Views share the cache's memory: a scatter writes into vLLM's
+    blocks.
     """
 
     def __init__(
@@ -163,14 +177,18 @@ class PagedKV:
         return len(self.layers)
 
     def _slots(self, block_ids: Sequence[int], start: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if start % self.block_size or num_tokens % self.block_size:
+            raise ValueError(
+                f"tokens [{start}, {start + num_tokens}): the connector moves whole blocks of {self.block_size}"
+            )
         positions = torch.arange(start, start + num_tokens)
         table = torch.as_tensor(list(block_ids), dtype=torch.long)
         blocks = table[positions // self.block_size].to(self.device)
         return blocks, (positions % self.block_size).to(self.device)
 
     def gather(self, block_ids: Sequence[int], start: int, num_tokens: int) -> torch.Tensor:
-        """Tokens `[start, start + num_tokens)` of the request whose blocks are `block_ids`
-        (its whole block table, in order), as a new `(L, 2, T, H, D)` tensor on the cache's
+        """Tokens `[start, start + num_tokens)` (whole blocks) of the request whose blocks
+        are `block_ids` (its whole block table, in order), as a new `(L, 2, T, H, D)` tensor on the cache's
         device: a copy, so vLLM may reuse the blocks once this returns."""
         blocks, offsets = self._slots(block_ids, start, num_tokens)
         out = torch.empty(
