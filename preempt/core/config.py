@@ -222,6 +222,15 @@ class BackoffConfig(_Section):
     base_s: float = Field(0.05, gt=0)
     cap_s: float = Field(2.0, gt=0)
     reset_after_s: float = Field(10.0, gt=0)
+    counts: Literal["all", "priority"] = "all"
+    """Which failures start the backoff (and count toward k). `all` (the engine's default,
+    docs/design.md §7): every one, including a request marked PREEMPTION_FAILED after a
+    forced (out-of-blocks) preemption made it reach `max_consecutive_preemptions`, and a
+    failed save of a forced preemption or a reclaim. `priority`: only failures of a
+    priority preemption, the one kind the trigger decides (the vLLM plugin's default:
+    under steady memory pressure vLLM's forced preemptions marked a request every few
+    seconds, k climbed to the 2 s cap, and the backoff held every new request, the urgent
+    class first, with the pool free; such requests are still marked and protected)."""
 
 
 class MlfqConfig(_Section):

@@ -70,9 +70,9 @@ import numpy as np
 
 from preempt.core.block_pool import BlockPool, blocks_needed
 from preempt.core.config import PreemptionConfig, SchedulerConfig
-from preempt.core.limits import RATE_WINDOW_S, AdmissionBackoff, RateWindow
 from preempt.core.registry import save_codec
 from preempt.core.request import Request, RequestState, ScheduledChunk
+from preempt.engine.gate import PreemptionGate
 from preempt.engine.policies import SchedulingPolicy
 from preempt.engine.priority import priority_scores, remaining_ktokens, time_slice_s
 from preempt.engine.remaining import RemainingEstimator
@@ -108,10 +108,10 @@ class Scheduler:
         if self.preemption.mode != "recompute" and mover is None:
             raise ValueError(f"preemption.mode '{self.preemption.mode}' needs a KV mover (saver)")
         self.policy = policy
-        # The SPEC design's fallback (PREEMPTION_FAILED, protected victims, backoff) runs only
-        # where the policy has it by default or the config asks for it: vLLM has none.
-        fallback = self.preemption.failure_fallback
-        self.uses_failure_fallback = policy.uses_failure_fallback if fallback is None else fallback
+        # The rules around the priority trigger (rate cap, backoff, time slices, the failure
+        # fallback), shared with the vLLM plugin: preempt.engine.gate.
+        self.gate = PreemptionGate(self.preemption, policy)
+        self.uses_failure_fallback = self.gate.uses_failure_fallback
         self.block_pool = block_pool
         self.block_size = block_size
         self.mover = mover
@@ -138,8 +138,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_preemption_failed = 0
         self.num_restore_fallbacks = 0
-        self._rate_window = RateWindow(RATE_WINDOW_S)  # preemptions in the last minute
-        self._backoff = AdmissionBackoff(self.preemption.backoff)
         self._now = 0.0
         self.copy_out = CopyOut()  # blocks freed by saves whose copy-out may still run
 
@@ -231,12 +229,12 @@ class Scheduler:
         return out
 
     def preemptions_in_window(self, now: float) -> int:
-        return self._rate_window.count(now)
+        return self.gate.rate_window.count(now)
 
     @property
     def backoff_until_s(self) -> float:
         """New admissions wait until this time (a preemption failure's backoff)."""
-        return self._backoff.until_s
+        return self.gate.backoff.until_s
 
     # ----------------------------------------------------------------- step
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
@@ -408,7 +406,7 @@ class Scheduler:
     def _held_by_backoff(self, request: Request, now: float) -> bool:
         """After a preemption failure, requests that never ran wait for the backoff;
         preempted ones may resume (they already hold host or device memory)."""
-        return now < self.backoff_until_s and request.state is RequestState.WAITING
+        return self.gate.holds(now, fresh=request.state is RequestState.WAITING)
 
     def _restore(self, request: Request, now: float, background: bool = False) -> RestoreResult:
         record = self._saved_records.pop(request)
@@ -500,8 +498,8 @@ class Scheduler:
             failure = self._save(victim, self.preemption.reclaim_codec, record)
             self._free_after_save(victim, record, failure)
             self._score_parts[victim] = self._score_part(victim)  # still waiting; its KV may be gone
-            if failure is not None:
-                self._fail(victim, record, failure)
+            if failure is not None:  # a reclaim: blocks were needed
+                self._fail(victim, record, failure, forced=True)
 
     def _reclaim_prefetched(self, head: Request, num_new: int) -> bool:
         """Cancel restore prefetches of requests queued behind `head` (last in admission
@@ -566,24 +564,15 @@ class Scheduler:
         if not self._waiting:
             return None
         challenger = self._waiting[0][2]
-        if self._held_by_backoff(challenger, now) or self._can_admit(challenger):
+        if self._can_admit(challenger):
             return None
-        limit = self.preemption.max_preemption_per_min
-        if limit is not None and self.preemptions_in_window(now) >= limit:
-            return None
-        for _ in range(len(self.running)):
-            candidates = [
-                r
-                for r in self.running
-                if not r.preemption_failed
-                and (not self.policy.uses_time_slices or r.slice_used_s >= time_slice_s(r, self.preemption))
-            ]
-            victim = self.policy.priority_victim(challenger, candidates, now)
-            if victim is None:
-                return None
-            if self._preempt(victim, "priority", forced=False, challenger=challenger):
-                return victim
-        return None
+        return self.gate.priority_victim(
+            challenger,
+            self.running,
+            now,
+            fresh=challenger.state is RequestState.WAITING,
+            take=lambda victim: self._preempt(victim, "priority", forced=False, challenger=challenger),
+        )
 
     def _can_admit(self, request: Request) -> bool:
         if self.num_seated >= self.config.max_num_seqs:
@@ -608,12 +597,8 @@ class Scheduler:
             slice_s=time_slice_s(victim, self.preemption),
         )
         self.records.append(record)
-        if (
-            self.uses_failure_fallback
-            and not forced
-            and victim.num_preemptions >= self.preemption.max_consecutive_preemptions
-        ):
-            self._fail(victim, record, "consecutive_limit")
+        if not forced and self.gate.over_consecutive_limit(victim):
+            self._fail(victim, record, "consecutive_limit", forced=False)
             return False
         failure = None
         if mode == "pause" and not forced:
@@ -629,7 +614,7 @@ class Scheduler:
             record.action = "save"
             failure = self._save(victim, save_codec(mode, self.preemption.reclaim_codec), record)
             if failure is not None and not forced:
-                self._fail(victim, record, failure)  # keeps running with its KV
+                self._fail(victim, record, failure, forced=False)  # keeps running with its KV
                 return False
             self._free_after_save(victim, record, failure)
         self.running.remove(victim)
@@ -637,39 +622,31 @@ class Scheduler:
         victim.num_preemptions += 1
         victim.slice_used_s = 0.0
         self.num_preemptions += 1
-        if self.preemption.fills_rate_cap(forced):
-            self._rate_window.record(self._now)
+        self.gate.on_preempted(self._now, forced)
         self.add_request(victim)
         # Forced: memory had to be freed now (its KV dropped if the save failed). Either
         # way it is flagged after leaving `running`, so the record keeps its action.
-        if failure is not None:
-            self._fail(victim, record, failure)
-        elif (
-            self.uses_failure_fallback
-            and forced
-            and victim.num_preemptions >= self.preemption.max_consecutive_preemptions
-        ):
+        if failure is not None:  # only a forced one gets here with a failed save
+            self._fail(victim, record, failure, forced=True)
+        elif forced and self.gate.over_consecutive_limit(victim):
             # It has paid enough: from now on only a victim of last resort.
-            self._fail(victim, record, "consecutive_limit")
+            self._fail(victim, record, "consecutive_limit", forced=True)
         return True
 
-    def _fail(self, request: Request, record: PreemptionRecord, failure: str) -> None:
-        """A preemption could not go as planned (`failure` says why). With the design's
-        fallback (docs/design.md §7): mark PREEMPTION_FAILED (runs to completion, never a
-        priority victim again) and back new admissions off exponentially. Without it (the baselines), only
-        the record says what happened."""
+    def _fail(self, request: Request, record: PreemptionRecord, failure: str, *, forced: bool) -> None:
+        """A preemption could not go as planned (`failure` says why; `forced`: one made
+        because blocks ran out). With the design's fallback (docs/design.md §7): mark
+        PREEMPTION_FAILED (runs to completion, never a priority victim again) and back new
+        admissions off exponentially (`PreemptionGate.on_failure`). Without it (the
+        baselines), only the record says what happened."""
         record.failure = failure
         is_running = request in self.running
         if is_running:
             record.action = "none"  # kept running with its KV
-        if not self.uses_failure_fallback:
-            return
-        if not request.preemption_failed:
-            request.preemption_failed = True
+        if self.gate.on_failure(request, self._now, forced):
             self.num_preemption_failed += 1
-        if is_running:
+        if is_running and self.uses_failure_fallback:
             request.state = RequestState.PREEMPTION_FAILED
-        self._backoff.on_failure(self._now)
 
     # ----------------------------------------------------------------- exits
     def finish_request(self, request: Request, state: RequestState) -> None:

@@ -2,11 +2,12 @@
 
 Owns: one `RequestView` per vLLM request (what preempt's policies read, taken from the
 live vLLM request plus the plugin's own facts: arrival on the plugin's clock, SLA level,
-slice used, PREEMPTION_FAILED), and the rules around the policy that preempt's
-`Scheduler` applies: time-slice eligibility, the rate cap, the failure fallback and the
-admission backoff. The arithmetic is preempt's own (`preempt.engine.policies`,
-`preempt.engine.priority.time_slice_s`, `preempt.core.limits`), never a copy. Never imports vLLM and
-never mutates a vLLM request: the acting side (`scheduler.py`) does what is decided here.
+slice used, PREEMPTION_FAILED), and the plugin's metrics of what was decided. The rules
+around the policy (time-slice eligibility, the rate cap, the failure fallback and the
+admission backoff) are preempt's `Scheduler`'s own object, `preempt.engine.gate.PreemptionGate`,
+and the arithmetic is `preempt.engine.policies` / `preempt.engine.priority`: never a copy.
+Never imports vLLM and never mutates a vLLM request: the acting side (`scheduler.py`)
+does what is decided here.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from preempt.core.limits import AdmissionBackoff, RateWindow
+from preempt.engine.gate import PreemptionGate
 from preempt.engine.policies import PriorityScorePolicy, get_policy
-from preempt.engine.priority import priority_score, time_slice_s
+from preempt.engine.priority import priority_score
 from preempt.integrations.vllm.metrics import PluginMetrics
 from preempt.integrations.vllm.settings import PluginSettings
 
@@ -89,11 +91,20 @@ class PreemptionDecider:
         self.settings = settings
         self.preemption = settings.preemption
         self.policy = get_policy(settings.policy, settings.preemption)
-        fallback = self.preemption.failure_fallback
-        self.uses_failure_fallback = self.policy.uses_failure_fallback if fallback is None else fallback
-        self.rate_window = RateWindow()
-        self.backoff = AdmissionBackoff(self.preemption.backoff)
+        self.gate = PreemptionGate(self.preemption, self.policy)
         self.metrics = PluginMetrics()
+
+    @property
+    def uses_failure_fallback(self) -> bool:
+        return self.gate.uses_failure_fallback
+
+    @property
+    def rate_window(self) -> RateWindow:
+        return self.gate.rate_window
+
+    @property
+    def backoff(self) -> AdmissionBackoff:
+        return self.gate.backoff
 
     # ------------------------------------------------------------- decisions
     def admission_key(self, view: RequestView) -> tuple:
@@ -101,7 +112,7 @@ class PreemptionDecider:
 
     def held_by_backoff(self, view: RequestView, now: float) -> bool:
         """After a preemption failure, requests that never ran wait for the backoff."""
-        return self.backoff.holds(now) and view.is_fresh
+        return self.gate.holds(now, fresh=view.is_fresh)
 
     def priority_victim(
         self, challenger: RequestView, running: Sequence[RequestView], now: float
@@ -111,30 +122,19 @@ class PreemptionDecider:
         `Scheduler._priority_preemption`: never beyond the rate cap, only requests that
         used their time slice and are not PREEMPTION_FAILED, and a victim already
         preempted `max_consecutive_preemptions` times takes the fallback instead (the
-        policy is then asked again without it)."""
-        if self.held_by_backoff(challenger, now):
-            return None
-        if not self.rate_window.allows(now, self.preemption.max_preemption_per_min):
-            self.metrics.rate_limited += 1
-            return None
-        for _ in range(len(running)):
-            candidates = [
-                r
-                for r in running
-                if not r.preemption_failed
-                and (not self.policy.uses_time_slices or r.slice_used_s >= time_slice_s(r, self.preemption))
-            ]
-            victim = self.policy.priority_victim(challenger, candidates, now)
-            if victim is None:
-                return None
-            if (
-                self.uses_failure_fallback
-                and victim.num_preemptions >= self.preemption.max_consecutive_preemptions
-            ):
-                self._fail(victim, now, "consecutive_limit")
-                continue
-            return victim
-        return None
+        policy is then asked again without it). The rules are the gate's
+        (`PreemptionGate.priority_victim`), as in preempt's engine."""
+
+        def take(victim: RequestView) -> bool:
+            if self.gate.over_consecutive_limit(victim):
+                self._fail(victim, now, "consecutive_limit", forced=False)
+                return False
+            return True  # the scheduler preempts it
+
+        refused = self.gate.num_rate_limited
+        victim = self.gate.priority_victim(challenger, running, now, challenger.is_fresh, take)
+        self.metrics.rate_limited += self.gate.num_rate_limited - refused
+        return victim
 
     def memory_victim_order(self, running: Sequence[RequestView], now: float) -> list[RequestView]:
         """Every running request, in the order the policy would pick them as victims when
@@ -170,27 +170,21 @@ class PreemptionDecider:
 
     def on_preempted(self, view: RequestView, reason: str, now: float, num_tokens_dropped: int) -> None:
         """After vLLM preempted `view` (its counter already incremented)."""
-        if self.preemption.fills_rate_cap(forced=reason != "priority"):
-            self.rate_window.record(now)
+        forced = reason != "priority"
+        self.gate.on_preempted(now, forced)
         view.slice_used_s = 0.0
         view.preempted_at_s = now
         self.metrics.on_preemption(reason, num_tokens_dropped)
-        if (
-            reason != "priority"
-            and self.uses_failure_fallback
-            and view.num_preemptions >= self.preemption.max_consecutive_preemptions
-        ):
+        if forced and self.gate.over_consecutive_limit(view):
             # It has paid enough: from now on only a victim of last resort.
-            self._fail(view, now, "consecutive_limit")
+            self._fail(view, now, "consecutive_limit", forced=True)
 
     def on_step(self, ran: Sequence[RequestView], step_s: float) -> None:
         """Charge the step's duration to every request that ran in it (time slices)."""
         for view in ran:
             view.slice_used_s += step_s
 
-    def _fail(self, view: RequestView, now: float, failure: str) -> None:
+    def _fail(self, view: RequestView, now: float, failure: str, *, forced: bool) -> None:
         self.metrics.on_failure(failure)
-        if not view.preemption_failed:
-            view.preemption_failed = True
+        if self.gate.on_failure(view, now, forced):
             self.metrics.num_preemption_failed += 1
-        self.backoff.on_failure(now)
