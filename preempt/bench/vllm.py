@@ -44,7 +44,11 @@ PLUGIN_SETTINGS = {"policy": "priority_score", "clock": "steps", "step_ms": 10.0
 DECISION_SETTINGS = {
     "plugin_defaults": {},
     "engine_defaults": {
-        "preemption": {"rate_cap_counts": "all", "priority_weights": {"age": 1.2, "age_cap_s": None}}
+        "preemption": {
+            "rate_cap_counts": "all",
+            "priority_weights": {"age": 1.2, "age_cap_s": None},
+            "backoff": {"counts": "all"},
+        }
     },
 }
 

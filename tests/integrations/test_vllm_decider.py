@@ -97,13 +97,14 @@ def test_rate_cap_refuses_priority_preemptions(counts):
 def test_plugin_defaults_lay_under_user_settings():
     default = parse_settings(None).preemption
     assert default.rate_cap_counts == "priority"
+    assert default.backoff.counts == "priority"  # vLLM's forced preemptions never hold admissions
     weights = default.priority_weights
     assert weights.age * weights.age_cap_s < weights.sla  # age never outranks a level
     # a nested section merges key by key: the user's threshold, the plugin's other defaults
     merged = parse_settings({"preemption": {"threshold": 0.3, "priority_weights": {"age": 0.1}}}).preemption
     assert merged.threshold == 0.3
     assert merged.priority_weights.age == 0.1 and merged.priority_weights.age_cap_s == weights.age_cap_s
-    assert merged.rate_cap_counts == "priority"
+    assert merged.rate_cap_counts == "priority" and merged.backoff == default.backoff
     engine_like = parse_settings(
         {"preemption": {"rate_cap_counts": "all", "priority_weights": {"age": 1.2, "age_cap_s": None}}}
     ).preemption
