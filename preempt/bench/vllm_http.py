@@ -64,20 +64,51 @@ class HttpRequest:
     max_tokens: int
 
 
-def http_workload(num_low: int = 60, num_high: int = 20, seed: int = 0) -> list[HttpRequest]:
-    """The issue's run: `num_low` requests of priority 3 fill the pool, then `num_high` of
-    priority 0 arrive while it is full. Prompts are printable ASCII (one byte, one token),
-    different per request, from `seed`."""
+@dataclass(frozen=True)
+class Shape:
+    """When and how long the two classes' requests are: `num_low` of priority 3 sent
+    every `low_every_s` from 0 with `low_max_tokens` each, then `num_high` of priority 0
+    every `high_every_s` from `high_start_s` (None: right after the last low one)."""
+
+    low_max_tokens: int
+    low_every_s: float
+    high_every_s: float
+    high_start_s: float | None = None
+
+
+SHAPES = {
+    # The issue's first run: short low requests, the urgent class right behind them.
+    "mixed": Shape(low_max_tokens=48, low_every_s=0.02, high_every_s=0.1),
+    # Long low requests that keep the pool under memory pressure for the whole run (forced
+    # preemptions all along), the urgent class trickling in from 3 s: where the plugin once
+    # lost to vLLM's own priority scheduling (docs/vllm_plugin.md).
+    "priority": Shape(low_max_tokens=200, low_every_s=0.02, high_every_s=0.4, high_start_s=3.0),
+}
+
+
+def http_workload(
+    num_low: int = 60, num_high: int = 20, seed: int = 0, shape: str = "mixed"
+) -> list[HttpRequest]:
+    """The issue's run (`SHAPES[shape]`): `num_low` requests of priority 3 fill the pool,
+    then `num_high` of priority 0 arrive while it is full. Prompts are printable ASCII (one
+    byte, one token; 96 bytes low, 64 high), different per request, from `seed`."""
     import random
 
+    form = SHAPES[shape]
     rng = random.Random(seed)
 
     def text(n: int) -> str:
         return "".join(chr(rng.randrange(32, 127)) for _ in range(n))
 
-    low = [HttpRequest(i, LOW_PRIORITY, 0.02 * i, text(96), 48) for i in range(num_low)]
-    start = 0.02 * num_low
-    high = [HttpRequest(1000 + j, TOP_PRIORITY, start + 0.1 * j, text(64), 16) for j in range(num_high)]
+    low = [
+        HttpRequest(i, LOW_PRIORITY, form.low_every_s * i, text(96), form.low_max_tokens)
+        for i in range(num_low)
+    ]
+    start = form.low_every_s * num_low if form.high_start_s is None else form.high_start_s
+    high = [
+        HttpRequest(1000 + j, TOP_PRIORITY, start + form.high_every_s * j, text(64), 16)
+        for j in range(num_high)
+    ]
     return low + high
 
 

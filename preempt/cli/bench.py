@@ -43,6 +43,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    if args.shape is not None and not args.http:
+        print("preempt: error: --shape applies to `bench vllm --http` only", file=sys.stderr)
+        return 2
     for flag, value in (
         ("trace", args.trace),
         ("arms", args.arms),
@@ -82,7 +85,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             from preempt.parity.harness import peer_python
 
             with tempfile.TemporaryDirectory(prefix="preempt-bench-vllm-http-") as tmp:
-                result = bench_vllm_http(peer_python(None), Path(tmp), args.quick)
+                shapes = ("mixed", "priority") if args.shape == "both" else (args.shape or "mixed",)
+                result = bench_vllm_http(peer_python(None), Path(tmp), args.quick, shapes=shapes)
         elif args.name == "lengths":  # experiments/ judges the minutes by intervals
             from experiments.length_estimates import bench_lengths, render_lengths
 

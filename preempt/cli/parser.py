@@ -276,6 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="vllm: the peer's own `vllm serve` per arm (fcfs, priority, the plugin), driven over HTTP",
     )
     bench.add_argument(
+        "--shape",
+        choices=["mixed", "priority", "both"],
+        help="vllm --http: the workload (preempt.bench.vllm_http.SHAPES): mixed (default; 48-token "
+        "priority-3 requests, the urgent class right behind them), priority (200-token priority-3 "
+        "requests keep the pool under memory pressure, the urgent class every 0.4 s from 3 s), or both",
+    )
+    bench.add_argument(
         "--no-served-speed",
         action="store_true",
         help="codec: skip the speed section at a served model's KV shape (minutes)",
