@@ -38,6 +38,9 @@ from preempt.kv.codec import Codec, CorruptBlobError, MixedCodec, make_codec
 from preempt.kv.host_pool import HostPool, HostPoolError, PreemptionHandlerOOM, SlotHandle
 
 LOSSLESS = ("raw", "zstd")
+CONNECTOR_MODULE = "preempt.integrations.vllm.connector"
+CONNECTOR_CLS = "PreemptKVConnector"
+"""What `--kv-transfer-config` names (strings: vLLM imports the connector itself)."""
 
 
 class ConnectorSettingsError(ValueError):
@@ -80,6 +83,20 @@ class ConnectorSettings(BaseModel):
     @property
     def lossless(self) -> bool:
         return self.codec in LOSSLESS
+
+
+def kv_transfer_config(settings: Mapping | None = None, module_path: str = CONNECTOR_MODULE,
+                       connector: str = CONNECTOR_CLS) -> dict:  # fmt: skip
+    """vLLM's `--kv-transfer-config` (or `LLM(kv_transfer_config=...)`) for the connector
+    with `settings` (`ConnectorSettings` fields). `kv_role` `kv_both`: it saves and loads;
+    `kv_load_failure_policy` `recompute`: a copy that fails to load is recomputed."""
+    return {
+        "kv_connector": connector,
+        "kv_connector_module_path": module_path,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"preempt": dict(settings or {})},
+    }
 
 
 def parse_connector_settings(data: object) -> ConnectorSettings:

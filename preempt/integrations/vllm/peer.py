@@ -154,6 +154,13 @@ def run_arm(job: dict, arm: dict, model_dir: str) -> dict:
     if arm["scheduler"] == "preempt":
         kwargs["scheduler_cls"] = PLUGIN_CLS
         kwargs["additional_config"] = {"preempt": arm.get("settings", {})}
+    if arm.get("connector") is not None:  # preempt's KV connector, with these settings
+        from preempt.integrations.vllm.kv_store import CONNECTOR_MODULE, kv_transfer_config
+
+        kwargs["kv_transfer_config"] = kv_transfer_config(
+            arm["connector"], module_path=arm.get("connector_module", CONNECTOR_MODULE),
+            connector=arm.get("connector_cls", "PreemptKVConnector"),
+        )
     started = time.perf_counter()
     llm = LLM(
         model=model_dir,
@@ -182,7 +189,9 @@ def run_arm(job: dict, arm: dict, model_dir: str) -> dict:
         return original(request, *args, **kw)
 
     scheduler._preempt_request = counting
-    names = ("vllm:num_preemptions_total", "preempt:preemptions_total", "preempt:recomputed_tokens_total")
+    names = ("vllm:num_preemptions_total", "preempt:preemptions_total", "preempt:recomputed_tokens_total",
+             "preempt:kv_saves_total", "preempt:kv_loads_total", "preempt:kv_fallbacks_total",
+             "preempt:kv_preempted_tokens_total", "preempt:kv_loaded_tokens_total")  # fmt: skip
     before = _metric_values(names)  # counters are per process: arms before this one added to them
     uses_priority = arm["scheduler"] == "preempt" or arm.get("policy") == "priority"
     pending = sorted(job["requests"], key=lambda r: (r["arrival_step"], r["id"]))
@@ -243,7 +252,10 @@ def run_arm(job: dict, arm: dict, model_dir: str) -> dict:
 
 
 def run_llm(job: dict) -> dict:
-    model_dir = str(write_tiny_model(Path(job["model_dir"])))
+    # "served": the HTTP bench's byte-level model, whose peaked logits keep greedy tokens
+    # stable across batch shapes (outputs are compared token for token)
+    write = write_served_model if job.get("model") == "served" else write_tiny_model
+    model_dir = str(write(Path(job["model_dir"])))
     return {"arms": [run_arm(job, arm, model_dir) for arm in job["arms"]]}
 
 

@@ -1,0 +1,113 @@
+"""preempt's KV connector inside vLLM 0.32 (a real `vllm.LLM` in the peer, engine core
+in-process): requests preempted for memory resume from the host pool instead of
+recomputing. One peer subprocess for every arm on the same forced-preemption workload
+(prompts of 160 tokens, 24 blocks of 32, 8 seats): plain vLLM (recompute), the plugin with
+the connector in raw, fp8 and mixed modes, with early copies, with a host pool too small
+for a copy, and with a copy corrupted before its load. Skipped without a peer unless
+PREEMPT_REQUIRE_PEER=1 (CI), like tests/parity.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from preempt.bench.vllm import PEER_MODULE
+from preempt.integrations.vllm.settings import PLUGIN_CLS  # noqa: F401 - the plugin the arms name
+from preempt.parity.harness import run_vllm
+from tests.parity.test_vllm_parity import peer  # noqa: F401 - the shared fixture
+
+ENGINE = {"block_size": 32, "num_gpu_blocks": 24, "max_model_len": 512, "max_num_seqs": 8,
+          "max_num_batched_tokens": 256, "dtype": "float32"}  # fmt: skip
+
+
+def forced_preemptions(num: int = 12, prompt: int = 160, output: int = 120, seed: int = 0) -> list[dict]:
+    """Every request at step 0: the 8 seats' sequences outgrow 24 blocks within a few
+    dozen steps, so vLLM preempts again and again."""
+    rng = random.Random(seed)
+    return [
+        {"id": i, "priority": 0, "arrival_step": 0, "max_tokens": output,
+         "prompt_token_ids": [rng.randrange(32, 127) for _ in range(prompt)]}
+        for i in range(num)
+    ]  # fmt: skip
+
+
+def arm(name: str, **connector) -> dict:
+    out = {"name": name, "scheduler": "preempt", "policy": "priority", "settings": {}, "connector": connector}
+    if connector.pop("corrupt", False):
+        out.update(connector_module="tests.integrations.vllm_faults", connector_cls="CorruptingConnector")
+    return out
+
+
+@pytest.fixture(scope="module")
+def arms(peer, tmp_path_factory):  # noqa: F811
+    job = {
+        "kind": "llm",
+        "model": "served",
+        "model_dir": str(tmp_path_factory.mktemp("served")),
+        "engine": ENGINE,
+        "requests": forced_preemptions(),
+        "arms": [
+            {"name": "vllm", "scheduler": "default", "policy": "fcfs"},
+            {"name": "plugin", "scheduler": "preempt", "policy": "priority", "settings": {}},
+            arm("raw", codec="raw"),
+            arm("fp8", codec="fp8"),
+            arm("mixed", codec="mixed"),
+            arm("raw_early", codec="raw", early=True),
+            arm("full_pool", codec="raw", host_pool="64KiB", slot_size="64KiB"),
+            arm("corrupt", codec="raw", corrupt=True),
+        ],
+    }
+    report = run_vllm([job], peer, module=PEER_MODULE)
+    (result,) = report["results"]
+    assert "error" not in result, result.get("error")
+    return {a["name"]: a for a in result["arms"]}
+
+
+def outputs(arm: dict) -> dict[int, list[int]]:
+    return {r["id"]: r["token_ids"] for r in arm["requests"]}
+
+
+def metric(arm: dict, name: str) -> float:
+    return sum(v for k, v in arm["prometheus"].items() if k.split("{")[0] == name)
+
+
+def test_raw_copies_resume_preempted_requests_with_plain_vllms_tokens(arms):
+    raw, plain = arms["raw"], arms["vllm"]
+    assert plain["preemptions"] > 5 and raw["preemptions"] > 5
+    assert outputs(raw) == outputs(plain)  # lossless: token for token
+    saves, loads = metric(raw, "preempt:kv_saves_total"), metric(raw, "preempt:kv_loads_total")
+    assert loads >= 0.9 * raw["preemptions"] and loads <= saves
+    # recomputed = dropped at preemption - loaded back; only each resume's partial last block
+    recomputed = raw["recomputed_tokens"] - metric(raw, "preempt:kv_loaded_tokens_total")
+    assert recomputed <= 0.2 * plain["recomputed_tokens"]
+
+
+def test_lossy_copies_save_bytes_and_finish_every_request(arms):
+    plain = outputs(arms["vllm"])
+    for name in ("fp8", "mixed"):
+        got = outputs(arms[name])
+        assert {k: len(v) for k, v in got.items()} == {k: len(v) for k, v in plain.items()}
+        assert metric(arms[name], "preempt:kv_loads_total") > 0
+
+
+def test_early_copies_are_used(arms):
+    early = arms["raw_early"]
+    assert outputs(early) == outputs(arms["vllm"])
+    assert metric(early, "preempt:kv_loads_total") > 0
+
+
+def test_full_pool_falls_back_to_recompute(arms):
+    full = arms["full_pool"]
+    assert outputs(full) == outputs(arms["vllm"])
+    assert metric(full, "preempt:kv_fallbacks_total") > 0
+    assert metric(full, "preempt:kv_loads_total") == 0
+
+
+def test_corrupt_copy_is_recomputed_and_the_request_finishes(arms):
+    corrupt = arms["corrupt"]
+    assert outputs(corrupt) == outputs(arms["vllm"])  # the checksum caught it: recomputed, not garbage
+    fallbacks = {k: v for k, v in corrupt["prometheus"].items() if k.startswith("preempt:kv_fallbacks_total")}
+    assert fallbacks.get("preempt:kv_fallbacks_total{reason=corrupt}", 0) > 0
+    assert metric(corrupt, "preempt:kv_loads_total") > 0  # the others loaded
