@@ -48,7 +48,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 2
     for flag, value in (
         ("trace", args.trace),
-        ("arms", args.arms),
+        ("arms", None if args.http else args.arms),
         ("max-tokens", args.max_tokens),
         ("lengths", args.lengths),
         ("modes", args.modes),
@@ -85,8 +85,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
             from preempt.parity.harness import peer_python
 
             with tempfile.TemporaryDirectory(prefix="preempt-bench-vllm-http-") as tmp:
+                from preempt.bench.vllm_http import ARMS
+
                 shapes = ("mixed", "priority") if args.shape == "both" else (args.shape or "mixed",)
-                result = bench_vllm_http(peer_python(None), Path(tmp), args.quick, shapes=shapes)
+                names = args.arms.split(",") if args.arms is not None else [arm.name for arm in ARMS]
+                unknown = sorted(set(names) - {arm.name for arm in ARMS})
+                if unknown:
+                    known = ", ".join(arm.name for arm in ARMS)
+                    message = f"--arms: unknown {', '.join(unknown)} (known: {known})"
+                    print(f"preempt: error: {message}", file=sys.stderr)
+                    return 2
+                arms = [arm for arm in ARMS if arm.name in names]
+                result = bench_vllm_http(peer_python(None), Path(tmp), args.quick, arms, shapes)
         elif args.name == "lengths":  # experiments/ judges the minutes by intervals
             from experiments.length_estimates import bench_lengths, render_lengths
 

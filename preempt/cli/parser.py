@@ -247,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--arms",
         help="early --windows: the arms to run beside the synchronous none baseline, comma-separated "
         "(lookahead, rule, forecast, forecast_k4, projection, projection_learned, lstm, lstm_capped; "
-        "default all; without --model, those without lstm)",
+        "default all; without --model, those without lstm). vllm --http: the servers, comma-separated "
+        "(vllm_fcfs, vllm_priority, plugin; default all)",
     )
     bench.add_argument(
         "--lengths",
