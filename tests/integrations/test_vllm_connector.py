@@ -50,6 +50,7 @@ def arms(peer, tmp_path_factory):  # noqa: F811
         "requests": forced_preemptions(),
         "arms": [
             {"name": "vllm", "scheduler": "default", "policy": "fcfs"},
+            {"name": "vllm_counted", "scheduler": "default", "policy": "fcfs", "connector": {"saves": "none"}},
             {"name": "plugin", "scheduler": "preempt", "policy": "priority", "settings": {}},
             arm("raw", codec="raw"),
             arm("fp8", codec="fp8"),
@@ -82,6 +83,15 @@ def test_raw_copies_resume_preempted_requests_with_plain_vllms_tokens(arms):
     # recomputed = dropped at preemption - loaded back; only each resume's partial last block
     recomputed = raw["recomputed_tokens"] - metric(raw, "preempt:kv_loaded_tokens_total")
     assert recomputed <= 0.2 * plain["recomputed_tokens"]
+
+
+def test_a_counting_connector_changes_nothing(arms):
+    # the HTTP bench's plain arm: vLLM's scheduler with the connector only counting
+    plain, counted = arms["vllm"], arms["vllm_counted"]
+    assert (counted["steps"], counted["preemptions"]) == (plain["steps"], plain["preemptions"])
+    assert outputs(counted) == outputs(plain)
+    assert metric(counted, "preempt:kv_preempted_tokens_total") == plain["recomputed_tokens"]
+    assert metric(counted, "preempt:kv_saves_total") == 0
 
 
 def test_lossy_copies_save_bytes_and_finish_every_request(arms):

@@ -237,6 +237,8 @@ class PreemptKVConnector(KVConnectorBase_V1):
             return
         block_ids, num_tokens = table
         self.metrics.preempted(num_tokens)
+        if self.settings.saves == "none":
+            return
         num_tokens = self._floor(num_tokens)
         if num_tokens == 0:
             return  # not one whole block: nothing worth a copy

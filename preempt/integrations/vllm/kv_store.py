@@ -63,10 +63,11 @@ class ConnectorSettings(BaseModel):
     """The host pool, preallocated once (a size: `512MiB`, `2GB`, or bytes)."""
     slot_size: str = "256MiB"
     """The largest one copy may be; a larger one falls back to recompute."""
-    saves: Literal["all", "cost"] = "all"
+    saves: Literal["all", "cost", "none"] = "all"
     """Whom to save: every victim, or (`cost`) a victim only when saving and loading its
     KV is expected to take less time than recomputing it (InferCept's rule: measured
-    copy seconds per token against measured prefill seconds per token)."""
+    copy seconds per token against measured prefill seconds per token), or `none`: the
+    connector only counts what the preemptions drop (vLLM's recompute, measured)."""
     early: bool = False
     """Start copies of the requests the projection names as the next victims, a step or
     more before vLLM preempts them; at the preemption only the tokens since are copied."""
