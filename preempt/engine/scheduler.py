@@ -111,7 +111,6 @@ class Scheduler:
         # The rules around the priority trigger (rate cap, backoff, time slices, the failure
         # fallback), shared with the vLLM plugin: preempt.engine.gate.
         self.gate = PreemptionGate(self.preemption, policy)
-        self.uses_failure_fallback = self.gate.uses_failure_fallback
         self.block_pool = block_pool
         self.block_size = block_size
         self.mover = mover
@@ -142,6 +141,12 @@ class Scheduler:
         self.copy_out = CopyOut()  # blocks freed by saves whose copy-out may still run
 
     # ----------------------------------------------------------------- queue
+    @property
+    def uses_failure_fallback(self) -> bool:
+        """The SPEC design's fallback (PREEMPTION_FAILED, protected victims, backoff): the
+        policy's default unless `preemption.failure_fallback` says (the gate's)."""
+        return self.gate.uses_failure_fallback
+
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
