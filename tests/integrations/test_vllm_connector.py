@@ -105,6 +105,7 @@ def test_lossy_copies_save_bytes_and_finish_every_request(arms):
 def test_early_copies_are_used(arms):
     early = arms["raw_early"]
     assert outputs(early) == outputs(arms["vllm"])
+    assert metric(early, "preempt:kv_early_tokens_total") > 0  # the projection named victims ahead
     assert metric(early, "preempt:kv_loads_total") > 0
 
 

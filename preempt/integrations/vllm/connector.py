@@ -221,10 +221,15 @@ class PreemptKVConnector(KVConnectorBase_V1):
             self._on_preempted(request_id)
         for request_id in scheduler_output.finished_req_ids:
             self._forget(request_id)
-        self._follow_tables(scheduler_output)
         if self.settings.early and self.advisor is not None:
-            for request_id in self.advisor.early_targets(self.tables):
+            # The tables as of the last step: what the blocks hold when the worker gathers
+            # (before this step's forward pass). A request with a copy to store or load is
+            # not copied again; one resumed this step is not in them yet.
+            busy = {job.request_id for job in self.meta.loads} | self.saving.keys() | self.saved.keys()
+            candidates = {rid: table for rid, table in self.tables.items() if rid not in busy}
+            for request_id in self.advisor.early_targets(candidates):
                 self._copy_early(request_id)
+        self._follow_tables(scheduler_output)
         meta, self.meta = self.meta, PreemptConnectorMetadata()
         return meta
 

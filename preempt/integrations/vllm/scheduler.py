@@ -23,6 +23,8 @@ vLLM's `schedule()` runs unchanged; the plugin decides around it, at three seams
    request that preempts itself ends the pass" are the same rules as preempt's.
 
 Time slices are charged in `update_from_output` from the plugin's clock (settings.clock).
+With preempt's KV connector loaded (`connector.py`), a `SavePlanner` (`saves.py`) tells it
+whom to save and whom to copy early.
 Async scheduling is off for a `Scheduler` subclass (vLLM says so when it loads one).
 """
 
@@ -39,8 +41,10 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from preempt.integrations.vllm.clock import make_clock
+from preempt.integrations.vllm.connector import PreemptKVConnector
 from preempt.integrations.vllm.decider import PreemptionDecider, RequestView
 from preempt.integrations.vllm.metrics import PrometheusExport, SnapshotWriter
+from preempt.integrations.vllm.saves import SavePlanner
 from preempt.integrations.vllm.settings import load_settings
 
 
@@ -119,6 +123,16 @@ class PreemptScheduler(Scheduler):
         # one process, snapshots for the API server's collector (stat_logger.py).
         self._export = PrometheusExport() if self.log_stats else None
         self._snapshots = SnapshotWriter() if self.log_stats else None
+        # preempt's KV connector, when vLLM loaded it (--kv-transfer-config): the plugin
+        # decides whom it saves and whom it copies ahead of a predicted preemption.
+        self.save_planner: SavePlanner | None = None
+        if isinstance(self.connector, PreemptKVConnector):
+            self.save_planner = SavePlanner(self.decider, self.connector.settings, self.block_size, self._save_state)
+            self.connector.advisor = self.save_planner
+
+    def _save_state(self) -> tuple[list[RequestView], int, float]:
+        running = [self.views[r.request_id] for r in self.running if r.request_id in self.views]
+        return running, self.kv_cache_manager.block_pool.get_num_free_blocks(), self._step_now
 
     # ------------------------------------------------------------- queue seams
     def _admission_key(self, request: Request) -> tuple:
@@ -203,6 +217,8 @@ class PreemptScheduler(Scheduler):
         self.decider.on_step(
             [self.views[r] for r in scheduler_output.num_scheduled_tokens if r in self.views], step_s
         )
+        if self.save_planner is not None:
+            self.save_planner.observe_step(scheduler_output.total_num_scheduled_tokens, step_s)
         result = super().update_from_output(scheduler_output, model_runner_output)
         if len(self.views) > len(self.requests):
             self.views = {rid: view for rid, view in self.views.items() if rid in self.requests}
