@@ -46,6 +46,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.shape is not None and not args.http:
         print("preempt: error: --shape applies to `bench vllm --http` only", file=sys.stderr)
         return 2
+    if args.connector and not args.http:
+        print("preempt: error: --connector applies to `bench vllm --http` only", file=sys.stderr)
+        return 2
+    if args.connector and args.shape is not None:
+        print("preempt: error: --connector runs its own forced-preemption workloads: drop --shape", file=sys.stderr)
+        return 2
     for flag, value in (
         ("trace", args.trace),
         ("arms", None if args.http else args.arms),
@@ -85,6 +91,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             from preempt.parity.harness import peer_python
 
             with tempfile.TemporaryDirectory(prefix="preempt-bench-vllm-http-") as tmp:
+                if args.connector:
+                    return _bench_connector(args, Path(tmp))
                 from preempt.bench.vllm_http import ARMS
 
                 shapes = ("mixed", "priority") if args.shape == "both" else (args.shape or "mixed",)
@@ -140,6 +148,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         print(json.dumps(result, indent=2))
+    return 0
+
+
+def _bench_connector(args: argparse.Namespace, work_dir: Path) -> int:
+    """`bench vllm --http --connector`: the table per regime (or the JSON with --json)."""
+    from experiments.vllm_connector import bench_vllm_connector, connector_table
+    from preempt.bench.vllm_connector import CONNECTOR_ARMS
+    from preempt.parity.harness import peer_python
+
+    names = args.arms.split(",") if args.arms is not None else [arm.name for arm in CONNECTOR_ARMS]
+    unknown = sorted(set(names) - {arm.name for arm in CONNECTOR_ARMS})
+    if unknown or "vllm" not in names:
+        known = ", ".join(arm.name for arm in CONNECTOR_ARMS)
+        problem = f"unknown {', '.join(unknown)}" if unknown else "vllm (the baseline) is needed"
+        print(f"preempt: error: --arms: {problem} (known: {known})", file=sys.stderr)
+        return 2
+    arms = [arm for arm in CONNECTOR_ARMS if arm.name in names]
+    result = bench_vllm_connector(peer_python(None), work_dir, args.quick, arms)
+    print(json.dumps(result) if args.json else connector_table(result))
     return 0
 
 

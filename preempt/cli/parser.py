@@ -277,6 +277,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="vllm: the peer's own `vllm serve` per arm (fcfs, priority, the plugin), driven over HTTP",
     )
     bench.add_argument(
+        "--connector",
+        action="store_true",
+        help="vllm --http: preempt's KV connector against vLLM's recompute under forced preemptions "
+        "(preempt.bench.vllm_connector: plain vLLM, the plugin, the plugin with raw / mixed copies and "
+        "early copies; long and short prompts): tokens recomputed, latency, TTFT, throughput with 95%% "
+        "intervals (about 6 min; --quick 3 min)",
+    )
+    bench.add_argument(
         "--shape",
         choices=["mixed", "priority", "both"],
         help="vllm --http: the workload (preempt.bench.vllm_http.SHAPES): mixed (default; 48-token "

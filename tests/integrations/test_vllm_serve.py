@@ -54,7 +54,6 @@ def test_plugin_metrics_on_metrics_equal_vllms_own(served):
         "preempt:recomputed_tokens_total",
         "preempt:preemption_stall_seconds_total",
         "preempt:rate_limited_total",
-        "preempt:saved_bytes_total",
     } <= families
     by_reason = sum(v for k, v in metrics.items() if k.startswith("preempt:preemptions_total"))
     assert metrics["vllm:num_preemptions_total"] > 0  # the pool is small: preemptions happened

@@ -40,7 +40,6 @@ COUNTERS = (
     ("preempt:recomputed_tokens", "KV tokens dropped by preemptions", None, "recomputed_tokens"),
     ("preempt:preemption_stall_seconds", "Time preempted requests waited to resume", None, "stall_s"),
     ("preempt:rate_limited", "Priority preemptions refused by the rate cap", None, "rate_limited"),
-    ("preempt:saved_bytes", "KV bytes saved instead of dropped", None, "saved_bytes"),
 )
 
 
@@ -61,9 +60,6 @@ class PluginMetrics:
     """Tokens of KV dropped by preemptions (vLLM recomputes them on resume)."""
     stall_s: float = 0.0
     """Time preempted requests spent out of the batch until resumed (plugin clock)."""
-    saved_bytes: int = 0
-    """KV bytes saved instead of dropped: always 0, vLLM 0.32's scheduler preempts by
-    recompute only (docs/vllm_plugin.md: KV offloading)."""
 
     def on_preemption(self, reason: str, num_tokens_dropped: int) -> None:
         self.preemptions[reason] = self.preemptions.get(reason, 0) + 1
@@ -81,7 +77,6 @@ class PluginMetrics:
             "rate_limited": self.rate_limited,
             "recomputed_tokens": self.recomputed_tokens,
             "stall_s": self.stall_s,
-            "saved_bytes": self.saved_bytes,
         }
 
 

@@ -83,19 +83,19 @@ class SavePlanner:
     def early_targets(self, tables: dict[str, tuple[list[int], int]]) -> list[str]:
         running, free_blocks, now = self.state()
         horizon = self.settings.early_horizon_steps
-        needed = 0
+        needs = {}
         for view in running:
             left = view.expected_output_left
             if left is None:
                 left = max(view.max_tokens - view.num_output_tokens, 0)
-            grow = min(horizon, int(left))
             held = view.num_computed_tokens
-            needed += _cdiv(held + grow, self.block_size) - _cdiv(held, self.block_size)
-        deficit = needed - free_blocks
+            needs[view.request_id] = _cdiv(held + min(horizon, int(left)), self.block_size) - _cdiv(held, self.block_size)
+        deficit = sum(needs.values()) - free_blocks
         targets = []
         for view in self.decider.memory_victim_order(running, now) if deficit > 0 else ():
             if deficit <= 0:
                 break
             targets.append(view.request_id)
-            deficit -= _cdiv(view.num_computed_tokens, self.block_size)
+            # a victim gives back its blocks and no longer needs new ones
+            deficit -= _cdiv(view.num_computed_tokens, self.block_size) + needs[view.request_id]
         return [request_id for request_id in targets if request_id in tables]
