@@ -13,7 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from experiments.stats import t_interval
-from preempt.bench.vllm_connector import CONNECTOR_ARMS, REGIMES, ConnectorArm, forced_preemptions, run_connector_arms
+from preempt.bench.vllm_connector import (
+    CONNECTOR_ARMS,
+    REGIMES,
+    ConnectorArm,
+    forced_preemptions,
+    run_connector_arms,
+)
 from preempt.bench.vllm_http import ENGINE, write_model
 
 BASELINE = "vllm"
@@ -26,7 +32,8 @@ def bench_vllm_connector(
     """Every arm on the same workloads: 3 seeds of 16 requests per regime (`quick`: 2 of 8)."""
     num_seeds, num = (2, 8) if quick else (3, 16)
     workloads = {
-        regime: [forced_preemptions(regime, num=num, seed=seed) for seed in range(num_seeds)] for regime in REGIMES
+        regime: [forced_preemptions(regime, num=num, seed=seed) for seed in range(num_seeds)]
+        for regime in REGIMES
     }
     model_dir = write_model(peer_python, work_dir / "tiny-byte-llama")
     # float32: outputs are compared token for token, and in bf16 a random model's top
@@ -81,7 +88,8 @@ def connector_table(summary: dict[str, Any]) -> str:
             f"**{regime}** prompts ({tokens} tokens), {summary['workload']['requests']} requests x "
             f"{summary['workload']['seeds']} seeds",
             "",
-            "| arm | preemptions | loads | tokens recomputed | latency s | TTFT s | output tok/s | outputs = vllm |",
+            "| arm | preemptions | loads | tokens recomputed | latency s | TTFT s | output tok/s "
+            "| outputs = vllm |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for name, row in arms.items():
@@ -89,7 +97,8 @@ def connector_table(summary: dict[str, Any]) -> str:
             lines.append(
                 f"| {name} | {counters.get('vllm:num_preemptions_total', 0):.0f} "
                 f"| {counters.get('preempt:kv_loads_total', 0):.0f} | {cell(row['recomputed_tokens'], 0)} "
-                f"| {cell(row['latency_s'], 2)} | {cell(row['ttft_s'], 2)} | {cell(row['output_tokens_per_s'], 0)} "
+                f"| {cell(row['latency_s'], 2)} | {cell(row['ttft_s'], 2)} "
+                f"| {cell(row['output_tokens_per_s'], 0)} "
                 f"| {row[f'outputs_equal_{BASELINE}']} |"
             )
         lines.append("")

@@ -44,7 +44,9 @@ ENTRY_POINTS = frozenset({"preempt.server", "preempt.serve.__main__", "experimen
 PEER_MODULES = ("preempt.parity.vllm_peer", "preempt.integrations.vllm")
 # torch comes with vLLM; zstandard is in the peer's lock for the KV connector's codecs;
 # isal is optional (preempt.kv.codec falls back to zlib's identical CRC-32 without it).
-PEER_PACKAGES = frozenset({"vllm", "pydantic", "numpy", "yaml", "prometheus_client", "torch", "zstandard", "isal"})
+PEER_PACKAGES = frozenset(
+    {"vllm", "pydantic", "numpy", "yaml", "prometheus_client", "torch", "zstandard", "isal"}
+)
 
 
 def module_files() -> dict[str, Path]:

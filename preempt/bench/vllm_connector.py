@@ -26,7 +26,15 @@ from pathlib import Path
 
 import httpx
 
-from preempt.bench.vllm_http import ENGINE, HttpRequest, ServeArm, _free_port, drive, serve_command, vllm_server
+from preempt.bench.vllm_http import (
+    ENGINE,
+    HttpRequest,
+    ServeArm,
+    _free_port,
+    drive,
+    serve_command,
+    vllm_server,
+)
 from preempt.integrations.vllm.kv_store import kv_transfer_config
 
 
@@ -45,7 +53,9 @@ CONNECTOR_ARMS = (
     ConnectorArm("plugin_raw", ServeArm("plugin_raw", "priority", plugin=True), {"codec": "raw"}),
     ConnectorArm("plugin_mixed", ServeArm("plugin_mixed", "priority", plugin=True), {"codec": "mixed"}),
     ConnectorArm(
-        "plugin_raw_early", ServeArm("plugin_raw_early", "priority", plugin=True), {"codec": "raw", "early": True}
+        "plugin_raw_early",
+        ServeArm("plugin_raw_early", "priority", plugin=True),
+        {"codec": "raw", "early": True},
     ),
 )
 
@@ -61,12 +71,16 @@ def forced_preemptions(regime: str, num: int = 16, seed: int = 0) -> list[HttpRe
     rng = random.Random(seed)
     length = REGIMES[regime]
     return [
-        HttpRequest(i, 0, 0.03 * i, "".join(chr(rng.randrange(32, 127)) for _ in range(length)), OUTPUT_TOKENS)
+        HttpRequest(
+            i, 0, 0.03 * i, "".join(chr(rng.randrange(32, 127)) for _ in range(length)), OUTPUT_TOKENS
+        )
         for i in range(num)
     ]
 
 
-def connector_command(vllm_bin: Path, model_dir: Path, port: int, arm: ConnectorArm, engine: dict) -> list[str]:
+def connector_command(
+    vllm_bin: Path, model_dir: Path, port: int, arm: ConnectorArm, engine: dict
+) -> list[str]:
     command = serve_command(vllm_bin, model_dir, port, arm.serve, engine)
     if arm.connector is not None:
         command += ["--kv-transfer-config", json.dumps(kv_transfer_config(arm.connector))]
@@ -92,7 +106,9 @@ def recomputed_tokens(counters: dict[str, float]) -> float:
     """Tokens of KV the preemptions dropped and vLLM computed again: every preempted
     token the connector did not load back (vLLM's counters do not separate a resumed
     prefill from a first one: `vllm:iteration_tokens_total` is prompts plus outputs)."""
-    return counters.get("preempt:kv_preempted_tokens_total", 0.0) - counters.get("preempt:kv_loaded_tokens_total", 0.0)
+    return counters.get("preempt:kv_preempted_tokens_total", 0.0) - counters.get(
+        "preempt:kv_loaded_tokens_total", 0.0
+    )
 
 
 def run_connector_arms(

@@ -50,7 +50,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("preempt: error: --connector applies to `bench vllm --http` only", file=sys.stderr)
         return 2
     if args.connector and args.shape is not None:
-        print("preempt: error: --connector runs its own forced-preemption workloads: drop --shape", file=sys.stderr)
+        message = "--connector runs its own forced-preemption workloads: drop --shape"
+        print(f"preempt: error: {message}", file=sys.stderr)
         return 2
     for flag, value in (
         ("trace", args.trace),

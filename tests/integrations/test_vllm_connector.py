@@ -50,7 +50,12 @@ def arms(peer, tmp_path_factory):  # noqa: F811
         "requests": forced_preemptions(),
         "arms": [
             {"name": "vllm", "scheduler": "default", "policy": "fcfs"},
-            {"name": "vllm_counted", "scheduler": "default", "policy": "fcfs", "connector": {"saves": "none"}},
+            {
+                "name": "vllm_counted",
+                "scheduler": "default",
+                "policy": "fcfs",
+                "connector": {"saves": "none"},
+            },
             {"name": "plugin", "scheduler": "preempt", "policy": "priority", "settings": {}},
             arm("raw", codec="raw"),
             arm("fp8", codec="fp8"),

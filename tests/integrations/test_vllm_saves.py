@@ -38,7 +38,10 @@ def planner(running, free_blocks, **settings):
 
 def test_no_shortage_no_early_copies():
     running = [view(i, 40) for i in range(3)]  # 8 more tokens each stay in their second block
-    assert planner(running, free_blocks=0, early=True).early_targets({v.request_id: ([], 40) for v in running}) == []
+    assert (
+        planner(running, free_blocks=0, early=True).early_targets({v.request_id: ([], 40) for v in running})
+        == []
+    )
 
 
 def test_a_shortage_names_the_policys_next_victims():
@@ -55,7 +58,10 @@ def test_expected_output_bounds_the_projection():
     running = [view(i, 60, max_tokens=128) for i in range(4)]
     for v in running:
         v.expected_output_left = 2  # learned lengths: they end before their next block
-    assert planner(running, free_blocks=0, early=True).early_targets({v.request_id: ([], 60) for v in running}) == []
+    assert (
+        planner(running, free_blocks=0, early=True).early_targets({v.request_id: ([], 60) for v in running})
+        == []
+    )
 
 
 def test_cost_rule_saves_while_a_copy_is_cheaper_than_a_prefill():

@@ -49,7 +49,8 @@ def test_raw_copies_give_plain_vllms_tokens_with_less_recomputed(served):
 
 def test_connector_families_on_metrics(served):
     counters = served["plugin_raw"]["counters"]
-    for family in ("preempt:kv_saves_total", "preempt:kv_stored_bytes_total", "preempt:kv_loaded_tokens_total",
+    for family in ("preempt:kv_saves_total", "preempt:kv_stored_bytes_total",
+                   "preempt:kv_loaded_tokens_total",
                    "preempt:kv_save_seconds_count", "preempt:kv_load_seconds_sum"):  # fmt: skip
         assert family in counters, family
     assert any(key.startswith("preempt:kv_fallbacks_total{reason=") for key in counters)

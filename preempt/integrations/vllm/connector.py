@@ -44,13 +44,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from preempt.integrations.vllm.metrics import ConnectorMetrics, ConnectorMetricsExport
 from preempt.integrations.vllm.kv_store import (
     HostKVStore,
     PagedKV,
     make_store_codec,
     parse_connector_settings,
 )
+from preempt.integrations.vllm.metrics import ConnectorMetrics, ConnectorMetricsExport
 from preempt.kv.codec import CorruptBlobError
 
 if TYPE_CHECKING:
@@ -124,7 +124,8 @@ class PreemptKVConnector(KVConnectorBase_V1):
         groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
         if len(groups) != 1:
             raise ValueError(
-                f"preempt's connector needs one KV cache group (one attention type); this model has {len(groups)}"
+                "preempt's connector needs one KV cache group (one attention type); "
+                f"this model has {len(groups)}"
             )
         self.spec = groups[0].kv_cache_spec
         self.layer_names = list(groups[0].layer_names)
@@ -133,7 +134,8 @@ class PreemptKVConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 raise ValueError(
-                    'preempt\'s connector needs "kv_load_failure_policy": "recompute" in --kv-transfer-config: '
+                    "preempt's connector needs \"kv_load_failure_policy\": \"recompute\" in "
+                    "--kv-transfer-config: "
                     "a copy that fails to load must be recomputed, not fail its request"
                 )
             self.advisor: SaveAdvisor | None = None
@@ -150,7 +152,9 @@ class PreemptKVConnector(KVConnectorBase_V1):
         else:
             self.store = HostKVStore(
                 self.settings,
-                make_store_codec(self.settings, len(self.layer_names), self.spec.num_kv_heads, log=logger.warning),
+                make_store_codec(
+                    self.settings, len(self.layer_names), self.spec.num_kv_heads, log=logger.warning
+                ),
             )
             self.paged: PagedKV | None = None
             self.invalid_blocks: set[int] = set()
@@ -282,7 +286,9 @@ class PreemptKVConnector(KVConnectorBase_V1):
         self.lossy.discard(request_id)
         self.matched.pop(request_id, None)
         copied = self.copied.pop(request_id, None) is not None
-        victim = (self.saved.pop(request_id, None) is not None) | (self.saving.pop(request_id, None) is not None)
+        victim = (self.saved.pop(request_id, None) is not None) | (
+            self.saving.pop(request_id, None) is not None
+        )
         if copied and not victim:
             self.metrics.early_wasted += 1
         if copied or victim:
@@ -294,7 +300,10 @@ class PreemptKVConnector(KVConnectorBase_V1):
         `handle_preemptions`)."""
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            self.tables[new.req_id] = (list(new.block_ids[0]), new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            self.tables[new.req_id] = (
+                list(new.block_ids[0]),
+                new.num_computed_tokens + scheduled.get(new.req_id, 0),
+            )
         cached = scheduler_output.scheduled_cached_reqs
         for i, request_id in enumerate(cached.req_ids):
             old = self.tables.get(request_id, ([], 0))[0]
@@ -310,7 +319,7 @@ class PreemptKVConnector(KVConnectorBase_V1):
         if isinstance(meta, PreemptWorkerMetadata):
             for request_id, report in meta.stores.items():
                 self._on_stored(request_id, report)
-            for request_id, report in meta.loads.items():
+            for report in meta.loads.values():
                 self.metrics.loaded(report)
                 if report.error is None and self.advisor is not None:
                     self.advisor.observe_load(report.num_tokens, report.seconds)

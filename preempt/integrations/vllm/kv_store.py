@@ -109,7 +109,8 @@ def parse_connector_settings(data: object) -> ConnectorSettings:
         return ConnectorSettings.model_validate(dict(data))
     except ValidationError as err:
         raise ConnectorSettingsError(
-            f"preempt connector settings (kv_connector_extra_config.preempt): {format_validation_error(err, 'field')}"
+            "preempt connector settings (kv_connector_extra_config.preempt): "
+            + format_validation_error(err, "field")
         ) from None
 
 
@@ -130,13 +131,16 @@ def make_store_codec(settings: ConnectorSettings, num_layers: int, num_kv_heads:
     other = set(codes.reshape(-1).tolist()) - {int(HeadClass.FP16), int(HeadClass.FP8), int(HeadClass.DROP)}
     if other:
         raise ConnectorSettingsError(
-            f"head_plan {settings.head_plan!r}: classes {sorted(HeadClass(c).name for c in other)} quantize per "
+            f"head_plan {settings.head_plan!r}: classes {sorted(HeadClass(c).name for c in other)} "
+            "quantize per "
             "channel, which depends on the cache's order inside a block; the connector takes FP16/FP8 plans"
         )
     if (codes == int(HeadClass.DROP)).any():
         if log is not None:
-            log(f"preempt connector: {int((codes == int(HeadClass.DROP)).sum())} DROP heads of plan "
-                f"{plan.source or settings.head_plan!r} kept as FP8 (vLLM's attention has no per-head mask)")
+            log(
+                f"preempt connector: {int((codes == int(HeadClass.DROP)).sum())} DROP heads of plan "
+                f"{plan.source or settings.head_plan!r} kept as FP8 (vLLM's attention has no per-head mask)"
+            )
         codes = codes.copy()
         codes[codes == int(HeadClass.DROP)] = int(HeadClass.FP8)
         plan = plan.with_classes(codes, f"{plan.source or settings.head_plan} (DROP as FP8)")
@@ -163,7 +167,12 @@ class PagedKV:
     """
 
     def __init__(
-        self, kv_caches: Sequence[torch.Tensor], num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
     ) -> None:
         if not kv_caches:
             raise ValueError("no KV cache tensors to register")
@@ -194,10 +203,13 @@ class PagedKV:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def _slots(self, block_ids: Sequence[int], start: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _slots(
+        self, block_ids: Sequence[int], start: int, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if start % self.block_size or num_tokens % self.block_size:
             raise ValueError(
-                f"tokens [{start}, {start + num_tokens}): the connector moves whole blocks of {self.block_size}"
+                f"tokens [{start}, {start + num_tokens}): the connector moves whole blocks "
+                f"of {self.block_size}"
             )
         positions = torch.arange(start, start + num_tokens)
         table = torch.as_tensor(list(block_ids), dtype=torch.long)
@@ -210,7 +222,9 @@ class PagedKV:
         device: a copy, so vLLM may reuse the blocks once this returns."""
         blocks, offsets = self._slots(block_ids, start, num_tokens)
         out = torch.empty(
-            (self.num_layers, 2, num_tokens, self.num_kv_heads, self.head_dim), dtype=self.dtype, device=self.device
+            (self.num_layers, 2, num_tokens, self.num_kv_heads, self.head_dim),
+            dtype=self.dtype,
+            device=self.device,
         )
         for layer, (k, v) in enumerate(self.layers):
             out[layer, 0] = k[blocks, offsets]
@@ -282,7 +296,9 @@ class HostKVStore:
         self._work = _Worker()
 
     # ------------------------------------------------------------- saving
-    def save(self, request_id: str, paged: PagedKV, block_ids: Sequence[int], start: int, end: int) -> Segment:
+    def save(
+        self, request_id: str, paged: PagedKV, block_ids: Sequence[int], start: int, end: int
+    ) -> Segment:
         """Start storing tokens `[start, end)` as the next segment of `request_id`'s copy
         (`start` must be where the copy ends). Returns the segment; its handle is set (or
         its error) when `pending(request_id)` is False."""
@@ -290,7 +306,9 @@ class HostKVStore:
         with self._lock:
             copy = self.copies.setdefault(request_id, SavedCopy())
             if copy.num_tokens != start:
-                raise ValueError(f"request {request_id}: copy holds {copy.num_tokens} tokens, segment starts at {start}")
+                raise ValueError(
+                    f"request {request_id}: copy holds {copy.num_tokens} tokens, segment starts at {start}"
+                )
             segment = Segment(start, end)
             copy.segments.append(segment)
         kv = paged.gather(block_ids, start, end - start)
@@ -348,7 +366,9 @@ class HostKVStore:
         return sum(s.raw_bytes for s in segments), sum(s.handle.nbytes for s in segments if s.handle)
 
     # ------------------------------------------------------------- loading
-    def load(self, request_id: str, paged: PagedKV, block_ids: Sequence[int], start: int, end: int) -> SaveStats:
+    def load(
+        self, request_id: str, paged: PagedKV, block_ids: Sequence[int], start: int, end: int
+    ) -> SaveStats:
         """Decode tokens `[start, end)` of the copy into the request's blocks, then free the
         copy. Raises CorruptBlobError (a failed checksum, a missing or short copy); the copy
         is freed either way."""
@@ -366,7 +386,8 @@ class HostKVStore:
                 kv = self._decode(self.pool.load(segment.handle), paged.device)
                 if kv.shape[2] != segment.end - segment.start:
                     raise CorruptBlobError(
-                        f"request {request_id}: segment of {segment.end - segment.start} tokens decoded to {kv.shape[2]}"
+                        f"request {request_id}: segment of {segment.end - segment.start} tokens "
+                        f"decoded to {kv.shape[2]}"
                     )
                 paged.scatter(kv[:, :, lo - segment.start : hi - segment.start], block_ids, lo)
                 stats.raw_bytes += kv.numel() * kv.element_size()

@@ -85,14 +85,34 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 CONNECTOR_COUNTERS = (
     ("preempt:kv_saves", "Preempted requests whose KV the connector stored in the host pool", None, "saves"),
-    ("preempt:kv_loads", "Resumed requests whose KV the connector loaded instead of recomputing", None, "loads"),
-    ("preempt:kv_fallbacks", "Preempted requests recomputed instead of loaded, by reason", "reason", "fallbacks"),
+    (
+        "preempt:kv_loads",
+        "Resumed requests whose KV the connector loaded instead of recomputing",
+        None,
+        "loads",
+    ),
+    (
+        "preempt:kv_fallbacks",
+        "Preempted requests recomputed instead of loaded, by reason",
+        "reason",
+        "fallbacks",
+    ),
     ("preempt:kv_stored_bytes", "Bytes of the copies stored in the host pool", None, "stored_bytes"),
     ("preempt:kv_raw_bytes", "KV bytes of those copies before encoding", None, "raw_bytes"),
     ("preempt:kv_preempted_tokens", "Tokens of KV the preempted requests held", None, "preempted_tokens"),
-    ("preempt:kv_loaded_tokens", "Tokens loaded from the host pool: recomputation avoided", None, "loaded_tokens"),
+    (
+        "preempt:kv_loaded_tokens",
+        "Tokens loaded from the host pool: recomputation avoided",
+        None,
+        "loaded_tokens",
+    ),
     ("preempt:kv_early_tokens", "Tokens copied ahead of a predicted preemption", None, "early_tokens"),
-    ("preempt:kv_early_wasted", "Requests copied ahead that finished without being preempted", None, "early_wasted"),
+    (
+        "preempt:kv_early_wasted",
+        "Requests copied ahead that finished without being preempted",
+        None,
+        "early_wasted",
+    ),
 )
 CONNECTOR_HISTOGRAMS = (
     ("preempt:kv_save_seconds", "From a preemption to its copy stored (gather, encode, store)", "save_s"),
@@ -181,7 +201,9 @@ class MetricSet:
 
 
 PLUGIN = MetricSet(COUNTERS, (), lambda: PluginMetrics().snapshot(), "engine")
-CONNECTOR = MetricSet(CONNECTOR_COUNTERS, CONNECTOR_HISTOGRAMS, lambda: ConnectorMetrics().snapshot(), "connector")
+CONNECTOR = MetricSet(
+    CONNECTOR_COUNTERS, CONNECTOR_HISTOGRAMS, lambda: ConnectorMetrics().snapshot(), "connector"
+)
 
 
 _process_metrics: dict[str, dict] = {}
@@ -193,7 +215,9 @@ def _prometheus(metric_set: MetricSet) -> dict:
     if metric_set.prefix not in _process_metrics:
         from prometheus_client import Counter, Histogram
 
-        made = {key: Counter(name, doc, [label] if label else []) for name, doc, label, key in metric_set.counters}
+        made = {
+            key: Counter(name, doc, [label] if label else []) for name, doc, label, key in metric_set.counters
+        }
         for name, doc, key in metric_set.histograms:
             made[key] = Histogram(name, doc, buckets=LATENCY_BUCKETS)
         _process_metrics[metric_set.prefix] = made
@@ -298,7 +322,8 @@ def read_snapshots(directory: Path, metric_set: MetricSet = PLUGIN) -> dict | No
                     total[key][value] = total[key].get(value, 0) + count
         for _, _, key in metric_set.histograms:
             theirs = snapshot.get(key, {})
-            total[key]["buckets"] = [a + b for a, b in zip(total[key]["buckets"], theirs.get("buckets", []))]
+            buckets = theirs.get("buckets", [0] * len(total[key]["buckets"]))
+            total[key]["buckets"] = [a + b for a, b in zip(total[key]["buckets"], buckets, strict=True)]
             total[key]["sum"] += theirs.get("sum", 0.0)
     return total if found else None
 

@@ -191,7 +191,8 @@ def run_arm(job: dict, arm: dict, model_dir: str) -> dict:
     scheduler._preempt_request = counting
     names = ("vllm:num_preemptions_total", "preempt:preemptions_total", "preempt:recomputed_tokens_total",
              "preempt:kv_saves_total", "preempt:kv_loads_total", "preempt:kv_fallbacks_total",
-             "preempt:kv_preempted_tokens_total", "preempt:kv_loaded_tokens_total", "preempt:kv_early_tokens_total")  # fmt: skip
+             "preempt:kv_preempted_tokens_total", "preempt:kv_loaded_tokens_total",
+             "preempt:kv_early_tokens_total")  # fmt: skip
     before = _metric_values(names)  # counters are per process: arms before this one added to them
     uses_priority = arm["scheduler"] == "preempt" or arm.get("policy") == "priority"
     pending = sorted(job["requests"], key=lambda r: (r["arrival_step"], r["id"]))

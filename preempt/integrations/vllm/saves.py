@@ -89,7 +89,9 @@ class SavePlanner:
             if left is None:
                 left = max(view.max_tokens - view.num_output_tokens, 0)
             held = view.num_computed_tokens
-            needs[view.request_id] = _cdiv(held + min(horizon, int(left)), self.block_size) - _cdiv(held, self.block_size)
+            needs[view.request_id] = _cdiv(held + min(horizon, int(left)), self.block_size) - _cdiv(
+                held, self.block_size
+            )
         deficit = sum(needs.values()) - free_blocks
         targets = []
         for view in self.decider.memory_victim_order(running, now) if deficit > 0 else ():

@@ -127,7 +127,9 @@ class PreemptScheduler(Scheduler):
         # decides whom it saves and whom it copies ahead of a predicted preemption.
         self.save_planner: SavePlanner | None = None
         if isinstance(self.connector, PreemptKVConnector):
-            self.save_planner = SavePlanner(self.decider, self.connector.settings, self.block_size, self._save_state)
+            self.save_planner = SavePlanner(
+                self.decider, self.connector.settings, self.block_size, self._save_state
+            )
             self.connector.advisor = self.save_planner
 
     def _save_state(self) -> tuple[list[RequestView], int, float]:
