@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
+
 from preempt.integrations.vllm.decider import PreemptionDecider, RequestView
 from preempt.integrations.vllm.kv_store import parse_connector_settings
 from preempt.integrations.vllm.metrics import (
@@ -95,3 +97,24 @@ def test_connector_metrics_reach_the_collector(tmp_path):
     assert "preempt:kv_saves" in families and "preempt:preemptions" not in families  # no scheduler wrote
     samples = {s.name: s.value for s in families["preempt:kv_save_seconds"].samples}
     assert samples["preempt:kv_save_seconds_count"] == 1 and samples["preempt:kv_save_seconds_sum"] == 0.003
+
+
+def test_learned_lengths_reach_the_plugins_views(tmp_path):
+    from preempt.engine.lengths import LengthModel
+    from preempt.integrations.vllm.settings import SettingsError
+
+    # a server that logged outputs of 10-30 tokens under a cap of 128
+    LengthModel.fit([40] * 50, [128] * 50, [10 + i % 21 for i in range(50)]).save(tmp_path / "lengths.json")
+    settings = parse_settings(
+        {"preemption": {"remaining": "learned", "length_model": str(tmp_path / "lengths.json")}}
+    )
+    decider = PreemptionDecider(settings)
+    running = [view(i, 60, max_tokens=128, output=20) for i in range(4)]
+    decider.estimate(running)
+    assert all(0 < v.expected_output_left < 20 for v in running)  # not the cap's 108
+    plan = SavePlanner(decider, parse_connector_settings({"early": True}), BS, lambda: (running, 0, 10.0))
+    assert plan.early_targets({v.request_id: ([], 60) for v in running})
+    with pytest.raises(SettingsError, match="oracle"):
+        parse_settings({"preemption": {"remaining": "oracle"}})
+    with pytest.raises(SettingsError, match="length_model"):
+        parse_settings({"preemption": {"remaining": "learned"}})

@@ -134,7 +134,7 @@ class PreemptKVConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 raise ValueError(
-                    "preempt's connector needs \"kv_load_failure_policy\": \"recompute\" in "
+                    'preempt\'s connector needs "kv_load_failure_policy": "recompute" in '
                     "--kv-transfer-config: "
                     "a copy that fails to load must be recomputed, not fail its request"
                 )

@@ -49,7 +49,8 @@ class RequestView:
         self.slice_used_s = 0.0
         self.preemption_failed = False
         self.preempted_at_s: float | None = None
-        # The plugin's score reads the client's max_tokens (preemption.remaining's default).
+        # None: the score reads the client's max_tokens (preemption.remaining's default);
+        # `learned` sets it at arrival and after each step (PreemptionDecider.estimate).
         self.expected_output_left: float | None = None
 
     @property
@@ -93,6 +94,20 @@ class PreemptionDecider:
         self.policy = get_policy(settings.policy, settings.preemption)
         self.gate = PreemptionGate(self.preemption, self.policy)
         self.metrics = PluginMetrics()
+        self.remaining = None  # preemption.remaining: learned, with its length model
+        if self.preemption.remaining == "learned":
+            from preempt.engine.lengths import LengthModel
+            from preempt.engine.remaining import LearnedRemaining
+
+            self.remaining = LearnedRemaining(LengthModel.load(self.preemption.length_model))
+
+    def estimate(self, views: Sequence[RequestView]) -> None:
+        """Re-estimate the output `views` still have to make (`learned` only), as preempt's
+        scheduler does at enqueue and after each token: read by the score and by the
+        connector's early-copy projection."""
+        if self.remaining is not None:
+            for view in views:
+                self.remaining.update(view)
 
     @property
     def uses_failure_fallback(self) -> bool:

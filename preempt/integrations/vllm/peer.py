@@ -158,7 +158,8 @@ def run_arm(job: dict, arm: dict, model_dir: str) -> dict:
         from preempt.integrations.vllm.kv_store import CONNECTOR_MODULE, kv_transfer_config
 
         kwargs["kv_transfer_config"] = kv_transfer_config(
-            arm["connector"], module_path=arm.get("connector_module", CONNECTOR_MODULE),
+            arm["connector"],
+            module_path=arm.get("connector_module", CONNECTOR_MODULE),
             connector=arm.get("connector_cls", "PreemptKVConnector"),
         )
     started = time.perf_counter()

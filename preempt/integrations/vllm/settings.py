@@ -92,6 +92,13 @@ class PluginSettings(BaseModel):
                 f"mode '{value.mode}': vLLM preempts by recompute; KV offloading is vLLM's "
                 "kv_offloading_size, not a preempt mode"
             )
+        if value.remaining == "oracle":
+            raise ValueError("remaining 'oracle': a server does not know a request's true output length")
+        if value.remaining == "learned" and value.length_model is None:
+            raise ValueError(
+                "remaining 'learned' needs length_model (a `preempt lengths` file): "
+                "the plugin has no trace to fit one from"
+            )
         return value
 
 
