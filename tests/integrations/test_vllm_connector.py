@@ -22,13 +22,17 @@ ENGINE = {"block_size": 32, "num_gpu_blocks": 24, "max_model_len": 512, "max_num
           "max_num_batched_tokens": 256, "dtype": "float32"}  # fmt: skip
 
 
-def forced_preemptions(num: int = 12, prompt: int = 160, output: int = 120, seed: int = 0) -> list[dict]:
+def forced_preemptions(
+    num: int = 12, prompt: int = 160, output: int = 120, seed: int = 0, shared_prefix: int = 0
+) -> list[dict]:
     """Every request at step 0: the 8 seats' sequences outgrow 24 blocks within a few
-    dozen steps, so vLLM preempts again and again."""
+    dozen steps, so vLLM preempts again and again. `shared_prefix`: the first tokens of
+    every prompt are the same (prefix-cache hits)."""
     rng = random.Random(seed)
+    prefix = [rng.randrange(32, 127) for _ in range(shared_prefix)]
     return [
         {"id": i, "priority": 0, "arrival_step": 0, "max_tokens": output,
-         "prompt_token_ids": [rng.randrange(32, 127) for _ in range(prompt)]}
+         "prompt_token_ids": prefix + [rng.randrange(32, 127) for _ in range(prompt - shared_prefix)]}
         for i in range(num)
     ]  # fmt: skip
 
@@ -65,10 +69,21 @@ def arms(peer, tmp_path_factory):  # noqa: F811
             arm("corrupt", codec="raw", corrupt=True),
         ],
     }
-    report = run_vllm([job], peer, module=PEER_MODULE)
-    (result,) = report["results"]
-    assert "error" not in result, result.get("error")
-    return {a["name"]: a for a in result["arms"]}
+    # vLLM's prefix cache on: loaded blocks meet cached ones; lossy ones must not be cached
+    cached = {
+        **job,
+        "engine": {**ENGINE, "prefix_caching": True},
+        "requests": forced_preemptions(num=10, shared_prefix=64),
+        "arms": [
+            {"name": "vllm_prefix", "scheduler": "default", "policy": "fcfs"},
+            arm("raw_prefix", codec="raw"),
+            arm("fp8_prefix", codec="fp8"),
+        ],
+    }
+    report = run_vllm([job, cached], peer, module=PEER_MODULE)
+    for result in report["results"]:
+        assert "error" not in result, result.get("error")
+    return {a["name"]: a for result in report["results"] for a in result["arms"]}
 
 
 def outputs(arm: dict) -> dict[int, list[int]]:
@@ -127,3 +142,11 @@ def test_corrupt_copy_is_recomputed_and_the_request_finishes(arms):
     fallbacks = {k: v for k, v in corrupt["prometheus"].items() if k.startswith("preempt:kv_fallbacks_total")}
     assert fallbacks.get("preempt:kv_fallbacks_total{reason=corrupt}", 0) > 0
     assert metric(corrupt, "preempt:kv_loads_total") > 0  # the others loaded
+
+
+def test_with_vllms_prefix_cache(arms):
+    plain, raw, fp8 = arms["vllm_prefix"], arms["raw_prefix"], arms["fp8_prefix"]
+    assert raw["preemptions"] > 0 and metric(raw, "preempt:kv_loads_total") > 0
+    assert outputs(raw) == outputs(plain)  # raw copies and cached blocks mix losslessly
+    assert metric(fp8, "preempt:kv_loads_total") > 0
+    assert {k: len(v) for k, v in outputs(fp8).items()} == {k: len(v) for k, v in outputs(plain).items()}

@@ -147,3 +147,21 @@ def test_bad_settings_name_the_field():
         parse_connector_settings({"codec": "gzip"})
     with pytest.raises(ConnectorSettingsError, match="host_pool"):
         parse_connector_settings({"host_pool": "lots"})
+
+
+def test_lossy_requests_never_enter_the_prefix_cache():
+    from types import SimpleNamespace
+
+    from preempt.integrations.vllm.kv_store import never_cache
+
+    cached = []
+    coordinator = SimpleNamespace(
+        cache_blocks=lambda request, num_tokens, **kw: cached.append(request.request_id)
+    )
+    lossy: set[str] = set()
+    never_cache(coordinator, lossy)
+    coordinator.cache_blocks(SimpleNamespace(request_id="a"), 64)
+    lossy.add("b")  # b loaded a lossy copy (the connector adds it when it reports the tokens)
+    coordinator.cache_blocks(SimpleNamespace(request_id="b"), 64, replay_boundaries=())
+    coordinator.cache_blocks(SimpleNamespace(request_id="a"), 96)
+    assert cached == ["a", "a"]

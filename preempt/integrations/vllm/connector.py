@@ -48,6 +48,7 @@ from preempt.integrations.vllm.kv_store import (
     HostKVStore,
     PagedKV,
     make_store_codec,
+    never_cache,
     parse_connector_settings,
 )
 from preempt.integrations.vllm.metrics import ConnectorMetrics, ConnectorMetricsExport
@@ -176,18 +177,7 @@ class PreemptKVConnector(KVConnectorBase_V1):
         super().bind_kv_cache_manager(kv_cache_manager)
         if self.settings.lossless or not kv_cache_manager.enable_caching:
             return
-        # A lossy copy's blocks would enter the prefix cache under the original tokens'
-        # hashes and be served to the next request with that prefix; so would every block
-        # computed after it (its attention read the lossy prefix). Skip caching for them.
-        coordinator = kv_cache_manager.coordinator
-        cache_blocks = coordinator.cache_blocks
-        lossy = self.lossy
-
-        def cache_unless_lossy(request, *args, **kwargs):
-            if request.request_id not in lossy:
-                cache_blocks(request, *args, **kwargs)
-
-        coordinator.cache_blocks = cache_unless_lossy
+        never_cache(kv_cache_manager.coordinator, self.lossy)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         request_id = request.request_id

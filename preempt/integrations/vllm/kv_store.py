@@ -147,6 +147,21 @@ def make_store_codec(settings: ConnectorSettings, num_layers: int, num_kv_heads:
     return MixedCodec(plan=plan)
 
 
+def never_cache(coordinator, request_ids: set[str]) -> None:
+    """Keep vLLM's prefix cache from taking any block of the requests in `request_ids`
+    (a live set): `coordinator.cache_blocks(request, ...)` does nothing for them. A lossy
+    copy's blocks would enter the cache under the original tokens' hashes and be served
+    to the next request with that prefix; so would every block computed after it (its
+    attention read the lossy prefix)."""
+    cache_blocks = coordinator.cache_blocks
+
+    def cache_unless_listed(request, *args, **kwargs):
+        if request.request_id not in request_ids:
+            cache_blocks(request, *args, **kwargs)
+
+    coordinator.cache_blocks = cache_unless_listed
+
+
 class PagedKV:
     """vLLM's per-layer KV cache tensors as one request's KV in preempt's layout, whole
     blocks at a time.

@@ -174,7 +174,8 @@ def run_arm(job: dict, arm: dict, model_dir: str) -> dict:
         max_model_len=engine["max_model_len"],
         max_num_seqs=engine["max_num_seqs"],
         max_num_batched_tokens=engine["max_num_batched_tokens"],
-        enable_prefix_caching=False,  # preempt has no prefix cache: recompute is recompute
+        # preempt has no prefix cache: recompute is recompute (the connector's tests turn it on)
+        enable_prefix_caching=engine.get("prefix_caching", False),
         scheduling_policy=arm.get("policy", "fcfs"),
         disable_log_stats=False,
         **kwargs,
