@@ -7,7 +7,8 @@
 # Stages, most valuable first, each under its own time limit (the whole script < 10 min):
 # 1. the virtual clock's calibration (`preempt calibrate --device cuda`, < 6 min on an H200):
 #    a measured profile for h200-llama3-8b and its log;
-# 2. the compiled Triton kernels against their torch references (pytest -m gpu);
+# 2. the compiled Triton kernels against their torch references, and the vLLM connector's
+#    host side on the device (pytest -m gpu);
 # 3. kernel bandwidth vs HBM peak and the save path vs the raw PCIe copy (bench kernels);
 # 4. the save benchmark's codec numbers (bench save --quick).
 set -uo pipefail
@@ -32,7 +33,7 @@ echo "== 1. calibrate"
 timeout 400 $PY -m preempt.cli calibrate --device cuda --out "$OUT/h200-measured.json" 2> >(tee "$OUT/calibrate.log" >&2)
 echo "calibrate rc=$?"
 echo "== 2. pytest -m gpu"
-timeout 150 $PY -m pytest -m gpu -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/pytest_gpu.log" | tail -5
+timeout 150 $PY -m pytest -m gpu -q -p no:cacheprovider tests/kernels tests/integrations/test_vllm_kv_store.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -5
 echo "== 3. bench kernels"
 timeout 90 $PY -m preempt.cli bench kernels --json > "$OUT/bench_kernels.json" 2> "$OUT/bench_kernels.err"
 tail -c 1500 "$OUT/bench_kernels.json"

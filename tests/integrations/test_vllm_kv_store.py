@@ -165,3 +165,24 @@ def test_lossy_requests_never_enter_the_prefix_cache():
     coordinator.cache_blocks(SimpleNamespace(request_id="b"), 64, replay_boundaries=())
     coordinator.cache_blocks(SimpleNamespace(request_id="a"), 96)
     assert cached == ["a", "a"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("codec", ["raw", "fp8", "mixed"])
+def test_on_cuda_copies_go_through_the_device_kernels_and_a_pinned_pool(codec):
+    # FlashAttention's layout, on the device: mixed/fp8 quantize with the Triton kernel
+    caches = [torch.randn(2, NB, BS, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(L)]
+    paged = PagedKV(caches, NB, BS, H, D)
+    settings = parse_connector_settings({"codec": codec, "host_pool": "8MiB", "slot_size": "1MiB"})
+    kv_store = HostKVStore(settings, make_store_codec(settings, L, H))
+    assert kv_store.pool.is_pinned
+    saved = paged.gather([0, 1], 0, 64).float()
+    kv_store.save("r", paged, [0, 1], 0, 64)
+    kv_store.wait("r")
+    kv_store.load("r", paged, [4, 5], 0, 64)
+    got = paged.gather([4, 5], 0, 64).float()
+    if codec == "raw":
+        assert torch.equal(got, saved)
+    else:
+        assert (got - saved).abs().max() / saved.abs().max() < 0.07
