@@ -23,7 +23,7 @@ from preempt.bench.vllm_connector import (
 from preempt.bench.vllm_http import ENGINE, write_model
 
 BASELINE = "vllm"
-QUANTITIES = ("recomputed_tokens", "latency_s", "ttft_s", "output_tokens_per_s", "wall_s")
+QUANTITIES = ("recomputed_tokens", "latency_s", "ttft_s", "max_gap_s", "output_tokens_per_s", "wall_s")
 
 
 def bench_vllm_connector(
@@ -88,16 +88,16 @@ def connector_table(summary: dict[str, Any]) -> str:
             f"**{regime}** prompts ({tokens} tokens), {summary['workload']['requests']} requests x "
             f"{summary['workload']['seeds']} seeds",
             "",
-            "| arm | preemptions | loads | tokens recomputed | latency s | TTFT s | output tok/s "
-            "| outputs = vllm |",
-            "|---|---|---|---|---|---|---|---|",
+            "| arm | preemptions | loads | tokens recomputed | latency s | TTFT s | longest stream gap s "
+            "| output tok/s | outputs = vllm |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for name, row in arms.items():
             counters = row["counters"]
             lines.append(
                 f"| {name} | {counters.get('vllm:num_preemptions_total', 0):.0f} "
                 f"| {counters.get('preempt:kv_loads_total', 0):.0f} | {cell(row['recomputed_tokens'], 0)} "
-                f"| {cell(row['latency_s'], 2)} | {cell(row['ttft_s'], 2)} "
+                f"| {cell(row['latency_s'], 2)} | {cell(row['ttft_s'], 2)} | {cell(row['max_gap_s'], 2)} "
                 f"| {cell(row['output_tokens_per_s'], 0)} "
                 f"| {row[f'outputs_equal_{BASELINE}']} |"
             )

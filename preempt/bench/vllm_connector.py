@@ -8,9 +8,10 @@ connector in raw and mixed modes, with and without early copies. Two regimes: `l
 prompts (224 tokens: recomputing a victim costs a long prefill, its copy a few hundred KB)
 and `short` ones (32 tokens), 128 output tokens each. Per arm and regime: tokens
 recomputed (the preempted tokens not loaded back; the plain arm's connector only counts
-them), the connector's saves, loads and
-fallbacks, mean request latency and TTFT, output throughput, wall time, and greedy
-outputs against plain vLLM's. Intervals over seeds are experiments/vllm_connector.py's.
+them), the connector's saves, loads and fallbacks, mean request latency, TTFT and longest
+wait between streamed chunks (where a resumed request's stall shows: the client cannot
+tell which requests were preempted), output throughput, wall time, and greedy outputs
+against plain vLLM's. Intervals over seeds are experiments/vllm_connector.py's.
 This module never imports vLLM; the servers are subprocesses.
 """
 
@@ -142,6 +143,7 @@ def run_connector_arms(
                             "counters": delta,
                             "latency_s": sum(r["latency_s"] for r in records) / len(records),
                             "ttft_s": sum(r["ttft_s"] for r in records) / len(records),
+                            "max_gap_s": sum(r["max_gap_s"] for r in records) / len(records),
                             "output_tokens_per_s": sum(len(r["token_ids"]) for r in records) / wall_s,
                             "requests": sorted(records, key=lambda r: r["id"]),
                         }

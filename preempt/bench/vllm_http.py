@@ -215,7 +215,8 @@ def _tail(path: Path, lines: int = 40) -> str:
 async def _one(client, request: HttpRequest, started: float) -> dict:
     await asyncio.sleep(max(0.0, started + request.at_s - time.perf_counter()))
     sent = time.perf_counter()
-    first = None
+    first = last = None
+    longest_gap = 0.0  # the longest wait between two streamed chunks: a resume's stall shows here
     token_ids: list[int] = []
     stream = await client.completions.create(
         model="tiny",
@@ -228,8 +229,12 @@ async def _one(client, request: HttpRequest, started: float) -> dict:
     async for chunk in stream:
         ids = getattr(chunk.choices[0], "token_ids", None) if chunk.choices else None
         if ids:
+            now = time.perf_counter()
             if first is None:
-                first = time.perf_counter()
+                first = now
+            else:
+                longest_gap = max(longest_gap, now - last)
+            last = now
             token_ids.extend(ids)
     done = time.perf_counter()
     return {
@@ -238,6 +243,7 @@ async def _one(client, request: HttpRequest, started: float) -> dict:
         "sent_s": sent - started,
         "ttft_s": (first or done) - sent,
         "latency_s": done - sent,
+        "max_gap_s": longest_gap,
         "token_ids": token_ids,
     }
 
