@@ -61,7 +61,7 @@ from preempt.kv.codec import MixedCodec
 
 MB = 1e6
 BLOCK_SIZE = 16
-BUDGET = 0.35  # issue #17's target: <= 0.35x of FP16 at uniform FP8's quality or better
+BUDGET = 0.35  # the target: <= 0.35x of FP16 at uniform FP8's quality or better
 NUM_RANDOM = 5  # random placements of the sensitivity plan's classes: the seed-to-seed spread
 KIVI_PARAMS = (64, 4, 8)  # (group_size, num_sink, num_recent) of every KIVI plan here
 # The classes a budget plan may use (FP16 always): what the sensitivity scan prices.

@@ -3,9 +3,6 @@
 Owns: the schema (one section per layer), loading from JSON/YAML, `--set key=value`
 overrides, and error messages that name the offending key. Runtime facts (the number of
 blocks actually allocated, the model's vocabulary) live in state objects, never here.
-
-Over 500 lines because it is the config reference: one section per layer, every field
-with its own docstring; it holds nothing but the schema and its loading.
 """
 
 from __future__ import annotations
@@ -414,7 +411,7 @@ class PreemptionConfig(_Section):
 
 
 class EarlySaveConfig(_Section):
-    """Speculative KV saves before a preemption happens (the predictor issue): when the
+    """Speculative KV saves before a preemption happens: when the
     policy expects a running request to be preempted soon, its blocks are copied to the
     host in the background; the preemption then saves only the blocks written since."""
 

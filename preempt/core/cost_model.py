@@ -27,9 +27,6 @@ Copies to and from the host share one duplex link: `one_way` bytes/s when one di
 is busy, `both_ways` bytes/s in total when both are, plus a per-copy latency.
 KV capacity follows vLLM: total device memory x gpu_memory_utilization, less weights and
 an activation reserve.
-
-Over 500 lines because the model shapes, device constants and the formula above are one
-concept (a target's step time): each part is read only through the others.
 """
 
 from __future__ import annotations

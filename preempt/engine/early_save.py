@@ -188,8 +188,8 @@ class WasteCap:
 
     Why: the threshold is chosen on val, whose load the live trace need not share. Where
     preemptions are rarer (a lighter window), more warned requests finish instead, and the
-    same threshold wastes more (azure-conv windows never trained on: 0.30-0.49 at a val
-    waste of 0.30, docs/archive/predictor-history.md). Waste is observed online only when an early copy's
+    same threshold wastes more (measurements: docs/archive/predictor-history.md). Waste is
+    observed online only when an early copy's
     fate is known (claimed by a preemption, or freed unclaimed), so the controller reads
     those totals each step: with U, W the claimed and wasted bytes since the start,
     exponentially forgotten per step in which some resolved (`MEMORY`), the logit of the

@@ -79,12 +79,11 @@ SCALE_FREE_NAMES: tuple[str, ...] = (
 seconds, so a model fitted on one trace reads another trace's values in the same range
 (mooncake's requests are ~7x longer than azure-conv's and its pool ~16x larger).
 
-`headroom` replaced `free_kv_fraction` (issue 15): both triggers need the queue's head
-to be refused, by the pool *or* by the batch's seats. On azure-conv the pool refuses
-(median free KV 4%), on mooncake-synthetic the seats do (24 of 24 running at every
-preemption, free KV 95%): a model fitted on the first read "95% free" as "safe" and
-ranked mooncake's victims low. The rename makes checkpoints of the old column refused
-online (`check_trained_for` compares the names)."""
+`headroom`, not the free KV share: both triggers need the queue's head to be refused, by
+the pool *or* by the batch's seats. On azure-conv the pool refuses (median free KV 4%),
+on mooncake-synthetic the seats do (24 of 24 running at every preemption, free KV 95%),
+so a free-KV column would read "95% free" as "safe" there. Checkpoints trained on other
+columns are refused online (`check_trained_for` compares the names)."""
 
 SCALE_FREE_DOCS: dict[str, str] = {
     "num_preemptions": FEATURE_DOCS["num_preemptions"],

@@ -35,9 +35,6 @@ which is what the corruption tests rely on. It is zlib's CRC-32, computed by ISA
 (`isal.isal_zlib.crc32`: the same values, ~8x faster, carry-less multiplication; 5 ms
 for a 93 MB KIVI blob here, where zlib's took 40 ms, ~11% of that blob's encode) where
 the `isal` package is installed, else by zlib: blobs are the same bytes either way.
-
-Over 500 lines because the three codecs share the blob format and its validation, which
-would otherwise be duplicated or imported back.
 """
 
 from __future__ import annotations

@@ -22,9 +22,6 @@ that chose the heads.
 
 Must never: change the model's weights, or touch the engine (it reads a checkpoint and
 writes files).
-
-Over 500 lines because the scores, the gates and the masking comparison that validates
-them are one method, tested together.
 """
 
 from __future__ import annotations

@@ -8,9 +8,6 @@ events, usage, continuous usage stats).
 
 It must never touch the engine: everything goes through the `EngineLoop`'s thread-safe
 `submit`, `abort` and `finish`.
-
-Over 500 lines because the three routes share one per-choice pipeline (detokenize, stop
-strings, logprobs, streaming); each route is a thin function over it.
 """
 
 from __future__ import annotations
