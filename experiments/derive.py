@@ -5,7 +5,7 @@ the point's engine config then names (the engine has no knob for either):
 
 - `derive.link_gb_s: X`: the point's `clock.target` with its host<->device copy link at X
   GB/s one way (both ways scaled by the same factor), written as a full target profile
-  (`preempt/core/cost_model.py` format). PCIe Gen5 x16 is the built-in 50 GB/s; Gen4 x16 ~25;
+  (`preempt/core/profiles.py` format). PCIe Gen5 x16 is the built-in 50 GB/s; Gen4 x16 ~25;
   a link shared by N GPUs (or by N tenants' copies) ~50/N.
 - `derive.prompt_scale: X`: the point's `workload.trace` with every prompt X times longer
   (rounded, at least 1 token), arrivals and output lengths unchanged, as a Mooncake-format
@@ -57,7 +57,7 @@ def _tag(x: float) -> str:
 
 def link_target(target: str, gb_s: float, inputs: Path) -> str:
     """A profile file: `target` with its copy link at `gb_s` GB/s one way."""
-    from preempt.core.cost_model import get_target
+    from preempt.core.profiles import get_target
 
     base = get_target(target)
     device = base.device.to_dict()

@@ -118,7 +118,8 @@ def _concat(tables: list[FeatureTable]) -> FeatureTable:
 
 def _deployment(meta: dict[str, Any]) -> tuple[float, float, int]:
     """(KV bytes per token, copy bytes/s, block size) of the dataset's deployment."""
-    from preempt.core.cost_model import CostModel, get_target
+    from preempt.core.cost_model import CostModel
+    from preempt.core.profiles import get_target
 
     config = meta.get("config") or {}
     target = (config.get("clock") or {}).get("target", "h200-llama3-8b")

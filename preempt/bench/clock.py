@@ -28,14 +28,8 @@ from typing import Any
 from preempt.calibrate import published, vidur
 from preempt.calibrate.fit import FIT_SETS, LINEAR_OPS, PROFILED_MASKED_SHARE, derive_device, op_tables
 from preempt.calibrate.gpu import FULL_GRID
-from preempt.core.cost_model import (
-    ELEMENTWISE_OPS,
-    MODELS,
-    CostModel,
-    DeviceProfile,
-    TargetProfile,
-    load_device,
-)
+from preempt.core.cost_model import CostModel
+from preempt.core.profiles import ELEMENTWISE_OPS, MODELS, DeviceProfile, TargetProfile, load_device
 
 DECODE_MAX_TOKENS = 128
 PREFILL_MIN_TOKENS = 512

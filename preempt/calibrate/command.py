@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from preempt.core.cost_model import DeviceProfile, ProfileError, load_device
+from preempt.core.profiles import DeviceProfile, ProfileError, load_device
 
 
 def write_profile(path: Path, device: DeviceProfile, **extra: Any) -> None:

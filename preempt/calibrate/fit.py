@@ -28,14 +28,8 @@ from dataclasses import replace
 import numpy as np
 
 from preempt.calibrate.vidur import AllReducePoint, AttnPoint, OpPoint
-from preempt.core.cost_model import (
-    ELEMENTWISE_OPS,
-    MODELS,
-    TABLE_OPS,
-    CostModel,
-    DeviceProfile,
-    TargetProfile,
-)
+from preempt.core.cost_model import CostModel
+from preempt.core.profiles import ELEMENTWISE_OPS, MODELS, TABLE_OPS, DeviceProfile, TargetProfile
 
 LINEAR_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
 FIT_SETS = {"h100": ("llama2-7b",), "a100": ("llama3-8b",)}

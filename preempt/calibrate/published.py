@@ -23,7 +23,8 @@ from importlib import resources
 from pathlib import Path
 from typing import NamedTuple
 
-from preempt.core.cost_model import MODELS, CostModel, StepShape, TargetProfile, bundled_devices, load_device
+from preempt.core.cost_model import CostModel, StepShape
+from preempt.core.profiles import MODELS, TargetProfile, bundled_devices, load_device
 
 DATA_FILE = "published_e2e.csv"
 # metric -> the units a source may give it in (value x factor = the metric's base unit)
@@ -68,7 +69,7 @@ class PublishedPoint(NamedTuple):
     quote: str
     gpu: str  # as the source describes it
     device: str  # the bundled device profile that stands for it
-    model: str  # key of preempt.core.cost_model.MODELS
+    model: str  # key of preempt.core.profiles.MODELS
     precision: str
     tp: int
     batch: int

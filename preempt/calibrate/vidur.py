@@ -15,7 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import NamedTuple
 
-# upstream file -> (gpu, model key in preempt.core.cost_model.MODELS)
+# upstream file -> (gpu, model key in preempt.core.profiles.MODELS)
 OPERATOR_FILES = {
     "h100_meta-llama_Llama-2-7b-hf.csv": ("h100", "llama2-7b"),
     "h100_meta-llama_Llama-2-70b-hf.csv": ("h100", "llama2-70b"),

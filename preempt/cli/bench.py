@@ -198,7 +198,7 @@ def _print_windows(result: dict[str, Any], args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from preempt.calibrate import command
-    from preempt.core.cost_model import ProfileError
+    from preempt.core.profiles import ProfileError
 
     try:
         if args.source == "vidur":

@@ -118,13 +118,13 @@ class ClockConfig(_Section):
     kind: Literal["virtual", "wall"] = "virtual"
     """`virtual`: step durations from the target's cost model (deterministic)."""
     target: str = "h200-llama3-8b"
-    """Deployment the virtual clock models: a built-in name (preempt.core.cost_model.TARGETS)
+    """Deployment the virtual clock models: a built-in name (preempt.core.profiles.TARGETS)
     or a profile file (`*.json`, as `preempt calibrate` writes; docs/clock.md)."""
 
     @field_validator("target")
     @classmethod
     def _known_target(cls, name: str) -> str:
-        from preempt.core.cost_model import TARGETS, ProfileError, load_target
+        from preempt.core.profiles import TARGETS, ProfileError, load_target
 
         if name.endswith(".json"):
             try:

@@ -20,7 +20,8 @@ import numpy as np
 from preempt.core.block_pool import BlockPool
 from preempt.core.clock import make_clock
 from preempt.core.config import ConfigError, EngineConfig
-from preempt.core.cost_model import CostModel, StepShape, get_target, step_shape
+from preempt.core.cost_model import CostModel, StepShape, step_shape
+from preempt.core.profiles import get_target
 from preempt.core.request import Request, RequestState
 from preempt.engine.policies import get_policy
 from preempt.engine.remaining import make_estimator

@@ -67,7 +67,7 @@ def test_the_constants_are_scored_without_tables_and_the_tables_on_counts_they_l
         table_fidelity,
     )
     from preempt.calibrate import vidur
-    from preempt.core.cost_model import load_device
+    from preempt.core.profiles import load_device
 
     device = load_device("h100")  # with Vidur's measured tables for llama2-7b
     formula = _cost("llama2-7b", 1, analytic(device))

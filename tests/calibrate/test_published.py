@@ -8,7 +8,8 @@ import pytest
 
 from preempt.calibrate import published
 from preempt.calibrate.published import PublishedError, load_published
-from preempt.core.cost_model import MODELS, CostModel, StepShape, TargetProfile, load_device
+from preempt.core.cost_model import CostModel, StepShape
+from preempt.core.profiles import MODELS, TargetProfile, load_device
 
 
 def _row(**changes):

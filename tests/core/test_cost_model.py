@@ -4,17 +4,8 @@ import re
 import pytest
 
 from preempt.core.clock import VirtualClock, WallClock
-from preempt.core.cost_model import (
-    MODELS,
-    TARGETS,
-    CostModel,
-    DeviceProfile,
-    ProfileError,
-    StepShape,
-    TargetProfile,
-    get_target,
-    smooth_max,
-)
+from preempt.core.cost_model import CostModel, StepShape, smooth_max
+from preempt.core.profiles import MODELS, TARGETS, DeviceProfile, ProfileError, TargetProfile, get_target
 
 
 def test_llama3_8b_kv_bytes_and_capacity():
