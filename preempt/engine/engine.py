@@ -349,12 +349,10 @@ def _fork(engine: Engine) -> Engine:
     memo[id(pool._is_used)] = list(pool._is_used)
     # Requests are most of the rest: copy each field by field (deepcopy's generic walk over
     # ~25 fields took ~17 us a request, 38 ms for 256 running + 2,000 waiting); every
-    # other reference to a request (queues, maps keyed by it) then finds the copy in memo.
+    # other reference to a request (queues, maps keyed by it) then finds the copy in memo;
+    # the waiting queue copies itself through it (`WaitingQueue.__deepcopy__`).
     for request in engine.scheduler.unfinished_requests():
         memo[id(request)] = _copy_request(request)
-    # The waiting heap's entries are (key of numbers, sequence number, request).
-    waiting = engine.scheduler._waiting
-    memo[id(waiting)] = [(key, seq, memo[id(request)]) for key, seq, request in waiting]
     fork = copy.deepcopy(engine, memo)
     fork.num_steps = engine.num_steps
     return fork

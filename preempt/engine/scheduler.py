@@ -1,11 +1,12 @@
 """Continuous batching and preemption: which requests run this step, with how many
 tokens, who is preempted, and what happens to a victim's KV.
 
-Owns: the waiting queue (new and preempted requests), the running list, block
-allocation for scheduled tokens, the preemption decisions (memory pressure and priority),
-their rate limit, the failure fallback and the admission backoff. Plain Python, no
-torch: moving KV bytes is delegated to a `KVMover` (the saver), and the scheduler never
-runs the model or reads a clock of its own (`schedule(now)` is given the time).
+Owns: the running list, block allocation for scheduled tokens, the preemption decisions
+(memory pressure and priority), their rate limit, the failure fallback and the admission
+backoff. It admits from a `WaitingQueue` (preempt.engine.waiting: new and preempted
+requests in policy order). Plain Python, no torch: moving KV bytes is delegated to a
+`KVMover` (the saver), and the scheduler never runs the model or reads a clock of its own
+(`schedule(now)` is given the time).
 
 One step is `schedule(now)`, the model run, then `update_from_output(...)` (tokens in,
 finished requests out). `schedule(now)`:
@@ -60,8 +61,6 @@ to bottom beside vLLM's.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from typing import NamedTuple
@@ -74,8 +73,9 @@ from preempt.core.registry import save_codec
 from preempt.core.request import Request, RequestState, ScheduledChunk
 from preempt.engine.gate import PreemptionGate
 from preempt.engine.policies import SchedulingPolicy
-from preempt.engine.priority import priority_scores, remaining_ktokens, time_slice_s
+from preempt.engine.priority import time_slice_s
 from preempt.engine.remaining import RemainingEstimator
+from preempt.engine.waiting import WaitingQueue
 from preempt.kv.copy_out import CopyOut
 from preempt.kv.record import KVMover, PreemptionRecord, RestoreResult
 
@@ -115,11 +115,7 @@ class Scheduler:
         self.block_size = block_size
         self.mover = mover
         self.running: list[Request] = []  # admission order, oldest first
-        # Heap of (policy key, insertion counter, request): the counter keeps equal keys
-        # FIFO and stops heapq from ever comparing Request objects.
-        self._waiting: list[tuple[tuple, int, Request]] = []
-        self._score_parts: dict[Request, float] = {}  # waiting request -> `_score_part`
-        self._counter = itertools.count()
+        self.waiting = WaitingQueue(policy.admission_key, self.preemption.priority_weights)
         self.paused: list[Request] = []  # preempted, KV still on the device, oldest first
         # Async restores: READY requests (admitted, blocks and seat held, copy-in running),
         # admission order, and when each may join the batch and when it was admitted.
@@ -149,11 +145,11 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.waiting)
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.running or self._waiting or self.restoring)
+        return bool(self.running or self.waiting or self.restoring)
 
     @property
     def num_seated(self) -> int:
@@ -181,57 +177,29 @@ class Scheduler:
         if self.remaining is not None:
             self.remaining.update(request)
         self.policy.on_enqueue(request)
-        heapq.heappush(self._waiting, (self.policy.admission_key(request), next(self._counter), request))
-        self._score_parts[request] = self._score_part(request)
-
-    def _score_part(self, request: Request) -> float:
-        """The part of a waiting request's SPEC score that does not move while it waits
-        (score = this + now * w_age): its remaining work is fixed until it runs again."""
-        weights = self.preemption.priority_weights
-        return (
-            request.sla_level * weights.sla
-            - remaining_ktokens(request) * weights.tokens
-            - request.arrival_s * weights.age
-        )
+        self.waiting.push(request)
 
     def waiting_scores(self, now: float) -> np.ndarray:
         """SPEC priority scores of all waiting requests at `now`, (N,) float64, in no
         particular order: O(N) numpy instead of N score evaluations (the feature logger
-        and early-save policies need them every step)."""
-        weights = self.preemption.priority_weights
-        if weights.age_cap_s is not None:  # the age term is not linear in `now`: score each
-            return priority_scores(list(self._score_parts), now, weights)
-        parts = np.fromiter(self._score_parts.values(), dtype=np.float64, count=len(self._score_parts))
-        return parts + now * weights.age
+        and early-save policies need them every step; `WaitingQueue.scores`)."""
+        return self.waiting.scores(now)
 
     def unfinished_requests(self) -> Iterator[Request]:
         """Every request not yet finished: running, READY, then waiting (heap order, not
         admission order; paused ones wait too). For a fork to copy or rewrite them all."""
         yield from self.running
         yield from self.restoring
-        for entry in self._waiting:
-            yield entry[2]
+        yield from self.waiting.unordered()
 
     def waiting_requests(self) -> list[Request]:
         """Waiting requests in admission order (a copy; for inspection and tests)."""
-        return [entry[2] for entry in sorted(self._waiting)]
+        return list(self.waiting)
 
     def next_to_admit(self, k: int) -> list[Request]:
         """The first `k` waiting requests in admission order (read-only: restore prefetch
-        asks whom to restore before they are admitted). Walks the heap from its root, a
-        frontier of the children of what it took: O(k log k), not O(n) as `nsmallest` is
-        (the projection asks for a few heads of thousands every step). Entries are unique
-        (the counter), so the order is exactly the sorted one."""
-        heap = self._waiting
-        out: list[Request] = []
-        frontier = [(heap[0], 0)] if heap and k > 0 else []
-        while frontier and len(out) < k:
-            entry, index = heapq.heappop(frontier)
-            out.append(entry[2])
-            for child in (2 * index + 1, 2 * index + 2):
-                if child < len(heap):
-                    heapq.heappush(frontier, (heap[child], child))
-        return out
+        asks whom to restore before they are admitted; `WaitingQueue.next_to_admit`)."""
+        return self.waiting.next_to_admit(k)
 
     def preemptions_in_window(self, now: float) -> int:
         return self.gate.rate_window.count(now)
@@ -351,8 +319,7 @@ class Scheduler:
                 self.remaining.update(request)
         if self.policy.on_step([chunk.request for chunk in output.chunks], step_s, now):
             # The policy moved waiting requests (FastServe's starvation promotion).
-            self._waiting = [(self.policy.admission_key(r), n, r) for _, n, r in self._waiting]
-            heapq.heapify(self._waiting)
+            self.waiting.rekey()
         self._remove_finished(finished)
         return finished
 
@@ -360,8 +327,8 @@ class Scheduler:
     def _admit_waiting(self, chunks: dict[Request, ScheduledChunk], budget: int, now: float) -> int:
         """Admit waiting requests into `chunks` (policy order, never skipping the head);
         returns the token budget left."""
-        while self._waiting and budget > 0 and self.num_seated < self.config.max_num_seqs:
-            request = self._waiting[0][2]
+        while self.waiting and budget > 0 and self.num_seated < self.config.max_num_seqs:
+            request = self.waiting.peek()
             if self._held_by_backoff(request, now):
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -372,8 +339,7 @@ class Scheduler:
                 fits = self._whole_sequence_fits(request) and self._allocate_for(request, num_new, background)
             if not fits:
                 break  # never skip the head
-            heapq.heappop(self._waiting)
-            del self._score_parts[request]
+            self.waiting.pop()
             if background:
                 request.kv_location = None
                 if self._restore_in_background(request, now):
@@ -502,7 +468,7 @@ class Scheduler:
             self.records.append(record)
             failure = self._save(victim, self.preemption.reclaim_codec, record)
             self._free_after_save(victim, record, failure)
-            self._score_parts[victim] = self._score_part(victim)  # still waiting; its KV may be gone
+            self.waiting.rescore(victim)  # still waiting; its KV may be gone
             if failure is not None:  # a reclaim: blocks were needed
                 self._fail(victim, record, failure, forced=True)
 
@@ -566,9 +532,9 @@ class Scheduler:
         return [r for r in self.running if not r.preemption_failed] or self.running
 
     def _priority_preemption(self, now: float) -> Request | None:
-        if not self._waiting:
+        if not self.waiting:
             return None
-        challenger = self._waiting[0][2]
+        challenger = self.waiting.peek()
         if self._can_admit(challenger):
             return None
         return self.gate.priority_victim(
@@ -662,9 +628,7 @@ class Scheduler:
             self.restoring.remove(request)
             del self._restore_ready_s[request]
         else:
-            self._waiting = [entry for entry in self._waiting if entry[2] is not request]
-            self._score_parts.pop(request, None)
-            heapq.heapify(self._waiting)
+            self.waiting.discard(request)
             if request in self.paused:
                 self.paused.remove(request)
             if request.kv_location == "host":

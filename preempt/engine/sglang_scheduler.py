@@ -1,7 +1,7 @@
 """SGLang 0.5.23's scheduling loop, rule by rule, over this engine's block pool.
 
 Owns: the `sglang_*` policies' step (`SglangScheduler.schedule`). Everything else (the
-waiting heap, block allocation, what a preemption does to the KV, records, exits) is the
+waiting queue, block allocation, what a preemption does to the KV, records, exits) is the
 base `Scheduler`'s. Plain Python, no torch. SGLang itself cannot be imported on a CPU-only
 machine without stubbing its CUDA dependencies (docs/sglang.md), so instead of a parity
 harness every rule below names the file and line of the 0.5.23 release it follows
@@ -39,7 +39,6 @@ preemption does to the KV follows `preemption.mode` (SGLang retracts by recomput
 
 from __future__ import annotations
 
-import heapq
 import itertools
 
 from preempt.core.block_pool import blocks_needed
@@ -145,7 +144,7 @@ class SglangScheduler(Scheduler):
         self._now = now
         self.copy_out.new_step()
         first_record = len(self.records)
-        if not self.running and not self._waiting:
+        if not self.running and not self.waiting:
             self.new_token_ratio = self.init_ratio  # SCH:5318, idle
         preempted: list[Request] = []
         chunks = self._prefill_batch(preempted)
@@ -173,7 +172,7 @@ class SglangScheduler(Scheduler):
         decoding = self._decoding()
         if self.priority_scheduling or not decoding:
             self.batch_is_full = False  # SCH:4090-4096
-        if (self.batch_is_full or not self._waiting) and self.chunked is None:
+        if (self.batch_is_full or not self.waiting) and self.chunked is None:
             return None  # SCH:4098-4101
         budget = _PrefillBudget(self)
         budget.total_offset = sum(self._running_offset(r) for r in decoding)
@@ -196,7 +195,7 @@ class SglangScheduler(Scheduler):
             if not truncated:
                 self.chunked = None
 
-        for request in self.waiting_requests():
+        for request in self.waiting:  # a snapshot in queue order: `_admit` takes from it
             if rem_input <= 0 or rem_chunk <= 0:  # budget_state() == OTHER (SP:874-893)
                 break
             num_running = len(decoding) - sum(1 for r in decoding if r in preempted)
@@ -248,10 +247,8 @@ class SglangScheduler(Scheduler):
         return room + (self.block_pool.num_free + reclaimable) * self.block_size
 
     def _admit(self, request: Request) -> None:
-        """Out of the waiting heap into `running` (the base class's bookkeeping)."""
-        self._waiting = [entry for entry in self._waiting if entry[2] is not request]
-        heapq.heapify(self._waiting)
-        self._score_parts.pop(request, None)
+        """Out of the waiting queue into `running` (the base class's bookkeeping)."""
+        self.waiting.discard(request)
         if request.kv_location == "host":
             self._restore(request, self._now)
         elif request.kv_location == "device":
