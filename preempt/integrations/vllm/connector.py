@@ -45,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from preempt.integrations.vllm.kv_store import (
+    CopyReport,
     HostKVStore,
     PagedKV,
     make_store_codec,
@@ -93,18 +94,9 @@ class PreemptConnectorMetadata(KVConnectorMetadata):
 
 
 @dataclass
-class StoreReport:
-    num_tokens: int
-    error: str | None
-    raw_bytes: int
-    stored_bytes: int
-    seconds: float
-
-
-@dataclass
 class PreemptWorkerMetadata(KVConnectorWorkerMetadata):
-    stores: dict[str, StoreReport] = field(default_factory=dict)  # finished since the last step
-    loads: dict[str, StoreReport] = field(default_factory=dict)
+    stores: dict[str, CopyReport] = field(default_factory=dict)  # finished since the last step
+    loads: dict[str, CopyReport] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         # Tensor-parallel workers each hold their shard's copy: a copy is whole only if
@@ -159,7 +151,7 @@ class PreemptKVConnector(KVConnectorBase_V1):
             )
             self.paged: PagedKV | None = None
             self.invalid_blocks: set[int] = set()
-            self.load_reports: dict[str, StoreReport] = {}
+            self.load_reports: dict[str, CopyReport] = {}
             logger.info(
                 "preempt connector: %s codec, host pool %s (%d blocks of %d tokens per layer)",
                 self.settings.codec,
@@ -213,8 +205,6 @@ class PreemptKVConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         for request_id in scheduler_output.preempted_req_ids or ():
             self._on_preempted(request_id)
-        for request_id in scheduler_output.finished_req_ids:
-            self._forget(request_id)
         if self.settings.early and self.advisor is not None:
             # The tables as of the last step: what the blocks hold when the worker gathers
             # (before this step's forward pass). A request with a copy to store or load is
@@ -315,7 +305,7 @@ class PreemptKVConnector(KVConnectorBase_V1):
                     self.advisor.observe_load(report.num_tokens, report.seconds)
         self.export.sync(self.metrics)
 
-    def _on_stored(self, request_id: str, report: StoreReport) -> None:
+    def _on_stored(self, request_id: str, report: CopyReport) -> None:
         wanted = self.saving.get(request_id)
         if report.error is not None:
             self.metrics.fallback(report.error.split(":")[0])
@@ -363,16 +353,13 @@ class PreemptKVConnector(KVConnectorBase_V1):
             return
         for job in meta.loads:
             try:
-                stats = self.store.load(job.request_id, self.paged, job.block_ids, job.start, job.end)
+                report = self.store.load(job.request_id, self.paged, job.block_ids, job.start, job.end)
             except CorruptBlobError as err:
                 logger.warning("preempt connector: request %s recomputes: %s", job.request_id, err)
                 first, last = job.start // self.block_size, (job.end - 1) // self.block_size
                 self.invalid_blocks.update(job.block_ids[first : last + 1])
-                self.load_reports[job.request_id] = StoreReport(0, "corrupt", 0, 0, 0.0)
-                continue
-            self.load_reports[job.request_id] = StoreReport(
-                stats.num_tokens, None, stats.raw_bytes, stats.stored_bytes, stats.seconds
-            )
+                report = CopyReport(error="corrupt")
+            self.load_reports[job.request_id] = report
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous: done before the forward pass starts
@@ -394,7 +381,7 @@ class PreemptKVConnector(KVConnectorBase_V1):
                 continue  # discarded meanwhile
             num_tokens, error = self.store.stored(request_id)
             raw, stored = self.store.nbytes(request_id)
-            stores[request_id] = StoreReport(num_tokens, error, raw, stored, seconds)
+            stores[request_id] = CopyReport(num_tokens, raw, stored, seconds, error)
         loads, self.load_reports = self.load_reports, {}
         if not stores and not loads:
             return None

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from preempt.core.limits import AdmissionBackoff, RateWindow
+from preempt.core.limits import AdmissionBackoff
 from preempt.engine.gate import PreemptionGate
 from preempt.engine.policies import PriorityScorePolicy, get_policy
 from preempt.engine.priority import priority_score
@@ -108,14 +108,6 @@ class PreemptionDecider:
         if self.remaining is not None:
             for view in views:
                 self.remaining.update(view)
-
-    @property
-    def uses_failure_fallback(self) -> bool:
-        return self.gate.uses_failure_fallback
-
-    @property
-    def rate_window(self) -> RateWindow:
-        return self.gate.rate_window
 
     @property
     def backoff(self) -> AdmissionBackoff:

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from preempt.core.config import format_validation_error
 from preempt.core.sizes import parse_size
+from preempt.integrations.vllm.settings import validate_settings
 from preempt.kv.codec import Codec, CorruptBlobError, MixedCodec, make_codec
 from preempt.kv.host_pool import HostPool, HostPoolError, PreemptionHandlerOOM, SlotHandle
 
@@ -101,17 +101,8 @@ def kv_transfer_config(settings: Mapping | None = None, module_path: str = CONNE
 
 
 def parse_connector_settings(data: object) -> ConnectorSettings:
-    if data is None:
-        data = {}
-    if not isinstance(data, Mapping):
-        raise ConnectorSettingsError("preempt connector settings must be a JSON object")
-    try:
-        return ConnectorSettings.model_validate(dict(data))
-    except ValidationError as err:
-        raise ConnectorSettingsError(
-            "preempt connector settings (kv_connector_extra_config.preempt): "
-            + format_validation_error(err, "field")
-        ) from None
+    where = "preempt connector settings (kv_connector_extra_config.preempt)"
+    return validate_settings(ConnectorSettings, data, ConnectorSettingsError, where)
 
 
 def make_store_codec(settings: ConnectorSettings, num_layers: int, num_kv_heads: int, log=None) -> Codec:
@@ -273,13 +264,15 @@ class Segment:
 
 
 @dataclass
-class SaveStats:
-    """What one finished save or load cost (reported back to the scheduler side)."""
+class CopyReport:
+    """What one finished store or load did and cost (the worker reports it to the
+    connector's scheduler side); `error` names why it failed, None when it did not."""
 
     num_tokens: int = 0
     raw_bytes: int = 0
     stored_bytes: int = 0
     seconds: float = 0.0
+    error: str | None = None
 
 
 @dataclass
@@ -383,7 +376,7 @@ class HostKVStore:
     # ------------------------------------------------------------- loading
     def load(
         self, request_id: str, paged: PagedKV, block_ids: Sequence[int], start: int, end: int
-    ) -> SaveStats:
+    ) -> CopyReport:
         """Decode tokens `[start, end)` of the copy into the request's blocks, then free the
         copy. Raises CorruptBlobError (a failed checksum, a missing or short copy); the copy
         is freed either way."""
@@ -393,7 +386,7 @@ class HostKVStore:
         try:
             if copy is None or copy.num_tokens < end or any(s.handle is None for s in copy.segments):
                 raise CorruptBlobError(f"request {request_id}: no complete saved copy of {end} tokens")
-            stats = SaveStats(num_tokens=end - start)
+            report = CopyReport(num_tokens=end - start)
             for segment in copy.segments:
                 lo, hi = max(segment.start, start), min(segment.end, end)
                 if lo >= hi:
@@ -405,10 +398,10 @@ class HostKVStore:
                         f"decoded to {kv.shape[2]}"
                     )
                 paged.scatter(kv[:, :, lo - segment.start : hi - segment.start], block_ids, lo)
-                stats.raw_bytes += kv.numel() * kv.element_size()
-                stats.stored_bytes += segment.handle.nbytes
-            stats.seconds = time.perf_counter() - began
-            return stats
+                report.raw_bytes += kv.numel() * kv.element_size()
+                report.stored_bytes += segment.handle.nbytes
+            report.seconds = time.perf_counter() - began
+            return report
         finally:
             self.discard(request_id)
 

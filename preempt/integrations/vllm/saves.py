@@ -20,15 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from preempt.core.block_pool import blocks_needed
 from preempt.integrations.vllm.decider import PreemptionDecider, RequestView
 from preempt.integrations.vllm.kv_store import ConnectorSettings
 
 EMA = 0.2  # weight of the newest measurement
 MIN_PREFILL_TOKENS = 64  # a step with fewer tokens is decode-bound: not a prefill measurement
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class _Rate:
@@ -88,8 +85,8 @@ class SavePlanner:
             left = view.expected_output_left
             if left is None:
                 left = max(view.max_tokens - view.num_output_tokens, 0)
-            held = view.num_computed_tokens
-            needs[view.request_id] = _cdiv(held + min(horizon, int(left)), self.block_size) - _cdiv(
+            held, grow = view.num_computed_tokens, min(horizon, int(left))
+            needs[view.request_id] = blocks_needed(held + grow, self.block_size) - blocks_needed(
                 held, self.block_size
             )
         deficit = sum(needs.values()) - free_blocks
@@ -99,5 +96,5 @@ class SavePlanner:
                 break
             targets.append(view.request_id)
             # a victim gives back its blocks and no longer needs new ones
-            deficit -= _cdiv(view.num_computed_tokens, self.block_size) + needs[view.request_id]
+            deficit -= blocks_needed(view.num_computed_tokens, self.block_size) + needs[view.request_id]
         return [request_id for request_id in targets if request_id in tables]

@@ -223,13 +223,10 @@ class PreemptScheduler(Scheduler):
         if self.save_planner is not None:
             self.save_planner.observe_step(scheduler_output.total_num_scheduled_tokens, step_s)
         result = super().update_from_output(scheduler_output, model_runner_output)
-        self.decider.estimate(
-            [
-                self.views[r]
-                for r in scheduler_output.num_scheduled_tokens
-                if r in self.views and r in self.requests
-            ]
-        )
+        if self.decider.remaining is not None:  # learned lengths: re-estimate who ran
+            self.decider.estimate(
+                [self.views[r] for r in scheduler_output.num_scheduled_tokens if r in self.requests]
+            )
         if len(self.views) > len(self.requests):
             self.views = {rid: view for rid, view in self.views.items() if rid in self.requests}
         if self._export is not None:

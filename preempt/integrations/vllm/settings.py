@@ -37,12 +37,14 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from preempt.core.config import PreemptionConfig, format_validation_error
 from preempt.core.registry import SCHEDULING_POLICIES
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 PLUGIN_CLS = "preempt.integrations.vllm.scheduler.PreemptScheduler"
 """What `--scheduler-cls` names (a string: vLLM imports the class itself)."""
@@ -112,16 +114,24 @@ def _merged(defaults: Mapping, given: Mapping) -> dict:
     return out
 
 
-def parse_settings(data: object) -> PluginSettings:
-    """`data` (the user's settings, None for none) laid over `PLUGIN_DEFAULTS`."""
+def validate_settings(
+    model: type[ModelT], data: object, error: type[ValueError], where: str, defaults: Mapping | None = None
+) -> ModelT:
+    """`data` (a user's JSON object, None for none) laid over `defaults`, as `model`; a
+    bad value raises `error` whose message names the field (`where` says whose)."""
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
-        raise SettingsError("preempt plugin settings must be a JSON object")
+        raise error(f"{where} must be a JSON object")
     try:
-        return PluginSettings.model_validate(_merged(PLUGIN_DEFAULTS, data))
+        return model.model_validate(_merged(defaults or {}, data))
     except ValidationError as err:
-        raise SettingsError(f"preempt plugin settings: {format_validation_error(err, 'field')}") from None
+        raise error(f"{where}: {format_validation_error(err, 'field')}") from None
+
+
+def parse_settings(data: object) -> PluginSettings:
+    """`data` (the user's settings, None for none) laid over `PLUGIN_DEFAULTS`."""
+    return validate_settings(PluginSettings, data, SettingsError, "preempt plugin settings", PLUGIN_DEFAULTS)
 
 
 def load_settings(
