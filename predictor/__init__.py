@@ -7,7 +7,7 @@ Modules: `data` (the features dataset as request histories, split by request), `
 `baselines` (rule, logistic regression, oracle), `diagnose` (positive rows logged before
 their preemption's challenger arrived: what any predictor can know). The engine's side (one batched LSTM
 step per engine step, each request's state carried; torch, never Lightning) is
-`preempt.engine.online_predictor`: preempt/ never imports this package, only the CLI
+`preempt.early.online_predictor`: preempt/ never imports this package, only the CLI
 does. Importing this package imports nothing heavy; `data`, `model`, `train` and
 `baselines` import pytorch_lightning (~5 s).
 """

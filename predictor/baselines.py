@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from predictor.data import FeatureTable
-from preempt.engine.features import FEATURE_NAMES
+from preempt.early.features import FEATURE_NAMES
 
 
 def _column(table: FeatureTable, name: str) -> np.ndarray:

@@ -12,7 +12,7 @@ val/test rows, or reach the network.
 
 Why whole histories, not windows (train/serve consistency): online, the engine advances
 each request's LSTM state by one step per logged step, from a zero state at the
-request's first step (preempt.engine.online_predictor). A model trained on windows of the last k steps
+request's first step (preempt.early.online_predictor). A model trained on windows of the last k steps
 (each restarted from a zero state, earlier slots padded) would read states online that
 it never saw in training. So training runs the LSTM over each request's whole logged
 history from its first step, with a loss at every step, and the prediction for row i is

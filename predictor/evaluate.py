@@ -12,7 +12,7 @@ whole report). In a
 distribution-shift test (`source`), val and the fitted baselines come from the training
 data, and the other dataset is only scored, as a deployed predictor would meet it.
 The LSTM's scores are its outputs over whole request histories, i.e. exactly what the
-online predictor returns (preempt.engine.online_predictor).
+online predictor returns (preempt.early.online_predictor).
 
 Must never: choose a threshold on the rows it reports (that would flatter every
 predictor alike, and hide how far the val choice transfers), or reach the network.

@@ -60,7 +60,7 @@ class PreemptionLSTM(pl.LightningModule):
         # without it were trained on zero-started windows. `every_k_steps`: the data's
         # logging period; online, one LSTM step must stand for the same k engine steps.
         # `horizon_steps` / `feature_set`: the labels' step horizon and the features'
-        # set (preempt.engine.features.FEATURE_SETS); online, a different one is refused.
+        # set (preempt.early.features.FEATURE_SETS); online, a different one is refused.
         # `training_windows`: the trace windows of its data ({"trace", "start_s", "end_s"},
         # preempt.core.workload.trace_window), so that a bench can refuse to score it on them.
         self.save_hyperparameters()
@@ -89,7 +89,7 @@ class PreemptionLSTM(pl.LightningModule):
     def step_probs(self, x: torch.Tensor) -> torch.Tensor:
         """P(preempted within the horizon) at every step of histories x (B, T, 8) that
         start at the requests' first logged steps: (B, T). Row t is what the online
-        predictor returns at step t (preempt.engine.online_predictor)."""
+        predictor returns at step t (preempt.early.online_predictor)."""
         return torch.sigmoid(self.step_logits(x)[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,9 @@ Subpackages by role, bottom to top; each imports only the layers below it
     model/         the tiny Llama with paged attention
     kernels/       Triton kernels + torch references (beside model/, the same layer)
     kv/            where a preempted request's KV goes: record, saver, codec, host pool
-    engine/        who runs and who is preempted (scheduler, policies), early saves,
-                   prefetch, the step
+    engine/        who runs and who is preempted (scheduler, policies, the waiting
+                   queue), the step
+    early/         early saves and restores ahead: hooks the step calls by name
     obs/           what a run writes and measures: results, metrics, dataset, tracking
     lm/ calibrate/ replay.py    the reference LM; cost-model fits; one offline run
     parity/ integrations/       our scheduler beside vLLM's; our policies inside vLLM
@@ -42,7 +43,7 @@ _EXPORTS = {
     "load_trace": "preempt.core.workload",
     "replay": "preempt.replay",
     "SchedulingPolicy": "preempt.engine.policies",
-    "EarlySavePolicy": "preempt.engine.early_save",
+    "EarlySavePolicy": "preempt.early.early_save",
     "SCHEDULING_POLICIES": "preempt.core.registry",
     "EARLY_SAVE_POLICIES": "preempt.core.registry",
     "LengthModel": "preempt.engine.lengths",

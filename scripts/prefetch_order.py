@@ -30,8 +30,8 @@ from preempt.bench.early import COLLECT
 from preempt.core.config import load_config
 from preempt.core.workload import build_workload
 from preempt.engine.engine import Engine
-from preempt.engine.features import FEATURE_SETS, Features
-from preempt.engine.lookahead import Lookahead
+from preempt.early.features import FEATURE_SETS, Features
+from preempt.early.lookahead import Lookahead
 from preempt.obs.dataset import preemption_events
 
 HORIZON_MS, HORIZON_STEPS = 50.0, 4
@@ -97,7 +97,7 @@ def main(argv: list[str]) -> None:
 
 def _live_preemptions(engine: Engine, step_ends: np.ndarray):
     """t -> the requests the live run preempts within the horizon after time t, counted
-    as `preempt.engine.lookahead` counts (steps scheduled after t, or seconds)."""
+    as `preempt.early.lookahead` counts (steps scheduled after t, or seconds)."""
     events = preemption_events(engine.scheduler.records)
 
     def truth(t_s: float) -> set[int]:

@@ -1,5 +1,5 @@
-"""How often the cheap forecast (preempt.engine.projection) names the preemptions the
-fork's forecast (preempt.engine.lookahead, knows_future=False) names, and what each costs.
+"""How often the cheap forecast (preempt.early.projection) names the preemptions the
+fork's forecast (preempt.early.lookahead, knows_future=False) names, and what each costs.
 
 Replays collect.yaml's workload (raw swap, no early saves, so the live run is what both
 forecast) on trace windows and, every `--every` steps, asks both for the requests the
@@ -21,8 +21,8 @@ from pathlib import Path
 
 from preempt.bench.early import COLLECT
 from preempt.core.config import load_config
-from preempt.engine.lookahead import Lookahead
-from preempt.engine.projection import Projection
+from preempt.early.lookahead import Lookahead
+from preempt.early.projection import Projection
 from preempt.replay import replay
 
 HORIZON_MS = 50.0

@@ -27,7 +27,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("preempt.core",),  # requests, blocks, config, clocks, cost model, workloads
     ("preempt.kernels", "preempt.model"),  # Triton kernels + references; the tiny model
     ("preempt.kv",),  # where a preempted request's KV goes and how it comes back
-    ("preempt.engine",),  # scheduler, policies, early saves, prefetch, the step
+    ("preempt.engine",),  # scheduler, policies, the waiting queue, the step
+    ("preempt.early",),  # early saves and restores ahead: hooks the step calls by name
     ("preempt.obs",),  # results files, metrics, the predictor's dataset, wandb seam
     ("preempt.lm", "preempt.calibrate", "preempt.replay"),  # reference LM; cost fits; a run
     ("preempt.parity",),  # our scheduler beside vLLM's

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 from preempt.core.config import EngineConfig, build_config, load_config
 from preempt.core.workload import build_workload
 from preempt.engine.engine import Engine
-from preempt.engine.features import FORECAST_EVERY_STEPS
+from preempt.early.features import FORECAST_EVERY_STEPS
 from preempt.engine.step import StepOutput
 from preempt.obs.results import write_preemptions_parquet
 from preempt.replay import run_summary
@@ -91,7 +91,7 @@ def bench_early(quick: bool, model: str | None = None) -> dict[str, Any]:
 def horizon_of(model: str) -> list[str]:
     """The checkpoint's horizon, feature set and stride, for every arm (the oracle looks
     as far; the stride is the `lstm` arm's, and the others ignore it)."""
-    from preempt.engine.online_predictor import load_checkpoint
+    from preempt.early.online_predictor import load_checkpoint
 
     _, hparams = load_checkpoint(model)
     return [
@@ -105,7 +105,7 @@ def horizon_of(model: str) -> list[str]:
 def training_windows_of(model: str) -> list[dict[str, Any]] | None:
     """The trace windows the checkpoint was trained on ({"trace", "start_s", "end_s"}, see
     preempt.core.workload.trace_window); None for a checkpoint that predates recording them."""
-    from preempt.engine.online_predictor import load_checkpoint
+    from preempt.early.online_predictor import load_checkpoint
 
     _, hparams = load_checkpoint(model)
     windows = hparams.get("training_windows")
@@ -116,12 +116,12 @@ ARMS = (
     "none", "prefetch", "rule", "lookahead", "forecast", "forecast_k4", "projection",
     "projection_learned", "oracle_log",
 )  # fmt: skip
-"""`forecast`: the lookahead's fork knowing only the present (preempt.engine.lookahead), at
+"""`forecast`: the lookahead's fork knowing only the present (preempt.early.lookahead), at
 every step; `forecast_k4` the same forked every `FORECAST_EVERY_STEPS` steps or at once on
 news (an arrival, a finish before max_tokens; its picks kept between), at a fraction of
 the forks (`forks_per_step`); the `forecast` feature set's cadence, so `forecast_k4` is
 the forecast that set's LSTM reads; `projection` the forecast without a fork
-(preempt.engine.projection), every step; `projection_learned` the projection with a
+(preempt.early.projection), every step; `projection_learned` the projection with a
 learned output-length model (`early_save.length_model`), fitted on the same trace outside
 the replayed window (`fit_lengths`)."""
 LSTM_ARMS = ("lstm", "lstm_capped")

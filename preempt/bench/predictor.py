@@ -2,7 +2,7 @@
 
 Protocol: a `null`-backend engine holds 256 decoding requests and 2,000 waiting ones (the
 state of `preempt bench engine`'s scheduler overhead). Each timed iteration runs one
-engine step, then computes the running requests' features (preempt.engine.features) and runs
+engine step, then computes the running requests' features (preempt.early.features) and runs
 `OnlinePredictor.step` on them, with torch on one thread; all three are timed in the same
 iteration, so load from other processes hits the baseline and the predictor alike.
 Reported: medians over the iterations, the predictor's step as a fraction of the engine
@@ -12,11 +12,11 @@ sizes, and the amortized cost when the model steps every k engine steps (a check
 trained on rows logged every k steps, `preempt collect --set features.every_k_steps=k`:
 the engine's `lstm` policy then computes features and steps once per k steps).
 
-Also timed on the same engine: the present-knowledge `forecast` (preempt.engine.lookahead
+Also timed on the same engine: the present-knowledge `forecast` (preempt.early.lookahead
 with `knows_future=False`: fork the engine, simulate the policy over the horizon), every
 `FORECAST_EVERY` iterations, as a fraction of the same engine step and amortized when it
 forks every k steps (`early_save.lookahead_every_steps`); and the cheap forecast without
-a fork (preempt.engine.projection) at every iteration, against the `null` step on this CPU
+a fork (preempt.early.projection) at every iteration, against the `null` step on this CPU
 and against the step the virtual clock models for the target at this batch (the host
 work beside a real GPU step: the cost yardstick is <= 5% of it and <= one `null` step),
 alone and with the learned output-length model's check (preempt.engine.lengths,
@@ -38,11 +38,11 @@ import numpy as np
 import torch
 
 from preempt.bench.engine import decoding_engine
-from preempt.engine.features import engine_features
+from preempt.early.features import engine_features
 from preempt.engine.lengths import LengthModel
-from preempt.engine.lookahead import Lookahead
-from preempt.engine.online_predictor import HIDDEN_SIZE, NUM_FEATURES, OnlinePredictor
-from preempt.engine.projection import Projection
+from preempt.early.lookahead import Lookahead
+from preempt.early.online_predictor import HIDDEN_SIZE, NUM_FEATURES, OnlinePredictor
+from preempt.early.projection import Projection
 
 TARGET_FRACTION = 0.05
 # The forecast's horizon: the deployed checkpoints' (docs/archive/predictor-history.md: 50 ms or 4 steps).

@@ -58,7 +58,7 @@ def cmd_eval_predictor(args: argparse.Namespace) -> int:
 
     from predictor.data import DataError
     from predictor.evaluate import evaluate_checkpoint, jsonable, render_evaluation
-    from preempt.engine.online_predictor import PredictorCheckpointError, load_checkpoint
+    from preempt.early.online_predictor import PredictorCheckpointError, load_checkpoint
 
     torch.set_num_threads(args.num_threads)
     try:

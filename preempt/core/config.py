@@ -422,10 +422,10 @@ class EarlySaveConfig(_Section):
     used up; `lstm`: the trained predictor (`checkpoint`) at p >= threshold; `oracle`: the
     preemptions of a reference run without early saves (`oracle_log`), within
     `horizon_ms`; `lookahead`: the true future, by simulating a fork of the engine ahead
-    (preempt/engine/lookahead.py; virtual clock); `forecast`: the same fork knowing only
+    (preempt/early/lookahead.py; virtual clock); `forecast`: the same fork knowing only
     the present (requests arrived by now, each run to its `max_tokens`); `projection`: the
     forecast without a fork, the scheduler's block arithmetic stepped ahead from the
-    present state (preempt/engine/projection.py; any clock), every step, with
+    present state (preempt/early/projection.py; any clock), every step, with
     `length_model` if given (docs/predictor.md: the recommended policy)."""
     checkpoint: str | None = None
     """`lstm`: the predictor checkpoint (`preempt train` writes predictor.ckpt)."""
@@ -434,7 +434,7 @@ class EarlySaveConfig(_Section):
     operating threshold)."""
     waste_cap: float | None = Field(None, gt=0, lt=1)
     """`lstm`: hold the live share of early-copied bytes that are wasted at this value by
-    moving the threshold online (`preempt.engine.early_save.WasteCap`: integral control
+    moving the threshold online (`preempt.early.early_save.WasteCap`: integral control
     on the recent waste share, from `threshold`). A threshold chosen on val drifts
     when the load shifts (fewer preemptions, more finishes per warning); this follows it.
     None: the threshold stays fixed."""
@@ -451,7 +451,7 @@ class EarlySaveConfig(_Section):
     """The horizon in engine steps as well: predicted when within `horizon_ms` or within
     this many steps, whichever reaches further (0: time only)."""
     feature_set: Literal["v1", "scale_free", "forecast"] = "v1"
-    """`lstm`: the features the checkpoint must have been trained on (preempt.engine.features;
+    """`lstm`: the features the checkpoint must have been trained on (preempt.early.features;
     `forecast` forks the engine, so virtual clock only)."""
     every_k_steps: int = Field(1, gt=0)
     """`lstm`: step the predictor (features and LSTM) every this many engine steps, keeping
@@ -471,7 +471,7 @@ class EarlySaveConfig(_Section):
     """`length_model`: the probability, under the model, that no running request ends
     before a predicted preemption's step, that keeping the prediction needs."""
     prefetch: bool = False
-    """Restore prefetch (preempt/engine/prefetch.py): start restoring the next requests to be
+    """Restore prefetch (preempt/early/prefetch.py): start restoring the next requests to be
     admitted into free blocks before they are admitted (virtual clock)."""
     prefetch_depth: int = Field(8, gt=0)
     """Prefetch: how many of the next requests to be admitted are considered."""

@@ -108,16 +108,27 @@ EARLY_SAVE_POLICIES = Registry(
     "early-save policy",
     {
         "none": None,
-        "always": "preempt.engine.early_save:AlwaysPolicy",
-        "rule": "preempt.engine.early_save:RulePolicy",
-        "lstm": "preempt.engine.early_save:LSTMPolicy",
-        "oracle": "preempt.engine.early_save:OraclePolicy",
-        "lookahead": "preempt.engine.early_save:LookaheadPolicy",
-        "forecast": "preempt.engine.early_save:ForecastPolicy",
-        "projection": "preempt.engine.early_save:ProjectionPolicy",
+        "always": "preempt.early.early_save:AlwaysPolicy",
+        "rule": "preempt.early.early_save:RulePolicy",
+        "lstm": "preempt.early.early_save:LSTMPolicy",
+        "oracle": "preempt.early.early_save:OraclePolicy",
+        "lookahead": "preempt.early.early_save:LookaheadPolicy",
+        "forecast": "preempt.early.early_save:ForecastPolicy",
+        "projection": "preempt.early.early_save:ProjectionPolicy",
     },
 )
-"""`early_save.policy`: whom to copy to the host before a preemption (preempt.engine.early_save)."""
+"""`early_save.policy`: whom to copy to the host before a preemption (preempt.early.early_save)."""
+
+STEP_HOOKS = Registry(
+    "step hook",  # no config key: `early_save.policy` and `early_save.prefetch` turn them on
+    "step hook",
+    {
+        "early_saver": "preempt.early.early_save:build_early_saver",
+        "prefetcher": "preempt.early.prefetch:Prefetcher",
+    },
+)
+"""What the engine calls with its view after each step, built from the `early_save` config
+(preempt.early): the engine reaches the package above it only through these names."""
 
 CODECS = Registry(
     "kv codec",  # no config key of its own: `preemption.mode` and `reclaim_codec` choose one

@@ -3,13 +3,15 @@
 Where a preemption is decided: `scheduler` (the step's batch, both triggers, the
 fallback), with the victim and admission order from `policies` (a registry by name) and
 `priority` (the priority score, docs/design.md §1), admitting from `waiting` (the waiting
-queue in that order); `sglang_scheduler` is SGLang's loop for the `sglang_*` policies.
-Who is saved early or restored ahead: `early_save` (its policies, `lookahead` the oracle
-that forks the engine, `online_predictor` the trained LSTM) and `prefetch`, reading
-`features` (what a policy may know of a running request).
+queue in that order); `sglang_scheduler` is SGLang's loop for the `sglang_*` policies;
+`remaining` (with `lengths`, the learned output-length model) estimates the work a request
+has left, which the score reads. `gate` rate-limits preemptions.
 
 `engine` wires them with the model (`model_runner`, `sampling`) and the KV data path
 (`preempt.kv`) and runs the step; `step` holds what a step returns and the view of the
-engine its hooks read. Imports `preempt.core`, `preempt.kv`, `preempt.model` and
-`kernels`; never `preempt.obs` or anything above it.
+engine its hooks read. Who is saved early or restored ahead lives one layer up, in
+`preempt.early`: the engine builds those hooks by name through `preempt.core.registry`
+(`STEP_HOOKS`) and calls them with the view after each step, never importing them.
+Imports `preempt.core`, `preempt.kv`, `preempt.model` and `kernels`; never
+`preempt.early`, `preempt.obs` or anything above them.
 """

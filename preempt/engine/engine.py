@@ -23,6 +23,7 @@ from preempt.core.config import ConfigError, EngineConfig
 from preempt.core.cost_model import CostModel, StepShape, step_shape
 from preempt.core.profiles import get_target
 from preempt.core.request import Request, RequestState
+from preempt.core.registry import STEP_HOOKS
 from preempt.engine.policies import get_policy
 from preempt.engine.remaining import make_estimator
 from preempt.engine.scheduler import Scheduler, SchedulerOutput
@@ -68,16 +69,13 @@ class Engine:
             mover=self.saver,
             remaining=make_estimator(config),
         )
+        # The step's hooks (preempt.early, a layer up): built by name, called after each step.
         self.early_saver = None
         if config.early_save.policy != "none":
-            from preempt.engine.early_save import EarlySaver, make_policy
-
-            self.early_saver = EarlySaver(make_policy(config.early_save))
+            self.early_saver = STEP_HOOKS.resolve("early_saver")(config.early_save)
         self.prefetcher = None
         if config.early_save.prefetch:
-            from preempt.engine.prefetch import Prefetcher
-
-            self.prefetcher = Prefetcher(config.early_save)
+            self.prefetcher = STEP_HOOKS.resolve("prefetcher")(config.early_save)
         self.clock = make_clock(config.clock.kind)
         self.num_steps = 0
         self.num_added = 0  # requests handed to add_request (the forecast's news of arrivals)

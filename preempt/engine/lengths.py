@@ -3,7 +3,7 @@ its output ending, from logged requests.
 
 A server knows a request's prompt length, its `max_tokens` and how many tokens it has
 generated, never its true output length; under a loose `max_tokens` (a fixed cap, or a
-client's guess) that is the one thing the cheap forecast (preempt.engine.projection) is
+client's guess) that is the one thing the cheap forecast (preempt.early.projection) is
 blind to: it runs every request to `max_tokens`, so it cannot see the finishes that free
 the seats and blocks a predicted preemption needed. This model gives, for a request with
 `n` tokens generated, the probability that its output ends at the next token.

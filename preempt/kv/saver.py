@@ -67,7 +67,7 @@ class Saver(KVMover):
         # reused by a new request once an old one is garbage-collected).
         self._saved: dict[Request, SavedCopy] = {}  # host copy of a preempted request
         self.early = EarlyCopies()  # early segments of running requests
-        self.ahead = RestoresAhead()  # restore prefetch (preempt.engine.prefetch)
+        self.ahead = RestoresAhead()  # restore prefetch (preempt.early.prefetch)
         self.bytes_raw = 0
         self.engine_thread_s = 0.0  # wall clock: time the engine thread spent saving/restoring
         self.early_thread_s = 0.0  # wall clock: the engine thread's share of early saves

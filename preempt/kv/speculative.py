@@ -7,7 +7,7 @@ admission), wasted (the request finished or was aborted, evicted for a demand sa
 prefetch cancelled) or is held now; the property tests check that after every step.
 
 Bookkeeping only, plain Python: the saver moves the bytes and frees the host slots;
-preempt.engine.early_save and preempt.engine.prefetch decide whom to copy.
+preempt.early.early_save and preempt.early.prefetch decide whom to copy.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The predictor's training set: feature rows logged during a replay, labelled after it.
 
 Owns: `FeatureLogger`, the `on_step` hook of `preempt collect` that records the features
-(`preempt.engine.features`: their names and how they are computed) of every running
+(`preempt.early.features`: their names and how they are computed) of every running
 request, the labels computed after the run from the scheduler's preemption records, and
 the `datasets.Dataset` that holds both (its columns: `FeatureLogger.columns`).
 
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from preempt.engine.features import FEATURE_SET_DOCS, FEATURE_SETS, NUM_FEATURES, Features
+from preempt.early.features import FEATURE_SET_DOCS, FEATURE_SETS, NUM_FEATURES, Features
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -62,7 +62,7 @@ class FeatureConfig:
     long prompts one step can outlast any fixed time horizon."""
     feature_set: str = "v1"
     """`v1` (FEATURE_NAMES), `scale_free` (SCALE_FREE_NAMES) or `forecast` (FORECAST_NAMES:
-    forks the engine, virtual clock only); preempt.engine.features.FEATURE_SETS."""
+    forks the engine, virtual clock only); preempt.early.features.FEATURE_SETS."""
 
     def __post_init__(self) -> None:
         if self.every_k_steps < 1:

@@ -19,7 +19,7 @@ from preempt.core.registry import (
     save_codec,
 )
 from preempt.core.request import Request, RequestState
-from preempt.engine.early_save import EarlySavePolicy, ProjectionPolicy
+from preempt.early.early_save import EarlySavePolicy, ProjectionPolicy
 from preempt.engine.engine import Engine
 from preempt.engine.policies import PriorityScorePolicy, SchedulingPolicy, VllmFcfsPolicy
 from tests.conftest import small_config
@@ -99,7 +99,7 @@ def test_a_bad_name_names_the_key_once_and_the_choices(section, name, message):
 
 
 def test_a_class_of_the_wrong_kind_is_refused():
-    from preempt.engine.early_save import make_policy
+    from preempt.early.early_save import make_policy
     from preempt.engine.policies import get_policy
 
     with pytest.raises(ValueError, match="is not a preempt.engine.policies.SchedulingPolicy subclass"):
@@ -107,7 +107,7 @@ def test_a_class_of_the_wrong_kind_is_refused():
     config = small_config(
         preemption={"mode": "swap"}, early_save={"policy": "tests.core.test_registry:ShortestPromptFirst"}
     )
-    with pytest.raises(ConfigError, match="is not a preempt.engine.early_save.EarlySavePolicy subclass"):
+    with pytest.raises(ConfigError, match="is not a preempt.early.early_save.EarlySavePolicy subclass"):
         make_policy(config.early_save)
 
 

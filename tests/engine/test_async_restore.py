@@ -11,7 +11,7 @@ from preempt.core.request import RequestState
 from preempt.engine.engine import Engine
 from preempt.engine.scheduler import Scheduler
 from tests.conftest import small_config
-from tests.engine.test_prefetch import check_accounting
+from tests.early.test_prefetch import check_accounting
 from tests.kv.test_preemption import AGGRESSIVE, _digests, _run, _workload
 
 

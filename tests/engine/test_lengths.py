@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from preempt.core.config import ConfigError
-from preempt.engine.early_save import ProjectionPolicy
+from preempt.early.early_save import ProjectionPolicy
 from preempt.engine.engine import Engine
 from preempt.engine.lengths import PRIOR_REQUESTS, LengthModel, _position_bin
-from preempt.engine.projection import Projection
+from preempt.early.projection import Projection
 from tests.conftest import small_config
-from tests.engine.test_lookahead import _config, _loose_workload, _trace
+from tests.early.test_lookahead import _config, _loose_workload, _trace
 
 
 def _geometric(p: float, n: int, seed: int = 0) -> np.ndarray:
@@ -189,7 +189,7 @@ def test_the_learned_projection_keeps_a_subset_of_the_projections_picks(tmp_path
 def test_a_length_model_is_for_the_projection_and_must_load(tmp_path):
     with pytest.raises(ConfigError, match="length_model informs the projection"):
         small_config(early_save={"policy": "rule", "length_model": "lengths.json"})
-    from preempt.engine.early_save import make_policy
+    from preempt.early.early_save import make_policy
 
     config = small_config(
         preemption={"mode": "swap"},

@@ -1,4 +1,4 @@
-"""Feature logging and labels (preempt.engine.features, preempt.obs.dataset) and `preempt collect`."""
+"""Feature logging and labels (preempt.early.features, preempt.obs.dataset) and `preempt collect`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from preempt.cli import main
 from preempt.core.config import PreemptionConfig, build_config
 from preempt.engine.engine import Engine
-from preempt.engine.features import FEATURE_DOCS, FEATURE_NAMES, compute_features
+from preempt.early.features import FEATURE_DOCS, FEATURE_NAMES, compute_features
 from preempt.kv.record import PreemptionRecord
 from preempt.obs.dataset import FeatureConfig, FeatureLogger, label_rows
 from tests.conftest import make_request
@@ -257,7 +257,7 @@ def test_step_horizon_counts_engine_steps():
 def test_scale_free_features_do_not_move_with_the_scale():
     """Doubling every length, the pool and the queue's seats leaves the shares alone."""
     from preempt.core.config import PreemptionConfig
-    from preempt.engine.features import SCALE_FREE_NAMES, scale_free_features
+    from preempt.early.features import SCALE_FREE_NAMES, scale_free_features
 
     def batch(scale):
         running = []

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from preempt.engine.features import FEATURE_NAMES
+from preempt.early.features import FEATURE_NAMES
 from preempt.obs.dataset import save_dataset
 
 COL = {name: i for i, name in enumerate(FEATURE_NAMES)}

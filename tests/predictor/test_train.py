@@ -217,7 +217,7 @@ def test_threshold_on_val_of_a_mix(tmp_path, rule):
     by the rule (the default: waste capped), the curve it was picked from is in
     metrics.json and the checkpoint holds that threshold."""
     from predictor.evaluate import best_expected_value_threshold, best_waste_capped_threshold
-    from preempt.engine.online_predictor import load_checkpoint
+    from preempt.early.online_predictor import load_checkpoint
 
     first = synthetic_dataset(tmp_path / "a", num_requests=60, seed=1, with_tokens=True)
     second = synthetic_dataset(tmp_path / "b", num_requests=60, seed=1, with_tokens=True)

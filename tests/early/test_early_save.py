@@ -12,9 +12,9 @@ import torch
 
 from preempt.core.config import ConfigError, EarlySaveConfig
 from preempt.core.request import RequestState
-from preempt.engine.early_save import OraclePolicy, RulePolicy, WasteCap, load_preemption_times
+from preempt.early.early_save import OraclePolicy, RulePolicy, WasteCap, load_preemption_times
 from preempt.engine.engine import Engine
-from preempt.engine.features import FEATURE_NAMES
+from preempt.early.features import FEATURE_NAMES
 from tests.conftest import make_request, small_config
 from tests.kv.test_preemption import AGGRESSIVE, _digests, _run, _workload
 

@@ -34,7 +34,7 @@ from preempt.core.request import Request
 from preempt.engine.priority import age_terms, priority_scores, remaining_ktokens, time_slice_s
 
 if TYPE_CHECKING:
-    from preempt.engine.lookahead import RollingForecast
+    from preempt.early.lookahead import RollingForecast
     from preempt.engine.step import EngineView
 
 FEATURE_NAMES: tuple[str, ...] = (
@@ -102,7 +102,7 @@ FORECAST_NAMES: tuple[str, ...] = tuple(
     "forecast_lead" if name == "sla_level" else name for name in SCALE_FREE_NAMES
 )
 """The `forecast` set: `scale_free` with `sla_level` replaced by what a fork of the engine
-that knows only the present (preempt.engine.lookahead, `knows_future=False`) says of the
+that knows only the present (preempt.early.lookahead, `knows_future=False`) says of the
 request. The scheduler is deterministic, so until a request arrives or ends early the
 fork's preemptions are the ones that happen (when collecting: online, the model's own
 early saves shift stalls, so less exactly); what it cannot see (challengers yet to
@@ -282,7 +282,7 @@ class Features:
         self.feature_set = feature_set
         self.rolling: RollingForecast | None = None
         if feature_set == "forecast":
-            from preempt.engine.lookahead import Lookahead, RollingForecast
+            from preempt.early.lookahead import Lookahead, RollingForecast
 
             lookahead = Lookahead(horizon_ms, horizon_steps, knows_future=False)
             self.rolling = RollingForecast(lookahead, FORECAST_EVERY_STEPS)

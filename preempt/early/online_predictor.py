@@ -104,7 +104,7 @@ def check_trained_for(
     were trained on `v1` features with a 50 ms, time-only horizon, every step. The
     feature *names* are compared too: a set whose columns changed under the same name
     (scale_free's `free_kv_fraction` -> `headroom`, issue 15) is refused, not misread."""
-    from preempt.engine.features import FEATURE_SETS
+    from preempt.early.features import FEATURE_SETS
 
     trained = (
         float(hparams.get("horizon_ms", 50.0)),
@@ -287,7 +287,7 @@ class OnlinePredictor:
         step and return p (N,) float32 in [0, 1].
 
         request_ids: N distinct ids (ids seen for the first time start from the zero
-        state); features: (N, 8) raw features (preempt.engine.features.compute_features)."""
+        state); features: (N, 8) raw features (preempt.early.features.compute_features)."""
         x = np.ascontiguousarray(features, dtype=np.float32)
         num = len(request_ids)
         if x.shape != (num, NUM_FEATURES):

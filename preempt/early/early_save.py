@@ -13,7 +13,7 @@ new full block, and refuses beyond its speculation budget and in-flight bound):
 - `rule`: the scheduler's own next victim: among requests whose time slice is used up,
   the one with the lowest SPEC priority score (the `rule` baseline of predictor/), when
   a waiting request outranks it or free KV runs low.
-- `lstm`: the trained predictor (`preempt.engine.online_predictor.OnlinePredictor`): one LSTM step per
+- `lstm`: the trained predictor (`preempt.early.online_predictor.OnlinePredictor`): one LSTM step per
   engine step over all running requests in one batch, carrying each request's state;
   saves where p >= threshold. With `early_save.waste_cap`, `WasteCap` moves the threshold
   online to hold the live share of early bytes wasted at the cap.
@@ -22,7 +22,7 @@ new full block, and refuses beyond its speculation budget and in-flight bound):
   preemption there. Not an upper bound: once early saves shift the live timeline, the
   reference run's preemptions drift away from the live ones (kept for comparison).
 - `lookahead`: the true future: every `lookahead_every_steps` steps it forks the engine
-  and simulates the current policy ahead over the horizon (preempt.engine.lookahead), and saves
+  and simulates the current policy ahead over the horizon (preempt.early.lookahead), and saves
   the running requests the fork preempts within it. Measured in the same run as the
   predictors; the upper bound of what a predictor can warn about.
 - `forecast`: the same fork knowing only the present (no request that has not arrived;
@@ -30,7 +30,7 @@ new full block, and refuses beyond its speculation budget and in-flight bound):
   server knows (virtual clock only, like the oracle; not a bound). It forks every
   `lookahead_every_steps` steps, and at once on news the last fork could not know (an
   arrival; a request ending before its max_tokens).
-- `projection`: the forecast without a fork (preempt.engine.projection): the scheduler's
+- `projection`: the forecast without a fork (preempt.early.projection): the scheduler's
   block arithmetic and preemption rules stepped ahead from the present state, every step,
   at a tenth of a fork's host time; on any clock. With a learned output-length model
   (`early_save.length_model`) it keeps a predicted preemption only as many steps ahead
@@ -49,12 +49,12 @@ import numpy as np
 from preempt.core.config import ConfigError, EarlySaveConfig
 from preempt.core.registry import EARLY_SAVE_POLICIES
 from preempt.core.request import Request
-from preempt.engine.features import FEATURE_NAMES, Features
+from preempt.early.features import FEATURE_NAMES, Features
 from preempt.kv.record import is_preemption
 
 if TYPE_CHECKING:
     from preempt.engine.lengths import LengthModel
-    from preempt.engine.lookahead import Lookahead
+    from preempt.early.lookahead import Lookahead
     from preempt.engine.step import EngineView, StepOutput
 
 # The rule fires when free KV falls under this share (a memory preemption is near).
@@ -119,7 +119,7 @@ class LSTMPolicy(EarlySavePolicy):
         return cls(config)
 
     def __init__(self, config: EarlySaveConfig) -> None:
-        from preempt.engine.online_predictor import (  # torch, only when asked for
+        from preempt.early.online_predictor import (  # torch, only when asked for
             OnlinePredictor,
             check_trained_for,
         )
@@ -270,7 +270,7 @@ class LookaheadPolicy(EarlySavePolicy):
     def __init__(
         self, horizon_ms: float, horizon_steps: int, every_steps: int = 1, knows_future: bool = True
     ) -> None:
-        from preempt.engine.lookahead import Lookahead, RollingForecast
+        from preempt.early.lookahead import Lookahead, RollingForecast
 
         self.rolling = RollingForecast(Lookahead(horizon_ms, horizon_steps, knows_future), every_steps)
 
@@ -296,7 +296,7 @@ class ForecastPolicy(LookaheadPolicy):
 
 
 class ProjectionPolicy(EarlySavePolicy):
-    """The cheap forecast (preempt.engine.projection), projected again every step. With a
+    """The cheap forecast (preempt.early.projection), projected again every step. With a
     learned output-length model (preempt.engine.lengths), a predicted preemption is kept
     only within the steps the model trusts the projection for (`confident_steps`)."""
 
@@ -319,7 +319,7 @@ class ProjectionPolicy(EarlySavePolicy):
         lengths: LengthModel | None = None,
         confidence: float = 0.5,
     ) -> None:
-        from preempt.engine.projection import Projection
+        from preempt.early.projection import Projection
 
         self.projection = Projection(horizon_ms, horizon_steps)
         self.lengths = lengths
@@ -375,7 +375,7 @@ def make_policy(config: EarlySaveConfig) -> EarlySavePolicy | None:
     if not (isinstance(policy_cls, type) and issubclass(policy_cls, EarlySavePolicy)):
         raise ConfigError(
             f"config key 'early_save.policy': '{config.policy}' is not a "
-            "preempt.engine.early_save.EarlySavePolicy subclass"
+            "preempt.early.early_save.EarlySavePolicy subclass"
         )
     return policy_cls.from_config(config)
 
@@ -426,3 +426,8 @@ class EarlySaver:
                 "lookahead_wall_s": lookahead.wall_s,  # wall time: not reproducible
             }
         return stats
+
+
+def build_early_saver(config: EarlySaveConfig) -> EarlySaver:
+    """The engine's early-save hook for `config` (preempt.core.registry.STEP_HOOKS)."""
+    return EarlySaver(make_policy(config))

@@ -9,7 +9,7 @@ import pytest
 from preempt.core.config import ConfigError
 from preempt.core.request import RequestState
 from preempt.engine.engine import Engine
-from preempt.engine.lookahead import Lookahead
+from preempt.early.lookahead import Lookahead
 from preempt.obs.dataset import preemption_events
 from tests.conftest import small_config
 from tests.kv.test_preemption import AGGRESSIVE, _digests, _workload
@@ -235,7 +235,7 @@ def test_the_forecast_feature_is_the_forks_lead_and_the_rest_is_scale_free():
     1/k is a preemption k steps later unless an arrival came first, and right after each
     fork every live preemption within the step horizon with no arrival first has its
     lead. Computing the set leaves the run untouched."""
-    from preempt.engine.features import FORECAST_NAMES, SCALE_FREE_NAMES, Features, engine_features
+    from preempt.early.features import FORECAST_NAMES, SCALE_FREE_NAMES, Features, engine_features
 
     slot = FORECAST_NAMES.index("forecast_lead")
     assert slot == SCALE_FREE_NAMES.index("sla_level")
@@ -315,7 +315,7 @@ def test_rolling_forecast_forks_every_n_calls_and_at_once_on_news():
     oracle (it knew the future) takes neither as news."""
     from types import SimpleNamespace
 
-    from preempt.engine.lookahead import Forecast, RollingForecast
+    from preempt.early.lookahead import Forecast, RollingForecast
 
     def run(knows_future, events):
         forks = []

@@ -1,4 +1,4 @@
-"""The cheap forecast (preempt.engine.projection): it reads the live engine without
+"""The cheap forecast (preempt.early.projection): it reads the live engine without
 changing it, names what the fork's forecast names, and as an early-save policy saves
 early without changing any output."""
 
@@ -8,9 +8,9 @@ import pytest
 
 from preempt.core.request import RequestState
 from preempt.engine.engine import Engine
-from preempt.engine.lookahead import Lookahead
-from preempt.engine.projection import Projection
-from tests.engine.test_lookahead import _config, _loose_workload, _run_policy, _trace
+from preempt.early.lookahead import Lookahead
+from preempt.early.projection import Projection
+from tests.early.test_lookahead import _config, _loose_workload, _run_policy, _trace
 from tests.kv.test_preemption import _digests
 
 

@@ -1,4 +1,4 @@
-"""The scale-free features read in a real run (preempt.engine.features.engine_features):
+"""The scale-free features read in a real run (preempt.early.features.engine_features):
 the queue counts requests that arrived during the step (not yet queued) and never one
 that arrives later; `headroom` is the tighter of the pool and the seats."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from preempt.core.request import RequestState
 from preempt.engine.engine import Engine
-from preempt.engine.features import SCALE_FREE_NAMES, compute_features, engine_features, scale_free_features
+from preempt.early.features import SCALE_FREE_NAMES, compute_features, engine_features, scale_free_features
 from preempt.engine.priority import beats, priority_score
 from tests.conftest import make_request, small_config
 

@@ -1,4 +1,4 @@
-"""Online stateful inference (preempt.engine.online_predictor): parity with the offline model, state
+"""Online stateful inference (preempt.early.online_predictor): parity with the offline model, state
 semantics, checkpoint loading and its errors. One module fixture trains a tiny checkpoint."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from predictor.data import PreemptionDataModule, SplitConfig, load_table
 from predictor.model import PreemptionLSTM
 from predictor.train import TrainConfig, train
-from preempt.engine.online_predictor import OnlinePredictor, PredictorCheckpointError
+from preempt.early.online_predictor import OnlinePredictor, PredictorCheckpointError
 from tests.predictor import synthetic_dataset
 
 torch.set_num_threads(1)
@@ -159,7 +159,7 @@ def test_threshold_comes_from_the_checkpoint_unless_overridden(trained):
 def test_loading_never_imports_lightning(trained):
     code = (
         "import sys, numpy as np\n"
-        "from preempt.engine.online_predictor import OnlinePredictor\n"
+        "from preempt.early.online_predictor import OnlinePredictor\n"
         f"p = OnlinePredictor.from_checkpoint({str(trained[0])!r})\n"
         "assert p.step([1], np.zeros((1, 8), np.float32)).shape == (1,)\n"
         "assert 'pytorch_lightning' not in sys.modules and 'lightning' not in sys.modules\n"
@@ -218,8 +218,8 @@ def test_bench_predictor_quick_reports_the_step_ratio():
 
 def test_a_checkpoint_for_another_horizon_feature_set_or_stride_is_refused_online(trained, tmp_path):
     from preempt.core.config import ConfigError, EarlySaveConfig
-    from preempt.engine.early_save import make_policy
-    from preempt.engine.features import SCALE_FREE_NAMES
+    from preempt.early.early_save import make_policy
+    from preempt.early.features import SCALE_FREE_NAMES
 
     path = str(trained[0])
     policy = make_policy(EarlySaveConfig(policy="lstm", checkpoint=path))
@@ -275,7 +275,7 @@ def test_a_waste_cap_moves_the_online_threshold_and_changes_no_output(trained, t
     # byte is accounted for.
     from predictor.train import _store_threshold
     from preempt.core.config import ConfigError, EarlySaveConfig
-    from preempt.engine.early_save import WasteCap, make_policy
+    from preempt.early.early_save import WasteCap, make_policy
     from tests.kv.test_preemption import _digests, _run
 
     _, plain = _run("swap_zstd")
@@ -307,7 +307,7 @@ def test_the_forecast_set_online_is_the_set_it_was_trained_on(tmp_path, prefetch
     from preempt.core.config import EngineConfig
     from preempt.engine.engine import Engine
     from preempt.obs.dataset import FeatureConfig, FeatureLogger, save_dataset
-    from tests.engine.test_lookahead import _config, _loose_workload
+    from tests.early.test_lookahead import _config, _loose_workload
 
     horizon = {"horizon_ms": 15.0, "horizon_steps": 3}
     base = _config("null").model_dump()

@@ -1,7 +1,7 @@
 """The cheap forecast: which running requests the scheduler preempts within the horizon,
 projected from the present state without forking the engine.
 
-The `forecast` early-save policy forks the whole engine (`preempt.engine.lookahead`) and
+The `forecast` early-save policy forks the whole engine (`preempt.early.lookahead`) and
 steps the copy; this projection reads the present instead and steps only numbers: per
 running request its tokens, computed tokens and blocks, and the free blocks, the waiting
 queue's heads and the seats. Each projected step replays the scheduler's two preemption
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from preempt.core.block_pool import blocks_needed
 from preempt.core.request import RequestState
-from preempt.engine.lookahead import Forecast, Horizon
+from preempt.early.lookahead import Forecast, Horizon
 from preempt.engine.priority import time_slice_s
 
 if TYPE_CHECKING:

@@ -1,0 +1,15 @@
+"""Early saves and restores ahead: whom to copy to the host before a preemption strikes,
+and whose saved KV to bring back before it is admitted.
+
+`early_save` holds the saver the engine calls after each step and its policies (chosen by
+`early_save.policy` through `preempt.core.registry.EARLY_SAVE_POLICIES`); they read
+`features` (what a policy may know of a running request), `lookahead` (the oracle that
+forks the engine, and the rolling forecast), `projection` (each running request run to its
+expected end against the free blocks) and `online_predictor` (the trained LSTM, streaming).
+`prefetch` starts restores for the next admissions.
+
+The step never imports this package: `preempt.engine.engine` builds the saver and the
+prefetcher by name (`preempt.core.registry.STEP_HOOKS`) and calls them with the engine's
+view (`preempt.engine.step.EngineView`). Imports `preempt.core`, `preempt.kv` and
+`preempt.engine`; never `preempt.obs` or anything above it.
+"""
