@@ -46,8 +46,8 @@ from typing import TYPE_CHECKING, Any
 
 from preempt.core.config import EngineConfig, build_config, load_config
 from preempt.core.workload import build_workload
-from preempt.engine.engine import Engine
 from preempt.early.features import FORECAST_EVERY_STEPS
+from preempt.engine.engine import Engine
 from preempt.engine.step import StepOutput
 from preempt.obs.results import write_preemptions_parquet
 from preempt.replay import run_summary

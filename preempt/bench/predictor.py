@@ -39,10 +39,10 @@ import torch
 
 from preempt.bench.engine import decoding_engine
 from preempt.early.features import engine_features
-from preempt.engine.lengths import LengthModel
 from preempt.early.lookahead import Lookahead
 from preempt.early.online_predictor import HIDDEN_SIZE, NUM_FEATURES, OnlinePredictor
 from preempt.early.projection import Projection
+from preempt.engine.lengths import LengthModel
 
 TARGET_FRACTION = 0.05
 # The forecast's horizon: the deployed checkpoints' (docs/archive/predictor-history.md: 50 ms or 4 steps).

@@ -30,6 +30,9 @@ class ConfigError(ValueError):
 class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    def __deepcopy__(self, memo: dict[int, object] | None = None) -> _Section:
+        return self  # frozen: a copy of the engine shares its config, as a tuple would
+
 
 class ModelConfig(_Section):
     backend: Literal["tiny", "null", "hf"] = "tiny"

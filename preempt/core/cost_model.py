@@ -92,6 +92,9 @@ class OpTimes(NamedTuple):
 
 
 class CostModel:
+    def __deepcopy__(self, memo: dict[int, object]) -> CostModel:
+        return self  # a function of its target; its memoized terms are valid for every copy
+
     def __init__(self, target: TargetProfile) -> None:
         self.target = target
         m, tp, dev = target.model, target.num_gpus, target.device

@@ -90,6 +90,19 @@ class Request:
                 f"got {self.target_output_tokens}"
             )
 
+    def __deepcopy__(self, memo: dict[int, object]) -> Request:
+        """A copy that can be stepped apart from this one (an engine fork's): its own
+        mutable lists, the rest shared. Shared safely: the prompt array (never written),
+        `sampling` and the samples in `output_logprobs` (never mutated), `kv_masked_until`
+        (replaced, never written in place: preempt.kv.saver). Field by field: deepcopy's
+        generic walk over ~25 fields took ~17 us a request."""
+        copied = object.__new__(Request)
+        copied.__dict__.update(self.__dict__)
+        copied.block_ids = list(self.block_ids)
+        copied.output_token_ids = list(self.output_token_ids)
+        copied.output_logprobs = list(self.output_logprobs)
+        return copied
+
     @cached_property
     def num_prompt_tokens(self) -> int:
         # Cached (the prompt is never replaced): the scheduler and the runner read it for

@@ -11,7 +11,7 @@ Policies (each returns the running requests to save now; the saver skips those w
 new full block, and refuses beyond its speculation budget and in-flight bound):
 - `always`: every running request (write-through, as SGLang's HiCache backs up KV).
 - `rule`: the scheduler's own next victim: among requests whose time slice is used up,
-  the one with the lowest SPEC priority score (the `rule` baseline of predictor/), when
+  the one with the lowest priority score (the `rule` baseline of predictor/), when
   a waiting request outranks it or free KV runs low.
 - `lstm`: the trained predictor (`preempt.early.online_predictor.OnlinePredictor`): one LSTM step per
   engine step over all running requests in one batch, carrying each request's state;
@@ -53,8 +53,8 @@ from preempt.early.features import FEATURE_NAMES, Features
 from preempt.kv.record import is_preemption
 
 if TYPE_CHECKING:
-    from preempt.engine.lengths import LengthModel
     from preempt.early.lookahead import Lookahead
+    from preempt.engine.lengths import LengthModel
     from preempt.engine.step import EngineView, StepOutput
 
 # The rule fires when free KV falls under this share (a memory preemption is near).

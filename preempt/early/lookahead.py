@@ -96,7 +96,6 @@ class Lookahead(Horizon):
             for request in fork.scheduler.unfinished_requests():
                 request.target_output_tokens = request.max_tokens
         next_arrival = 0
-        memo_prompts: dict[int, object] = {}
         preempted: dict[int, tuple[float, int]] = {}
         while True:
             now = fork.clock.now()
@@ -104,9 +103,7 @@ class Lookahead(Horizon):
             if now - start_s > self.horizon_s + 1e-9 and steps_ahead > self.horizon_steps:
                 break
             while next_arrival < len(upcoming) and upcoming[next_arrival].arrival_s <= now:
-                request = upcoming[next_arrival]
-                memo_prompts[id(request.prompt_token_ids)] = request.prompt_token_ids  # shared
-                request = copy.deepcopy(request, memo_prompts)
+                request = copy.deepcopy(upcoming[next_arrival])  # the prompt array shared
                 if not self.knows_future:
                     request.target_output_tokens = request.max_tokens
                 fork.add_request(request)

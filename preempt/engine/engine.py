@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -22,8 +21,8 @@ from preempt.core.clock import make_clock
 from preempt.core.config import ConfigError, EngineConfig
 from preempt.core.cost_model import CostModel, StepShape, step_shape
 from preempt.core.profiles import get_target
-from preempt.core.request import Request, RequestState
 from preempt.core.registry import STEP_HOOKS
+from preempt.core.request import Request, RequestState
 from preempt.engine.policies import get_policy
 from preempt.engine.remaining import make_estimator
 from preempt.engine.scheduler import Scheduler, SchedulerOutput
@@ -130,7 +129,7 @@ class Engine:
         while not scheduled.chunks and self.scheduler.restoring:
             # Async restores: nothing else can run, so compute does wait for the first READY
             # request's copy-in (a restore stall), then the step is scheduled again.
-            wait_s = max(0.0, self.scheduler.next_restore_ready_s - self.clock.now())
+            wait_s = max(0.0, self.scheduler.restores.next_ready_s() - self.clock.now())
             self.clock.advance(wait_s)
             self.stall_s += wait_s
             self.stall_restore_s += wait_s
@@ -245,8 +244,8 @@ class Engine:
         time the batch did not wait for, except where it had nothing else to run: that
         part is in `preemption_stall_restore_s` too)."""
         return {
-            "num_async_restores": self.scheduler.num_async_restores,
-            "preemption_restore_wait_s": self.scheduler.restore_wait_s,
+            "num_async_restores": self.scheduler.restores.num_started,
+            "preemption_restore_wait_s": self.scheduler.restores.wait_s,
         }
 
     @staticmethod
@@ -311,59 +310,20 @@ class Engine:
         return [r.output_token_ids for r in requests]
 
 
-def _shared(memo: dict[int, object], *objects: object) -> None:
-    """Objects the fork may share with the live engine (immutable, or never written by
-    a fork): deepcopy maps them to themselves."""
-    for obj in objects:
-        memo[id(obj)] = obj
-
-
 def _fork(engine: Engine) -> Engine:
-    """`Engine.fork`: the copy is made here, beside the state it copies."""
+    """`Engine.fork`. Each class copies itself (`__deepcopy__`: requests field by field,
+    the block pool's lists shallowly, the KV store as a data-less model of itself, configs
+    and the cost model shared); the engine only decides what a fork leaves behind."""
     from preempt.engine.model_runner import NullModelRunner
 
     if engine.config.clock.kind != "virtual":
         raise ValueError("the lookahead needs clock.kind 'virtual' (a fork cannot replay real time)")
-    memo: dict[int, object] = {}
-    _shared(memo, engine.config, engine.cost_model, engine.scheduler.config, engine.scheduler.preemption)
-    _shared(memo, engine.scheduler.remaining)  # an estimator's model is read, never written
-    memo[id(engine.runner)] = NullModelRunner(engine.config)
-    memo[id(engine.early_saver)] = None
-    memo[id(engine.scheduler.records)] = []
-    memo[id(engine._pending)] = []
-    saver = engine.saver
-    if saver is not None:
-        blobs = saver.blobs
-        _shared(memo, saver.config, saver.early_config, blobs.config, blobs.codecs, blobs.plan)
-        memo[id(blobs.kv_cache)] = None  # no data moves in a fork: modelled sizes
-        memo[id(blobs._lock)] = threading.Lock()
-        pool = saver.host_pool
-        # The pool's bytes are never written through a fork (no KV data), only its arena.
-        _shared(memo, pool._buffer, pool._array)
-        memo[id(pool._lock)] = threading.Lock()
-    # Flat lists of ints are most of the state: copy them shallowly (a 10x faster fork).
-    pool = engine.block_pool
-    memo[id(pool._free)] = copy.copy(pool._free)
-    memo[id(pool._is_used)] = list(pool._is_used)
-    # Requests are most of the rest: copy each field by field (deepcopy's generic walk over
-    # ~25 fields took ~17 us a request, 38 ms for 256 running + 2,000 waiting); every
-    # other reference to a request (queues, maps keyed by it) then finds the copy in memo;
-    # the waiting queue copies itself through it (`WaitingQueue.__deepcopy__`).
-    for request in engine.scheduler.unfinished_requests():
-        memo[id(request)] = _copy_request(request)
+    memo: dict[int, object] = {
+        id(engine.runner): NullModelRunner(engine.config),  # no model compute
+        id(engine.early_saver): None,
+        id(engine.scheduler.records): [],  # no record history
+        id(engine._pending): [],  # no pending trace
+    }
     fork = copy.deepcopy(engine, memo)
     fork.num_steps = engine.num_steps
     return fork
-
-
-def _copy_request(request: Request) -> Request:
-    """A fork's copy of a live request: its own mutable lists, the rest shared. Shared
-    safely: the prompt array (never written), `sampling` and the samples in
-    `output_logprobs` (never mutated), `kv_masked_until` (replaced, never written in
-    place: preempt.kv.saver)."""
-    copied = object.__new__(Request)
-    copied.__dict__.update(request.__dict__)
-    copied.block_ids = list(request.block_ids)
-    copied.output_token_ids = list(request.output_token_ids)
-    copied.output_logprobs = list(request.output_logprobs)
-    return copied

@@ -26,7 +26,7 @@ class PreemptionGate:
     def __init__(self, preemption: PreemptionConfig, policy: SchedulingPolicy) -> None:
         self.preemption = preemption
         self.policy = policy
-        # The SPEC design's fallback (PREEMPTION_FAILED, protected victims, backoff) runs only
+        # The design's fallback (PREEMPTION_FAILED, protected victims, backoff) runs only
         # where the policy has it by default or the config asks for it: vLLM has none.
         fallback = preemption.failure_fallback
         self.uses_failure_fallback = policy.uses_failure_fallback if fallback is None else fallback

@@ -41,6 +41,9 @@ class RemainingEstimator(ABC):
     def update(self, request: Request) -> None:
         request.expected_output_left = self.estimate(request)
 
+    def __deepcopy__(self, memo: dict[int, object]) -> RemainingEstimator:
+        return self  # its model is read, never written: a copy of the engine shares it
+
 
 class OracleRemaining(RemainingEstimator):
     """The truth: the trace's output length (or the cap, if it comes first)."""

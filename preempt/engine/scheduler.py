@@ -24,26 +24,18 @@ finished requests out). `schedule(now)`:
    preempted request resumes by re-pointing its blocks (`pause`), restoring its saved KV
    (`swap*`) or recomputing it.
 
-Asynchronous restores (`preemption.async_restore`, virtual clock; off by default): a
-request admitted with its KV on the host gets its blocks and its seat and its copy-in
-starts, but unless the copy has already ended (a prefetch with lead) it stays out of the
-batch, READY in `restoring`, until the copy-in (and the copy-out of any block it reuses)
-ends; it joins `running` at the start of the first `schedule` after that, in admission
-order. It counts against `max_num_seqs` meanwhile, as a synchronous restore's seat
-would: vLLM does not count a WAITING_FOR_REMOTE_KVS request as running (it parks it in a
-KV-holding queue drained first once loaded), but then a loaded request can be left
-holding blocks without a seat, and the priority trigger would no longer see who waits;
-here only the batch's wait differs from a synchronous restore. A READY request is never
-a victim (it is not running); a restore that falls back (unusable copy) recomputes.
+Asynchronous restores (`preemption.async_restore`): a request admitted with its KV on the
+host may wait READY out of the batch, seat and blocks held, until its copy-in ends
+(preempt.engine.restores says how and why).
 
-With the vLLM policies and the SPEC fallback off (their default) steps 1 and 2 are vLLM
+With the vLLM policies and the failure fallback off (their default) steps 1 and 2 are vLLM
 0.32's V1 `Scheduler.schedule()` without prefix caching, step for step: `preempt parity
 vllm` drives vLLM's own scheduler beside this one and compares every step.
 
 What happens to a victim's KV (`preemption.mode`): `recompute` drops it; `swap` /
 `swap_zstd` save it to host memory and free the blocks; `pause` keeps the blocks
 resident (zero copy) and saves them (`reclaim_codec`) only when someone needs blocks.
-With the failure fallback on (the SPEC design's default), a failed save (host pool full,
+With the failure fallback on (the design's default), a failed save (host pool full,
 blob over one slot) or a request already preempted `max_consecutive_preemptions` times
 takes the fallback: the request is marked PREEMPTION_FAILED and runs to completion (a
 forced preemption still drops its KV, since the blocks are needed), and new admissions
@@ -52,17 +44,11 @@ back off exponentially. Without it a failed save only drops the KV for recompute
 The records are the scheduler's: it creates each `PreemptionRecord` and alone writes it,
 from the `SaveResult` / `RestoreResult` its `KVMover` returns (a stored size that a
 worker learns later arrives through a future, settled at the next `schedule`).
-
-Over 500 lines, for a reason: it is one algorithm (vLLM's `schedule()` step for step,
-which `preempt parity vllm` compares) and the fate of its victims' KV, which the step
-decides in the middle of its passes; split apart, the step could no longer be read top
-to bottom beside vLLM's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
 from typing import NamedTuple
 
 import numpy as np
@@ -72,12 +58,14 @@ from preempt.core.config import PreemptionConfig, SchedulerConfig
 from preempt.core.registry import save_codec
 from preempt.core.request import Request, RequestState, ScheduledChunk
 from preempt.engine.gate import PreemptionGate
+from preempt.engine.host_copies import HostCopies, recompute_from_scratch
 from preempt.engine.policies import SchedulingPolicy
 from preempt.engine.priority import time_slice_s
 from preempt.engine.remaining import RemainingEstimator
+from preempt.engine.restores import AsyncRestores
 from preempt.engine.waiting import WaitingQueue
 from preempt.kv.copy_out import CopyOut
-from preempt.kv.record import KVMover, PreemptionRecord, RestoreResult
+from preempt.kv.record import KVMover, PreemptionRecord
 
 
 class SchedulerOutput(NamedTuple):
@@ -117,31 +105,28 @@ class Scheduler:
         self.running: list[Request] = []  # admission order, oldest first
         self.waiting = WaitingQueue(policy.admission_key, self.preemption.priority_weights)
         self.paused: list[Request] = []  # preempted, KV still on the device, oldest first
-        # Async restores: READY requests (admitted, blocks and seat held, copy-in running),
-        # admission order, and when each may join the batch and when it was admitted.
-        self.restoring: list[Request] = []
-        self._restore_ready_s: dict[Request, tuple[float, float]] = {}
-        self.num_async_restores = 0  # admitted to wait out of the batch for their copy-in
-        self.restore_wait_s = 0.0  # their time from admission to joining the batch, summed
+        self.restores = AsyncRestores()  # READY requests: admitted, copy-in running
         self._batch_reuses_copy_out = False  # this step's batch allocated into copied-out blocks
         self._background_reuses = False  # the async restore being admitted did
         self.records: list[PreemptionRecord] = []
         # The save record each request with its KV on the host resumes from (the host copy
         # itself is the mover's); and saves whose stored size a worker has yet to report.
-        self._saved_records: dict[Request, PreemptionRecord] = {}
-        self._unsettled: list[tuple[PreemptionRecord, Future]] = []
         self.num_preemptions = 0
         self.num_preemption_failed = 0
-        self.num_restore_fallbacks = 0
         self._now = 0.0
         self.copy_out = CopyOut()  # blocks freed by saves whose copy-out may still run
+        self.host = HostCopies(mover, self.copy_out)  # victims' KV on the host
 
     # ----------------------------------------------------------------- queue
     @property
     def uses_failure_fallback(self) -> bool:
-        """The SPEC design's fallback (PREEMPTION_FAILED, protected victims, backoff): the
+        """The design's fallback (PREEMPTION_FAILED, protected victims, backoff): the
         policy's default unless `preemption.failure_fallback` says (the gate's)."""
         return self.gate.uses_failure_fallback
+
+    @property
+    def num_restore_fallbacks(self) -> int:
+        return self.host.num_restore_fallbacks
 
     @property
     def num_waiting(self) -> int:
@@ -149,19 +134,17 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.running or self.waiting or self.restoring)
+        return bool(self.running or self.waiting or self.restores)
 
     @property
     def num_seated(self) -> int:
         """Seats taken (`max_num_seqs`): running requests and READY ones."""
-        return len(self.running) + len(self.restoring)
+        return len(self.running) + len(self.restores)
 
     @property
-    def next_restore_ready_s(self) -> float | None:
-        """When the first READY request may join the batch (None: none is waiting)."""
-        if not self.restoring:
-            return None
-        return min(ready for ready, _ in self._restore_ready_s.values())
+    def restoring(self) -> list[Request]:
+        """READY requests, admission order (the list itself: read, do not edit)."""
+        return self.restores.requests
 
     def never_fits(self, request: Request) -> str | None:
         """Why `request` could never run in this pool even alone (None: it can): its prompt
@@ -180,7 +163,7 @@ class Scheduler:
         self.waiting.push(request)
 
     def waiting_scores(self, now: float) -> np.ndarray:
-        """SPEC priority scores of all waiting requests at `now`, (N,) float64, in no
+        """Priority scores of all waiting requests at `now`, (N,) float64, in no
         particular order: O(N) numpy instead of N score evaluations (the feature logger
         and early-save policies need them every step; `WaitingQueue.scores`)."""
         return self.waiting.scores(now)
@@ -189,7 +172,7 @@ class Scheduler:
         """Every request not yet finished: running, READY, then waiting (heap order, not
         admission order; paused ones wait too). For a fork to copy or rewrite them all."""
         yield from self.running
-        yield from self.restoring
+        yield from self.restores
         yield from self.waiting.unordered()
 
     def waiting_requests(self) -> list[Request]:
@@ -215,8 +198,9 @@ class Scheduler:
         self._now = now
         self.copy_out.new_step()
         self._batch_reuses_copy_out = False
-        if self.restoring:
-            self._join_restored(now)
+        if self.restores:
+            for request in self.restores.pop_ready(now):
+                self._seat(request)
         first_record = len(self.records)
         budget = self.config.max_num_batched_tokens
         chunks: dict[Request, ScheduledChunk] = {}  # insertion ordered (requests hash by identity)
@@ -266,19 +250,6 @@ class Scheduler:
         # allocation, i.e. `copy_out.wait_until_s`).
         wait_until_s = self.copy_out.end_s if self._batch_reuses_copy_out else 0.0
         return SchedulerOutput(chunk_list, preempted, self.records[first_record:], num_tokens, wait_until_s)
-
-    def _join_restored(self, now: float) -> None:
-        """READY requests whose copy-in has ended join the batch (admission order)."""
-        still = []
-        for request in self.restoring:
-            ready_s, admitted_s = self._restore_ready_s[request]
-            if ready_s <= now:
-                del self._restore_ready_s[request]
-                self.restore_wait_s += now - admitted_s
-                self._seat(request)
-            else:
-                still.append(request)
-        self.restoring = still
 
     def _seat(self, request: Request) -> None:
         """Into the batch (admission order), its time slice starting now."""
@@ -346,7 +317,7 @@ class Scheduler:
                     continue  # READY: no chunk, no token budget until it joins
                 num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             elif request.kv_location == "host":
-                self._restore(request, now)  # may lower num_computed_tokens (fallback, warm-up)
+                self.host.restore(request, now)  # may lower num_computed_tokens (fallback, warm-up)
                 num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             elif request.kv_location == "device":
                 self.paused.remove(request)  # zero copy: its blocks never left
@@ -360,7 +331,7 @@ class Scheduler:
         """Start an async restore of an admitted request (its blocks allocated). True: it
         waits READY out of the batch; False: nothing to wait for (its copy-in, done ahead,
         has ended, or the copy was unusable and it recomputes), it joins now."""
-        result = self._restore(request, now, background=True)
+        result = self.host.restore(request, now, background=True)
         ready_s = now + result.restore_s if result.ok else now
         if self._background_reuses:  # its blocks may still be copying out: wait for that too
             ready_s = max(ready_s, self.copy_out.end_s)
@@ -368,10 +339,8 @@ class Scheduler:
             if self._background_reuses:  # it computes in this step, in blocks copying out
                 self._batch_reuses_copy_out = True
             return False
-        self.num_async_restores += 1
         request.state = RequestState.READY
-        self.restoring.append(request)
-        self._restore_ready_s[request] = (ready_s, now)
+        self.restores.start(request, ready_s, now)
         return True
 
     def _held_by_backoff(self, request: Request, now: float) -> bool:
@@ -379,31 +348,10 @@ class Scheduler:
         preempted ones may resume (they already hold host or device memory)."""
         return self.gate.holds(now, fresh=request.state is RequestState.WAITING)
 
-    def _restore(self, request: Request, now: float, background: bool = False) -> RestoreResult:
-        record = self._saved_records.pop(request)
-        result = self.mover.restore(request, now, background=background)
-        record.restored = result.ok
-        record.warmup_tokens = result.warmup_tokens
-        record.restore_s = result.restore_s
-        self.settle_saves()  # the worker is done with this copy: its size is known now
-        if not result.ok:
-            self.num_restore_fallbacks += 1
-            _recompute_from_scratch(request)
-        else:  # a lossy restore's last tokens are recomputed at full precision
-            request.num_computed_tokens -= result.warmup_tokens
-        return result
-
     def settle_saves(self) -> None:
         """Copy the stored sizes the mover's workers have reported since into their
         records (the engine calls it once more after stopping the workers)."""
-        if self._unsettled:
-            still = []
-            for record, stored in self._unsettled:
-                if stored.done():
-                    record.bytes_stored = stored.result()
-                else:
-                    still.append((record, stored))
-            self._unsettled = still
+        self.host.settle()
 
     # ----------------------------------------------------------------- blocks
     def _admission_missing_blocks(self, request: Request) -> int:
@@ -466,7 +414,7 @@ class Scheduler:
                 self._now, victim.request_id, "reclaim", "save", victim.num_computed_tokens
             )
             self.records.append(record)
-            failure = self._save(victim, self.preemption.reclaim_codec, record)
+            failure = self.host.save(victim, self.preemption.reclaim_codec, record, self._now)
             self._free_after_save(victim, record, failure)
             self.waiting.rescore(victim)  # still waiting; its KV may be gone
             if failure is not None:  # a reclaim: blocks were needed
@@ -495,36 +443,17 @@ class Scheduler:
             cancelled = True
         return cancelled
 
-    def _save(self, victim: Request, codec: str, record: PreemptionRecord) -> str | None:
-        """Save the victim's KV through the mover; the failure reason, or None."""
-        record.codec = codec
-        if not victim.num_computed_tokens:
-            return None  # nothing computed yet, nothing to save
-        result = self.mover.save(victim, codec, self._now)
-        if result.failure is None:
-            record.bytes_raw = result.bytes_raw
-            record.bytes_early = result.bytes_early
-            record.save_s = result.save_s
-            self.copy_out.saved(result.copy_end_s)
-            if result.bytes_stored.done():  # always on the virtual clock
-                record.bytes_stored = result.bytes_stored.result()
-            else:
-                self._unsettled.append((record, result.bytes_stored))
-        return result.failure
-
     def _free_after_save(self, victim: Request, record: PreemptionRecord, failure: str | None) -> None:
         """Free the victim's blocks; its KV now lives on the host, or (failed save) is
         dropped and will be recomputed from its tokens."""
         num_blocks = len(victim.block_ids)
         self._release_blocks(victim)
         if failure is None and victim.num_computed_tokens:
-            victim.kv_location = "host"
-            self._saved_records[victim] = record
-            self.copy_out.freed(num_blocks)  # in flight until the copy-out ends
+            self.host.keep(victim, record, num_blocks)
         else:
             record.action = "recompute"
             victim.kv_location = None
-            _recompute_from_scratch(victim)
+            recompute_from_scratch(victim)
 
     # ----------------------------------------------------------------- preemption
     def _memory_candidates(self) -> list[Request]:
@@ -578,12 +507,13 @@ class Scheduler:
             self.paused.append(victim)
         elif mode == "recompute":
             self._release_blocks(victim)
-            _recompute_from_scratch(victim)
+            recompute_from_scratch(victim)
             victim.kv_location = None
         else:
             # A forced preemption must free the blocks, so `pause` saves here too.
             record.action = "save"
-            failure = self._save(victim, save_codec(mode, self.preemption.reclaim_codec), record)
+            codec = save_codec(mode, self.preemption.reclaim_codec)
+            failure = self.host.save(victim, codec, record, self._now)
             if failure is not None and not forced:
                 self._fail(victim, record, failure, forced=False)  # keeps running with its KV
                 return False
@@ -624,15 +554,14 @@ class Scheduler:
         """Take a running or waiting request out for good and free its blocks and host copy."""
         if request in self.running:
             self.running.remove(request)
-        elif request in self._restore_ready_s:  # READY: its KV already in its blocks
-            self.restoring.remove(request)
-            del self._restore_ready_s[request]
+        elif request in self.restores:  # READY: its KV already in its blocks
+            self.restores.remove(request)
         else:
             self.waiting.discard(request)
             if request in self.paused:
                 self.paused.remove(request)
             if request.kv_location == "host":
-                self._saved_records.pop(request, None)
+                self.host.forget(request)
         if self.mover is not None:  # its host copy, and any early (speculative) copies
             self.mover.discard(request)
         request.kv_location = None
@@ -654,9 +583,3 @@ class Scheduler:
         self.block_pool.free(request.block_ids)
         request.block_ids = []
 
-
-def _recompute_from_scratch(request: Request) -> None:
-    """The request's KV is gone: it will be recomputed from token 0 at full precision, so
-    no head's prefix stays masked."""
-    request.num_computed_tokens = 0
-    request.kv_masked_until = None

@@ -250,7 +250,7 @@ class SglangScheduler(Scheduler):
         """Out of the waiting queue into `running` (the base class's bookkeeping)."""
         self.waiting.discard(request)
         if request.kv_location == "host":
-            self._restore(request, self._now)
+            self.host.restore(request, self._now)
         elif request.kv_location == "device":
             self.paused.remove(request)
         request.kv_location = None

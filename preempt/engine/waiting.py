@@ -11,7 +11,7 @@ A binary heap of `(key, sequence number, request)` entries: the sequence number,
 and increasing, keeps equal keys FIFO and stops heapq from ever comparing requests. A
 key is computed when a request enters and changes only through `rekey` (a policy that
 moves waiting requests, FastServe's starvation promotion). Beside the heap, each request's
-SPEC score part that does not move while it waits is cached, so that scoring the whole
+score part that does not move while it waits is cached, so that scoring the whole
 queue at a time `now` is one numpy expression (`scores`) rather than one score each.
 """
 
@@ -33,7 +33,7 @@ class WaitingQueue:
 
     def __init__(self, key: Callable[[Request], tuple], weights: PriorityWeights) -> None:
         self._key = key  # the policy's `admission_key`
-        self._weights = weights  # the SPEC priority score's, for `scores`
+        self._weights = weights  # the priority score's, for `scores`
         self._heap: list[tuple[tuple, int, Request]] = []
         self._score_parts: dict[Request, float] = {}  # queued request -> `_score_part`
         self._next_seq = 0
@@ -106,7 +106,7 @@ class WaitingQueue:
         return out
 
     def scores(self, now: float) -> np.ndarray:
-        """SPEC priority scores of every queued request at `now`, (N,) float64, in no
+        """priority scores of every queued request at `now`, (N,) float64, in no
         particular order: score = cached part + now * w_age, O(N) numpy."""
         weights = self._weights
         if weights.age_cap_s is not None:  # the age term is not linear in `now`: score each
@@ -115,7 +115,7 @@ class WaitingQueue:
         return parts + now * weights.age
 
     def _score_part(self, request: Request) -> float:
-        """The part of a waiting request's SPEC score that does not move while it waits
+        """The part of a waiting request's score that does not move while it waits
         (score = this + now * w_age): its remaining work is fixed until it runs again."""
         weights = self._weights
         return (
@@ -126,10 +126,10 @@ class WaitingQueue:
 
     # ----------------------------------------------------------------- fork
     def __deepcopy__(self, memo: dict[int, object]) -> WaitingQueue:
-        """An engine fork's copy (`copy.deepcopy`): the same order and sequence numbers,
-        its own heap and cache. Keys (tuples of numbers) and the weights (config, never
-        written) are shared; requests and the key's policy map through `memo`, where the
-        fork has put its copies of them."""
+        """A copy (an engine fork's): the same order and sequence numbers, its own heap and
+        cache. Keys (tuples of numbers) and the weights (config, never written) are shared;
+        requests and the key's policy map through `memo`, so every reference to a request
+        in the copied engine finds the same copy."""
         forked = object.__new__(WaitingQueue)
         memo[id(self)] = forked
         forked._key = copy.deepcopy(self._key, memo)

@@ -14,6 +14,7 @@ size (the target's KV over the codec's assumed ratio, `preemption.modelled_ratio
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -101,6 +102,23 @@ class BlobStore:
         self._early_worker = None if is_virtual else ThreadPoolExecutor(1, thread_name_prefix="kv-early")
         self._lock = threading.Lock()  # the stored-byte count, written by the workers too
         self.bytes_stored = 0
+
+    def __deepcopy__(self, memo: dict[int, object]) -> BlobStore:
+        """A model of this store (an engine fork's, virtual clock): its slots, sizes and
+        byte counts copied, no KV cache (it moves no data), the codecs and plan shared."""
+        if self._worker is not None:
+            raise ValueError("a blob store on the wall clock (worker threads) cannot be copied")
+        copied = object.__new__(BlobStore)
+        memo[id(self)] = copied
+        fresh = {"kv_cache": None, "_lock": threading.Lock()}
+        shared = {"config", "codecs", "plan", "cost_model"}
+        for name, value in self.__dict__.items():
+            if name in fresh:
+                value = fresh[name]
+            elif name not in shared:
+                value = copy.deepcopy(value, memo)
+            setattr(copied, name, value)
+        return copied
 
     @property
     def plan_is_lossy(self) -> bool:

@@ -20,6 +20,7 @@ the engine thread's `free`.
 from __future__ import annotations
 
 import bisect
+import copy
 import threading
 from dataclasses import dataclass
 from typing import Literal
@@ -297,6 +298,21 @@ class HostPool:
         with self._lock:
             self._validate(handle, "free")
             self._release(handle.offset)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> HostPool:
+        """The arena's bookkeeping (free extents, live blobs, byte counts) copied; no byte
+        buffer (`has_data` False): a copy models sizes and slots only (an engine fork's)."""
+        copied = object.__new__(HostPool)
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            if name not in ("_buffer", "_array", "_lock"):
+                setattr(copied, name, copy.deepcopy(value, memo))
+        copied._buffer = torch.empty(0, dtype=torch.uint8)
+        copied._array = copied._buffer.numpy()
+        copied.has_data = False
+        copied.is_pinned = False
+        copied._lock = threading.Lock()
+        return copied
 
     def close(self) -> None:
         """Free the buffer (the whole capacity's mapping). Idempotent. The counters stay

@@ -85,6 +85,31 @@ class RestoreResult(NamedTuple):
     restore_s: float = 0.0  # virtual: until compute may use the KV; wall: engine thread time
 
 
+class StoredSizes:
+    """Records whose save's stored size a worker has yet to report (a future each):
+    `settle` copies in the sizes reported since (the scheduler calls it each step and
+    once more after the workers stop)."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[PreemptionRecord, Future]] = []
+
+    def add(self, record: PreemptionRecord, stored: Future) -> None:
+        if stored.done():  # always on the virtual clock
+            record.bytes_stored = stored.result()
+        else:
+            self._pending.append((record, stored))
+
+    def settle(self) -> None:
+        if self._pending:
+            still = []
+            for record, stored in self._pending:
+                if stored.done():
+                    record.bytes_stored = stored.result()
+                else:
+                    still.append((record, stored))
+            self._pending = still
+
+
 class KVMover(ABC):
     """The acting side of save/restore, called synchronously at decision time.
 

@@ -13,8 +13,8 @@ import torch
 from preempt.core.config import ConfigError, EarlySaveConfig
 from preempt.core.request import RequestState
 from preempt.early.early_save import OraclePolicy, RulePolicy, WasteCap, load_preemption_times
-from preempt.engine.engine import Engine
 from preempt.early.features import FEATURE_NAMES
+from preempt.engine.engine import Engine
 from tests.conftest import make_request, small_config
 from tests.kv.test_preemption import AGGRESSIVE, _digests, _run, _workload
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from preempt.core.request import RequestState
-from preempt.engine.engine import Engine
 from preempt.early.features import SCALE_FREE_NAMES, compute_features, engine_features, scale_free_features
+from preempt.engine.engine import Engine
 from preempt.engine.priority import beats, priority_score
 from tests.conftest import make_request, small_config
 

@@ -8,8 +8,8 @@ import pytest
 
 from preempt.core.config import ConfigError
 from preempt.core.request import RequestState
-from preempt.engine.engine import Engine
 from preempt.early.lookahead import Lookahead
+from preempt.engine.engine import Engine
 from preempt.obs.dataset import preemption_events
 from tests.conftest import small_config
 from tests.kv.test_preemption import AGGRESSIVE, _digests, _workload

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from preempt.core.request import RequestState
-from preempt.engine.engine import Engine
 from preempt.early.lookahead import Lookahead
 from preempt.early.projection import Projection
+from preempt.engine.engine import Engine
 from tests.early.test_lookahead import _config, _loose_workload, _run_policy, _trace
 from tests.kv.test_preemption import _digests
 

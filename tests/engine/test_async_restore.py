@@ -40,7 +40,7 @@ class ReadyWatch:
         def recording(scheduler, request, now):
             parked = original(scheduler, request, now)
             if parked:
-                ready_s, admitted_s = scheduler._restore_ready_s[request]
+                ready_s, admitted_s = scheduler.restores.ready_at(request)
                 assert admitted_s == now and ready_s > now
                 assert request.state is RequestState.READY and request.block_ids
                 watch.ready_s[id(request)] = ready_s
@@ -81,7 +81,7 @@ def test_async_restores_change_no_lossless_output_and_never_run_early(mode, num_
     engine.close()
     assert watch.num_parked > 0, "the workload must restore asynchronously"
     assert watch.num_joined == watch.num_parked and not watch.ready_s
-    assert engine.scheduler.num_async_restores == watch.num_parked
+    assert engine.scheduler.restores.num_started == watch.num_parked
     assert all(r.state is RequestState.FINISHED for r in requests)
     assert _digests(requests) == _digests(unpreempted)
     saves = [r for r in engine.scheduler.records if r.action == "save"]
@@ -127,7 +127,7 @@ def test_an_idle_batch_waits_for_the_restore_and_counts_it_as_stall():
     assert [c.request for c in output.scheduled.chunks] == [request]
     assert output.stall_s > 0 and engine.stall_restore_s == pytest.approx(output.stall_s)
     assert engine.clock.now() - output.step_s == pytest.approx(now + output.stall_s)
-    assert scheduler.restore_wait_s == pytest.approx(output.stall_s)
+    assert scheduler.restores.wait_s == pytest.approx(output.stall_s)
     assert request.state is RequestState.RUNNING and not scheduler.restoring
 
 

@@ -12,9 +12,9 @@ import pytest
 
 from preempt.core.config import ConfigError
 from preempt.early.early_save import ProjectionPolicy
+from preempt.early.projection import Projection
 from preempt.engine.engine import Engine
 from preempt.engine.lengths import PRIOR_REQUESTS, LengthModel, _position_bin
-from preempt.early.projection import Projection
 from tests.conftest import small_config
 from tests.early.test_lookahead import _config, _loose_workload, _trace
 

@@ -125,13 +125,13 @@ def test_recompute_from_scratch_clears_masked_prefixes():
     fallback (or a recompute preemption)."""
     import numpy as np
 
-    from preempt.engine.scheduler import _recompute_from_scratch
+    from preempt.engine.host_copies import recompute_from_scratch
     from tests.conftest import make_request
 
     request = make_request(0, 10, 5)
     request.num_computed_tokens = 10
     request.kv_masked_until = np.array([[8, 0]])
-    _recompute_from_scratch(request)
+    recompute_from_scratch(request)
     assert request.num_computed_tokens == 0 and request.kv_masked_until is None
 
 

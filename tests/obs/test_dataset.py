@@ -11,8 +11,8 @@ import pytest
 
 from preempt.cli import main
 from preempt.core.config import PreemptionConfig, build_config
-from preempt.engine.engine import Engine
 from preempt.early.features import FEATURE_DOCS, FEATURE_NAMES, compute_features
+from preempt.engine.engine import Engine
 from preempt.kv.record import PreemptionRecord
 from preempt.obs.dataset import FeatureConfig, FeatureLogger, label_rows
 from tests.conftest import make_request
