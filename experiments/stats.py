@@ -4,9 +4,8 @@ Owns: the 95% intervals every sweep table, plot and verdict uses; each metric's 
 range (`metric_range`: the one place that says a share lies in [0, 1] and a count, a
 latency or a byte total in [0, inf)); and the rule that turns an interval into a verdict
 (`compare`): a claim holds or fails only when the whole interval is on one side of its
-bound; otherwise it is inconclusive and the interval is shown. Plain Python + numpy (no
-scipy: the t quantile is computed here from the regularized incomplete beta function,
-checked against closed forms in the tests).
+bound; otherwise it is inconclusive and the interval is shown. numpy, and scipy for the t
+quantile.
 
 Must never: return an interval narrower than the data and the metric's range allow (one
 value gives no interval: NaN bounds), drop NaN values silently (they are counted apart,
@@ -49,6 +48,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
+import scipy.stats
 
 LEVEL = 0.95
 NUM_RESAMPLES = 2000
@@ -139,69 +139,13 @@ def metric_range(name: str) -> Range:
 # ---------------------------------------------------------------- Student t
 
 
-def _betacf(a: float, b: float, x: float) -> float:
-    """Continued fraction of the incomplete beta function (modified Lentz)."""
-    tiny, eps = 1e-300, 1e-15
-    qab, qap, qam = a + b, a + 1.0, a - 1.0
-    c, d = 1.0, 1.0 - qab * x / qap
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 400):
-        m2 = 2 * m
-        aa = m * (b - m) * x / ((qam + m2) * (a + m2))
-        d = 1.0 + aa * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + aa / c if abs(1.0 + aa / c) > tiny else tiny
-        h *= d * c
-        aa = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
-        d = 1.0 + aa * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + aa / c if abs(1.0 + aa / c) > tiny else tiny
-        delta = d * c
-        h *= delta
-        if abs(delta - 1.0) < eps:
-            break
-    return h
-
-
-def _betainc(a: float, b: float, x: float) -> float:
-    """Regularized incomplete beta I_x(a, b)."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    if x < (a + 1.0) / (a + b + 2.0):
-        return math.exp(log_front) * _betacf(a, b, x) / a
-    return 1.0 - math.exp(log_front) * _betacf(b, a, 1.0 - x) / b
-
-
-def t_cdf(t: float, df: float) -> float:
-    """P(T <= t) for Student's t with `df` degrees of freedom."""
-    tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
-    return 1.0 - tail if t >= 0 else tail
-
-
 def t_quantile(p: float, df: float) -> float:
-    """The p-quantile of Student's t (bisection on t_cdf, to ~1e-12)."""
+    """The p-quantile of Student's t with `df` degrees of freedom (scipy)."""
     if not 0.0 < p < 1.0:
         raise ValueError(f"p must be in (0, 1), got {p}")
     if df <= 0:
         raise ValueError(f"df must be > 0, got {df}")
-    if p < 0.5:
-        return -t_quantile(1.0 - p, df)
-    lo, hi = 0.0, 1.0
-    while t_cdf(hi, df) < p:
-        hi *= 2.0
-    for _ in range(200):
-        mid = (lo + hi) / 2.0
-        if t_cdf(mid, df) < p:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo < 1e-12 * max(1.0, hi):
-            break
-    return (lo + hi) / 2.0
+    return float(scipy.stats.t.ppf(p, df))
 
 
 # ---------------------------------------------------------------- intervals
