@@ -28,8 +28,8 @@ from experiments.claims import (
     BenchClaim,
     Claim,
     Finding,
-    _nan,
     design_claims,
+    is_nan,
 )
 from experiments.dominance import DESIGN_ARMS, is_baseline
 from experiments.leaderboard import leaderboard_markdown, where_to_run
@@ -70,7 +70,7 @@ class Source:
         for row in rows:
             row["_config"] = configs[row["run"]]
             for key in ("notes", "quality_note", "parent"):
-                row[key] = "" if _nan(row.get(key)) else row.get(key, "")
+                row[key] = "" if is_nan(row.get(key)) else row.get(key, "")
         summary = read_csv(path / "summary.csv") if (path / "summary.csv").is_file() else None
         return cls(label, path, info, rows, summary)
 
@@ -171,7 +171,7 @@ def render(
         "| --- | --- | " + " | ".join("---" for _ in by_source) + " | --- |",
     ]
     for claim in claims:
-        cells = [_glance([verdicts[claim.key][c].verdict for c in cols]) for cols in by_source.values()]
+        cells = [glance([verdicts[claim.key][c].verdict for c in cols]) for cols in by_source.values()]
         regime = claim.regime or "–"
         lines.append(f"| {claim.text} | {claim.source} | " + " | ".join(cells) + f" | {regime} |")
     if bench:
@@ -339,7 +339,7 @@ def _main_figure(links: dict[str, list[tuple[str, str]]]) -> list[str]:
     ]
 
 
-def _glance(verdicts: list[str]) -> str:
+def glance(verdicts: list[str]) -> str:
     """One cell per source: the verdict, or with several points how many got which; `–`
     where the source has no arm for the claim."""
     if all(v == NOT_MEASURED for v in verdicts) and len(verdicts) > 1:

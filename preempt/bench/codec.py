@@ -22,7 +22,7 @@ on real KV from the model:
   `kl_mean` and `top1_agreement` per prompt too (`per_prompt`, the same prompt order in
   every row), so plans can be compared prompt by prompt; whether the sensitivity plan beats
   uniform FP8 is judged from those pairs with 95% intervals in the claims report
-  (`preempt report --codec PATH`, experiments/claims.py), not from the means here: over a
+  (`preempt report --codec PATH`, experiments/claims/rules.py), not from the means here: over a
   few prompts the means' order flips with the number of prompts.
 - CPU speed on `CPU_THREADS` torch thread(s) (`cpu_threads` in the JSON; encode, decode
   and clone alike): encode (quantize + pack into blob parts) and decode (unpack +
@@ -78,7 +78,7 @@ CPU_THREADS = 1  # torch intra-op threads for everything timed (module doc)
 PER_PROMPT_KEYS = ("greedy_agreement", "kl_mean", "top1_agreement")
 VERDICT = (
     "judged in the claims report, not here: `preempt report --codec PATH` pairs budget_sensitivity "
-    "with fp8 prompt by prompt (`per_prompt`) with 95% intervals (experiments/claims.py, codec_budget)"
+    "with fp8 prompt by prompt (`per_prompt`) with 95% intervals (experiments/claims/rules.py, codec_budget)"
 )
 
 

@@ -19,14 +19,10 @@ from experiments.claims import (
     NOT_MEASURED,
     Claim,
     Finding,
-    _as_strict,
-    _front,
-    _rate_limit,
-    _threshold,
-    _vip,
-    _zero_copy,
+    claim_named,
+    design_claims,
 )
-from experiments.report import _glance, report
+from experiments.report import glance, report
 from experiments.tables import write_csv
 from preempt.cli import main
 
@@ -60,7 +56,7 @@ def test_a_cap_that_binds_and_is_kept_holds():
         "rate_limit": _capped("rate_limit", 30, [17, 9, 14]),  # never reached: no evidence
         "rate_limit_tight": _capped("rate_limit_tight", 8, [8, 7, 8]),
     }
-    finding = _rate_limit(arms)
+    finding = claim_named("rate_limit").evaluate(arms)
     assert finding.verdict == HELD
     assert "cap 8" in finding.measured and "the cap was never reached" in finding.measured
 
@@ -70,7 +66,7 @@ def test_a_cap_passed_in_one_seed_does_not_hold():
         "slices_dynamic": _capped("slices_dynamic", None, [17, 9, 14]),
         "rate_limit_tight": _capped("rate_limit_tight", 8, [8, 9, 8]),
     }
-    assert _rate_limit(arms).verdict == NOT_HELD
+    assert claim_named("rate_limit").evaluate(arms).verdict == NOT_HELD
 
 
 def test_a_cap_never_reached_is_idle_and_a_missing_twin_is_not_measured():
@@ -78,8 +74,8 @@ def test_a_cap_never_reached_is_idle_and_a_missing_twin_is_not_measured():
         "slices_dynamic": _capped("slices_dynamic", None, [17, 9, 14]),
         "rate_limit": _capped("rate_limit", 30, [17, 9, 14]),
     }
-    assert _rate_limit(arms).verdict == IDLE
-    assert _rate_limit({"rate_limit": arms["rate_limit"]}).verdict == NOT_MEASURED
+    assert claim_named("rate_limit").evaluate(arms).verdict == IDLE
+    assert claim_named("rate_limit").evaluate({"rate_limit": arms["rate_limit"]}).verdict == NOT_MEASURED
 
 
 def _moves(arm: str, moved: list[float], stall: list[float], preemptions: int = 5) -> list[dict[str, Any]]:
@@ -101,11 +97,11 @@ def test_zero_copy_is_decided_by_time_sharing_first():
         "swap_raw": _moves("swap_raw", [7e9, 8e9, 6e9], [0.15, 0.14, 0.16]),
         "pause": _moves("pause", [7.1e9, 7.8e9, 6.2e9], [0.15, 0.15, 0.15]),
     }
-    finding = _zero_copy(arms)
+    finding = claim_named("zero_copy").evaluate(arms)
     assert finding.verdict == HELD
     assert "time_share_swap" in finding.measured and "swap_raw" in finding.measured
     del arms["time_share_swap"], arms["time_share_dynamic"]
-    assert _zero_copy(arms).verdict == INCONCLUSIVE
+    assert claim_named("zero_copy").evaluate(arms).verdict == INCONCLUSIVE
 
 
 def test_zero_copy_without_any_preemption_is_idle():
@@ -113,7 +109,7 @@ def test_zero_copy_without_any_preemption_is_idle():
         "swap_raw": _moves("swap_raw", [0, 0, 0], [0, 0, 0], preemptions=0),
         "pause": _moves("pause", [0, 0, 0], [0, 0, 0], preemptions=0),
     }
-    assert _zero_copy(arms).verdict == IDLE
+    assert claim_named("zero_copy").evaluate(arms).verdict == IDLE
 
 
 def test_priority_claims_are_idle_without_priority_preemption_and_judged_against_their_baseline():
@@ -122,14 +118,15 @@ def test_priority_claims_are_idle_without_priority_preemption_and_judged_against
 
     fcfs, strict = arm("vllm_fcfs", [2.0, 2.5, 1.8], 0), arm("vllm_priority", [0.2, 0.25, 0.15], 0)
     quiet = {"vllm_fcfs": fcfs, "vllm_priority": strict, "score": arm("score", [2.0, 2.5, 1.8], 0)}
-    assert _vip(quiet).verdict == IDLE
+    assert claim_named("priority").evaluate(quiet).verdict == IDLE
     # better than FCFS (protects), worse than strict priority (the bar)
     arms = {"vllm_fcfs": fcfs, "vllm_priority": strict, "score": arm("score", [0.6, 0.7, 0.5], 4)}
-    assert _vip(arms).verdict == HELD and "(vllm_fcfs)" in _vip(arms).measured
-    as_strict = _as_strict("score")(arms)
+    protects = claim_named("priority").evaluate(arms)
+    assert protects.verdict == HELD and "(vllm_fcfs)" in protects.measured
+    as_strict = design_claims("score")[1].evaluate(arms)
     assert as_strict.verdict == NOT_HELD and "(vllm_priority)" in as_strict.measured
     del arms["vllm_fcfs"]
-    assert _vip(arms).verdict == NOT_MEASURED
+    assert claim_named("priority").evaluate(arms).verdict == NOT_MEASURED
 
 
 def test_as_well_as_strict_priority_is_non_inferiority_within_ten_percent():
@@ -138,11 +135,11 @@ def test_as_well_as_strict_priority_is_non_inferiority_within_ten_percent():
 
     strict = arm("vllm_priority", [1.0, 2.0, 1.5, 1.2])
     close = {"vllm_priority": strict, "score": arm("score", [1.02, 2.03, 1.51, 1.22])}  # +1-2%
-    assert _as_strict("score")(close).verdict == HELD
+    assert design_claims("score")[1].evaluate(close).verdict == HELD
     far = {"vllm_priority": strict, "score": arm("score", [1.5, 3.1, 2.2, 1.9])}  # +50%
-    assert _as_strict("score")(far).verdict == NOT_HELD
+    assert design_claims("score")[1].evaluate(far).verdict == NOT_HELD
     same = {"vllm_priority": strict, "score": arm("score", [1.0, 2.0, 1.5, 1.2])}
-    assert _as_strict("score")(same).verdict == IDLE
+    assert design_claims("score")[1].evaluate(same).verdict == IDLE
 
 
 def _objectives(name: str, goodput: list[float], ttft: list[float]) -> list[dict[str, Any]]:
@@ -154,21 +151,21 @@ def test_the_design_is_on_the_front_only_when_it_beats_every_baseline_somewhere(
     fast = _objectives("fastserve_mlfq", [5.0, 5.3, 5.1], [3.0, 3.3, 2.8])  # more goodput, worse TTFT
     strict = _objectives("vllm_priority", [3.0, 3.1, 3.2], [0.5, 0.6, 0.55])  # less goodput, better TTFT
     arms = {"score": design, "fastserve_mlfq": fast, "vllm_priority": strict}
-    finding = _front("score")(arms)
+    finding = design_claims("score")[0].evaluate(arms)
     assert finding.verdict == HELD and "fastserve_mlfq - score" in finding.measured
     dominant = _objectives("fastserve_mlfq", [5.0, 5.3, 5.1], [0.5, 0.6, 0.4])
-    assert _front("score")({**arms, "fastserve_mlfq": dominant}).verdict == NOT_HELD
+    assert design_claims("score")[0].evaluate({**arms, "fastserve_mlfq": dominant}).verdict == NOT_HELD
     noisy = _objectives("fastserve_mlfq", [3.0, 5.3, 4.1], [0.5, 1.6, 0.9])  # tied on both
-    assert _front("score")({**arms, "fastserve_mlfq": noisy}).verdict == INCONCLUSIVE
+    assert design_claims("score")[0].evaluate({**arms, "fastserve_mlfq": noisy}).verdict == INCONCLUSIVE
     alike = {"score": design, "vllm_priority": _objectives("vllm_priority", [4.0, 4.2, 4.1], [1.0, 1.1, 0.9])}
-    assert _front("score")(alike).verdict == IDLE
-    assert _front("score")({"score": design}).verdict == NOT_MEASURED
+    assert design_claims("score")[0].evaluate(alike).verdict == IDLE
+    assert design_claims("score")[0].evaluate({"score": design}).verdict == NOT_MEASURED
 
 
 def test_glance_counts_idle_points_apart():
-    assert _glance([HELD, IDLE, IDLE]) == "held 1/3, idle 2/3"
-    assert _glance([INCONCLUSIVE]) == INCONCLUSIVE
-    assert _glance([NOT_MEASURED, NOT_MEASURED]) == "–" and _glance([NOT_MEASURED]) == NOT_MEASURED
+    assert glance([HELD, IDLE, IDLE]) == "held 1/3, idle 2/3"
+    assert glance([INCONCLUSIVE]) == INCONCLUSIVE
+    assert glance([NOT_MEASURED, NOT_MEASURED]) == "–" and glance([NOT_MEASURED]) == NOT_MEASURED
 
 
 def test_relative_changes_are_clipped_and_strict_priority_is_judged_by_a_difference():
@@ -179,14 +176,15 @@ def test_relative_changes_are_clipped_and_strict_priority_is_judged_by_a_differe
     arms = {
         name: _rows(name, goodput_req_s=g, sla2_ttft_p99_s=[1.0, 1.0, 1.0]) for name, g in goodput.items()
     }
-    assert "0.2 vs 0: +240.0% [-100.0%, +" in _threshold(arms).measured  # t alone: -663%
+    measured = claim_named("threshold").evaluate(arms).measured
+    assert "0.2 vs 0: +240.0% [-100.0%, +" in measured  # t alone: -663%
 
     def arm(name: str, ttft: list[float]) -> list[dict[str, Any]]:
         return _rows(name, sla2_ttft_p99_s=ttft, num_priority_preemptions=[3] * len(ttft))
 
     # A strict-priority TTFT near 0 in one seed: the mean ratio would be +1,000s of percent.
     strict, design = arm("vllm_priority", [0.01, 1.0, 2.0]), arm("score", [5.0, 1.2, 2.1])
-    finding = _as_strict("score")({"vllm_priority": strict, "score": design})
+    finding = design_claims("score")[1].evaluate({"vllm_priority": strict, "score": design})
     assert "%" not in finding.measured and "score - 1.1 x vllm_priority 1.66 [" in finding.measured
     assert finding.verdict == INCONCLUSIVE
 
