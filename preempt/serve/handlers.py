@@ -1,10 +1,11 @@
 """The generation routes of `preempt serve`: validate, submit, answer whole or streamed.
 
-Owns: turning a request body into engine requests (one per prompt and choice, each with
-its `SamplingParams`), the per-choice text pipeline (incremental detokenization, stop
-strings held back across chunk boundaries, echo, logprobs) and the response formats of
-`/generate`, `/v1/completions` and `/v1/chat/completions` (whole JSON or server-sent
-events, usage, continuous usage stats).
+Owns: checking a request body and turning it into engine requests (one per prompt and
+choice, each with its `SamplingParams`), the per-choice text pipeline (incremental
+detokenization, stop strings held back across chunk boundaries) and which answer each
+route assembles, whole JSON or server-sent events, for `/generate`, `/v1/completions` and
+`/v1/chat/completions`. The pieces an answer is written with (deltas, usage, logprobs,
+events) are `preempt.serve.responses`'.
 
 It must never touch the engine: everything goes through the `EngineLoop`'s thread-safe
 `submit`, `abort` and `finish`.
@@ -13,23 +14,20 @@ It must never touch the engine: everything goes through the `EngineLoop`'s threa
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import Response
 
 from preempt.core.block_pool import blocks_needed
 from preempt.core.request import RequestState
-from preempt.engine.sampling import Sample, SamplingParams, StopStringMatcher
+from preempt.engine.sampling import SamplingParams, StopStringMatcher
 from preempt.serve.chat import ChatFormat, ChatTemplateError
-from preempt.serve.engine_loop import EndEvent, EngineLoop, Rejected, RequestStream, TokensEvent
+from preempt.serve.engine_loop import EngineLoop, Rejected, RequestStream, TokensEvent
 from preempt.serve.protocol import (
     DEFAULT_MAX_TOKENS,
     APIError,
@@ -41,31 +39,24 @@ from preempt.serve.protocol import (
     error_response,
     retry_after_header,
 )
+from preempt.serve.responses import (
+    SSE_DONE,
+    Choice,
+    Delta,
+    EngineStreamResponse,
+    chat_logprobs,
+    choice_usage,
+    client_gone,
+    completion_logprobs,
+    consume,
+    end_error,
+    generate_end_fields,
+    merge,
+    sse,
+    usage,
+)
 
 logger = logging.getLogger("preempt.server")
-_SSE_DONE = b"data: [DONE]\n\n"
-
-
-class Delta(NamedTuple):
-    """A piece of one choice's answer: new text and the tokens that made it."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[Sample]
-    finish_reason: str | None = None
-    end: EndEvent | None = None  # set on the choice's last delta
-    error: APIError | None = None
-
-
-@dataclass
-class Choice:
-    index: int
-    stream: RequestStream
-    prompt_ids: list[int]
-    stops: tuple[str, ...]
-    min_tokens: int
-    num_tokens: int = 0  # output tokens kept (a stop string drops those after it)
 
 
 def _encode(tokenizer: Any, text: str, param: str) -> list[int]:
@@ -73,29 +64,6 @@ def _encode(tokenizer: Any, text: str, param: str) -> list[int]:
         return tokenizer.encode(text)
     except UnicodeEncodeError as err:  # a lone surrogate that reached us some other way
         raise APIError(400, f"{param}: not valid Unicode text ({err.reason})", param=param) from None
-
-
-def token_text(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id])
-
-
-def token_bytes(tokenizer: Any, token_id: int) -> list[int]:
-    if _is_byte_tokenizer(tokenizer):
-        return [token_id]  # the byte tokenizer: a token is one byte
-    return list(tokenizer.decode([token_id]).encode("utf-8"))
-
-
-def _is_byte_tokenizer(tokenizer: Any) -> bool:
-    return getattr(tokenizer, "vocab_size", None) == 256 and not hasattr(tokenizer, "_tokenizer")
-
-
-def token_label(tokenizer: Any, token_id: int) -> str:
-    """A token as logprobs name it: its text, or, for a byte that is not UTF-8 by itself
-    (0x80-0xff: every one decodes to U+FFFD alone), OpenAI's `bytes:\\xNN` form, so that
-    different tokens never share a name (completions' top_logprobs is keyed by it)."""
-    if _is_byte_tokenizer(tokenizer) and token_id >= 0x80:
-        return f"bytes:\\x{token_id:02x}"
-    return token_text(tokenizer, token_id)
 
 
 class Handlers:
@@ -139,7 +107,7 @@ class Handlers:
                 "id": rid,
                 "text": "".join(d.text for d in deltas[0]),
                 "token_ids": end.output_token_ids,
-                **_generate_end_fields(end),
+                **generate_end_fields(end),
             }
         )
 
@@ -157,7 +125,7 @@ class Handlers:
             text = prefix + delta.text
             logprobs = None
             if body.logprobs is not None:
-                logprobs = self._completion_logprobs(delta, offset, prefix)
+                logprobs = completion_logprobs(self.tokenizer, delta, offset, prefix)
             return {
                 "index": delta.index,
                 "text": text,
@@ -174,9 +142,9 @@ class Handlers:
         for per_choice in deltas:
             if per_choice[-1].error is not None:
                 return error_response(per_choice[-1].error)
-            merged = _merge(per_choice)
+            merged = merge(per_choice)
             out.append(choice_of(merged, 0, True))
-        return SafeJSONResponse({**head, "choices": out, "usage": _usage(choices, n)})
+        return SafeJSONResponse({**head, "choices": out, "usage": usage(choices, n)})
 
     async def chat(self, body: ChatCompletionRequest, http: HTTPRequest) -> Response:
         self._check_fields(body, http)
@@ -193,7 +161,7 @@ class Handlers:
         head = self._head("chatcmpl", "chat.completion")
 
         def logprobs_of(delta: Delta) -> dict[str, Any] | None:
-            return None if num_logprobs is None else self._chat_logprobs(delta)
+            return None if num_logprobs is None else chat_logprobs(self.tokenizer, delta)
 
         if body.stream:
             head = {**head, "object": "chat.completion.chunk"}
@@ -217,7 +185,7 @@ class Handlers:
         for per_choice in deltas:
             if per_choice[-1].error is not None:
                 return error_response(per_choice[-1].error)
-            merged = _merge(per_choice)
+            merged = merge(per_choice)
             message = {"role": "assistant", "content": merged.text}
             out.append(
                 {
@@ -227,7 +195,7 @@ class Handlers:
                     "finish_reason": merged.finish_reason,
                 }
             )
-        return SafeJSONResponse({**head, "choices": out, "usage": _usage(choices, body.n or 1)})
+        return SafeJSONResponse({**head, "choices": out, "usage": usage(choices, body.n or 1)})
 
     # ----------------------------------------------------------------- checks
     def _check_fields(self, body: _OpenAIBody, http: HTTPRequest) -> None:
@@ -433,16 +401,16 @@ class Handlers:
             return [delta async for delta in self._deltas(choice)]
 
         work = asyncio.gather(*(one(c) for c in choices))
-        gone = asyncio.ensure_future(_client_gone(http))
+        gone = asyncio.ensure_future(client_gone(http))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:  # also when this handler itself is cancelled
             gone.cancel()
-            gone.add_done_callback(_consume)
+            gone.add_done_callback(consume)
             is_gone = not work.done()
             if is_gone:
                 work.cancel()
-                work.add_done_callback(_consume)
+                work.add_done_callback(consume)
                 for choice in choices:  # each ends ABORTED(client_disconnected), blocks freed
                     self.loop.abort(choice.stream)
         return None if is_gone else work.result()
@@ -499,8 +467,8 @@ class Handlers:
             elif delta.end is None:
                 yield sse({"id": rid, "text": delta.text, "token_ids": delta.token_ids})
             else:
-                yield sse({"id": rid, "text": delta.text, "token_ids": [], **_generate_end_fields(delta.end)})
-        yield _SSE_DONE
+                yield sse({"id": rid, "text": delta.text, "token_ids": [], **generate_end_fields(delta.end)})
+        yield SSE_DONE
 
     async def _openai_events(
         self,
@@ -527,7 +495,7 @@ class Handlers:
             sent[delta.index] += len(choice.get("text") or choice.get("delta", {}).get("content") or "")
             payload = {**head, "choices": [choice]}
             if include_usage or continuous:
-                payload["usage"] = _choice_usage(by_index[delta.index]) if continuous else None
+                payload["usage"] = choice_usage(by_index[delta.index]) if continuous else None
             return sse(payload)
 
         if is_chat:
@@ -541,137 +509,5 @@ class Handlers:
                 yield chunk(delta)
         else:
             if include_usage:
-                yield sse({**head, "choices": [], "usage": _usage(choices, n)})
-        yield _SSE_DONE
-
-    def _completion_logprobs(self, delta: Delta, offset: int, echo: str) -> dict[str, Any]:
-        tokens, token_logprobs, top, offsets = [], [], [], []
-        position = offset
-        if echo:  # the prompt's tokens: their logprobs are not computed (null)
-            for token_id in self.tokenizer.encode(echo):
-                tokens.append(token_label(self.tokenizer, token_id))
-                token_logprobs.append(None)
-                top.append(None)
-                offsets.append(position)
-                position += len(token_text(self.tokenizer, token_id))
-        for sample in delta.logprobs:
-            tokens.append(token_label(self.tokenizer, sample.token_id))
-            token_logprobs.append(sample.logprob)
-            entries: dict[str, float] = {}
-            for t, lp in sample.top_logprobs:  # most likely first: a shared name keeps the likelier
-                entries.setdefault(token_label(self.tokenizer, t), lp)
-            top.append(entries)
-            offsets.append(position)
-            position += len(token_text(self.tokenizer, sample.token_id))
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_logprobs,
-            "top_logprobs": top,
-            "text_offset": offsets,
-        }
-
-    def _chat_logprobs(self, delta: Delta) -> dict[str, Any]:
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            return {
-                "token": token_label(self.tokenizer, token_id),
-                "logprob": logprob,
-                "bytes": token_bytes(self.tokenizer, token_id),
-            }
-
-        content = [
-            {**entry(s.token_id, s.logprob), "top_logprobs": [entry(t, lp) for t, lp in s.top_logprobs]}
-            for s in delta.logprobs
-        ]
-        return {"content": content}
-
-
-def _merge(deltas: list[Delta]) -> Delta:
-    last = deltas[-1]
-    return Delta(
-        last.index,
-        "".join(d.text for d in deltas),
-        [t for d in deltas for t in d.token_ids],
-        [s for d in deltas for s in d.logprobs],
-        last.finish_reason,
-        last.end,
-        last.error,
-    )
-
-
-def _choice_usage(choice: Choice) -> dict[str, int]:
-    num_prompt = len(choice.prompt_ids)
-    return {
-        "prompt_tokens": num_prompt,
-        "completion_tokens": choice.num_tokens,
-        "total_tokens": num_prompt + choice.num_tokens,
-    }
-
-
-def _usage(choices: list[Choice], n: int) -> dict[str, int]:
-    """Prompt tokens once per prompt (not per choice), completion tokens of every choice."""
-    num_prompt = sum(len(c.prompt_ids) for c in choices if c.index % n == 0)
-    num_out = sum(c.num_tokens for c in choices)
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_out, "total_tokens": num_prompt + num_out}
-
-
-def _generate_end_fields(end: EndEvent) -> dict[str, Any]:
-    num_out = len(end.output_token_ids)
-    return {
-        "finish_reason": end.finish_reason,
-        "final_state": end.final_state,
-        "num_preemptions": end.num_preemptions,
-        "preemption_failed": end.preemption_failed,
-        "ttft_s": end.ttft_s,
-        "e2e_s": end.e2e_s,
-        "usage": {
-            "prompt_tokens": end.num_prompt_tokens,
-            "completion_tokens": num_out,
-            "total_tokens": end.num_prompt_tokens + num_out,
-        },
-    }
-
-
-def end_error(end: EndEvent) -> APIError:
-    """The error for a request that ended ABORTED."""
-    reason = end.reason or "aborted"
-    if reason.startswith(("prompt_too_long", "exceeds_kv_capacity")):
-        return APIError(400, reason, param="max_tokens", code=reason.split(":")[0])
-    if reason == "server_shutdown":
-        return APIError(503, "the server is shutting down", error_type="service_unavailable", code=reason)
-    return APIError(500, f"request aborted: {reason}", error_type="server_error", code="aborted")
-
-
-def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-
-
-def _consume(future: asyncio.Future[Any]) -> None:
-    """Done callback of a future nobody awaits: read its outcome. A cancelled `gather`
-    finishes with CancelledError as its *exception*, which asyncio logs with a traceback
-    ("exception was never retrieved") unless it is read."""
-    if not future.cancelled():
-        future.exception()
-
-
-async def _client_gone(http: HTTPRequest) -> None:
-    """Returns when the client disconnects (the body is already read, so the next ASGI
-    message is the disconnect)."""
-    while True:
-        message = await http.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-class EngineStreamResponse(StreamingResponse):
-    """A streaming response that aborts its requests however the response ends: client
-    gone (Starlette cancels the stream), a failed send, or a body never started."""
-
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
+                yield sse({**head, "choices": [], "usage": usage(choices, n)})
+        yield SSE_DONE
