@@ -2,11 +2,11 @@
 
 Owns: the Llama-family model shapes (`MODELS`, from each model's config.json), the
 per-GPU device constants (`DeviceProfile`: fitted to measured operator times, each with
-its source, loaded from `preempt/profiles/*.json` and validated field by field, a bad one
-raising `ProfileError` that names it) and the deployment targets (`TargetProfile`: a model
-on `num_gpus` GPUs of one kind; the built-in `TARGETS`, or a profile file). Plain Python,
-no torch, no numpy. The formula that turns a step into seconds is
-`preempt.core.cost_model`'s.
+its source, loaded from `preempt/profiles/*.json`) and the deployment targets
+(`TargetProfile`: a model on `num_gpus` GPUs of one kind; the built-in `TARGETS`, or a
+profile file). What a profile file may hold, and the `ProfileError` that names a bad
+field, is `preempt.core.profile_schema`'s (pydantic). No torch, no numpy. The formula that
+turns a step into seconds is `preempt.core.cost_model`'s.
 
 KV capacity follows vLLM: total device memory x gpu_memory_utilization, less weights and
 an activation reserve.
@@ -15,7 +15,6 @@ an activation reserve.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from functools import cached_property
@@ -23,14 +22,33 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from preempt.core.profile_schema import (
+    ELEMENTWISE_OPS,
+    TABLE_OPS,
+    DeviceFile,
+    ProfileError,
+    TargetFile,
+    validate,
+)
+
+__all__ = [
+    "ELEMENTWISE_OPS",
+    "MODELS",
+    "TABLE_OPS",
+    "TARGETS",
+    "DeviceProfile",
+    "ModelShape",
+    "ProfileError",
+    "TargetProfile",
+    "bundled_devices",
+    "get_target",
+    "load_device",
+    "load_target",
+]
 GB = 1e9
 MiB = 2**20
 
 PROFILE_DIR = "profiles"  # inside the preempt package
-
-
-class ProfileError(ValueError):
-    """A malformed or incomplete profile file; the message names the field."""
 
 
 # ----------------------------------------------------------------------------- model
@@ -83,9 +101,6 @@ MODELS: dict[str, ModelShape] = {
 
 
 # ---------------------------------------------------------------------------- device
-ELEMENTWISE_OPS = ("input_layernorm", "post_attention_layernorm", "attn_rope", "mlp_act", "add")
-
-
 @dataclass(frozen=True)
 class DeviceProfile:
     """One GPU kind's fitted constants. Every field has an entry in `sources`."""
@@ -138,128 +153,9 @@ class DeviceProfile:
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "device") -> DeviceProfile:
-        """Validate a parsed profile; a missing or bad field raises ProfileError naming it."""
-        if not isinstance(data, dict):
-            raise ProfileError(f"{where}: expected an object of device constants")
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            if f.name == "sources":
-                continue
-            if f.name == "op_tables":
-                values[f.name] = _op_tables(data.get(f.name, {}), f"{where}.op_tables")
-                continue
-            if f.name not in data:
-                raise ProfileError(f"{where}: missing field '{f.name}'")
-            raw = data[f.name]
-            key = f"{where}.{f.name}"
-            if f.name == "name":
-                if not isinstance(raw, str) or not raw:
-                    raise ProfileError(f"{key}: expected a non-empty string")
-                values[f.name] = raw
-            elif f.name == "elementwise":
-                values[f.name] = {
-                    op: _elementwise(_get(raw, op, key), f"{key}.{op}") for op in ELEMENTWISE_OPS + ("emb",)
-                }
-            elif f.name == "all_reduce":
-                if not isinstance(raw, dict) or not raw:
-                    raise ProfileError(f"{key}: expected an object {{num_gpus: [latency_s, bytes_per_s]}}")
-                values[f.name] = {
-                    _int_key(n, key): _pair(v, f"{key}.{n}", allow_zero_floor=True) for n, v in raw.items()
-                }
-            else:
-                zero_ok = f.name in (
-                    "copy_latency_s",
-                    "linear_floor_s",
-                    "attn_floor_s",
-                    "attn_per_row_head_s",
-                    "attn_masked_share",
-                    "cpu_step_overhead_s",
-                )
-                values[f.name] = _number(raw, key, allow_zero=zero_ok)
-                if f.name == "attn_masked_share" and values[f.name] > 1:
-                    raise ProfileError(f"{key}: a share, expected 0..1, got {raw!r}")
-        sources = data.get("sources", {})
-        if not isinstance(sources, dict):
-            raise ProfileError(f"{where}.sources: expected an object field -> source")
-        return cls(**values, sources={str(k): str(v) for k, v in sources.items()})
-
-
-def _get(obj: Any, key: str, where: str) -> Any:
-    if not isinstance(obj, dict):
-        raise ProfileError(f"{where}: expected an object")
-    if key not in obj:
-        raise ProfileError(f"{where}: missing field '{key}'")
-    return obj[key]
-
-
-def _number(raw: Any, key: str, allow_zero: bool = False) -> float:
-    if isinstance(raw, bool) or not isinstance(raw, int | float) or not math.isfinite(raw):
-        raise ProfileError(f"{key}: expected a number, got {raw!r}")
-    if raw < 0 or (raw == 0 and not allow_zero):
-        raise ProfileError(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {raw!r}")
-    return float(raw)
-
-
-def _pair(raw: Any, key: str, allow_zero_floor: bool) -> tuple[float, float]:
-    if not isinstance(raw, list | tuple) or len(raw) != 2:
-        raise ProfileError(f"{key}: expected [floor_s, bytes_per_s]")
-    return _number(raw[0], key, allow_zero=allow_zero_floor), _number(raw[1], key)
-
-
-def _elementwise(raw: Any, key: str) -> tuple[float, float, float, float]:
-    if not isinstance(raw, list | tuple) or len(raw) != 4:
-        raise ProfileError(
-            f"{key}: expected [floor_s, bytes_per_s, row_s_per_byte, exponent] "
-            f"(a profile from before the row term has two numbers: refit it), got {raw!r}"
-        )
-    floor, rate, row = _number(raw[0], key, True), _number(raw[1], key), _number(raw[2], key, True)
-    exponent = _number(raw[3], key)
-    if exponent < 1:
-        raise ProfileError(f"{key}: exponent must be >= 1, got {exponent!r}")
-    return floor, rate, row, exponent
-
-
-TABLE_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj", *ELEMENTWISE_OPS, "emb")
-
-
-def _op_tables(raw: Any, where: str) -> dict[str, dict[str, tuple[tuple[int, ...], tuple[float, ...]]]]:
-    if not isinstance(raw, dict):
-        raise ProfileError(f"{where}: expected an object {{'model/tpN': {{op: [tokens, seconds]}}}}")
-    out: dict[str, dict[str, tuple[tuple[int, ...], tuple[float, ...]]]] = {}
-    for key, ops in raw.items():
-        model, _, tp = str(key).partition("/tp")
-        if not model or not tp.isdigit() or int(tp) < 1:
-            raise ProfileError(f"{where}: key {key!r}: expected 'model/tpN', e.g. 'llama3-8b/tp1'")
-        if not isinstance(ops, dict):
-            raise ProfileError(f"{where}.{key}: expected an object op -> [tokens, seconds]")
-        out[str(key)] = {}
-        for op, pair in ops.items():
-            at = f"{where}.{key}.{op}"
-            if op not in TABLE_OPS:
-                raise ProfileError(f"{at}: unknown operator; tables take {list(TABLE_OPS)}")
-            if not isinstance(pair, list | tuple) or len(pair) != 2:
-                raise ProfileError(f"{at}: expected [token counts, seconds]")
-            tokens, seconds = pair
-            if not isinstance(tokens, list | tuple) or not isinstance(seconds, list | tuple):
-                raise ProfileError(f"{at}: expected [token counts, seconds]")
-            if len(tokens) != len(seconds) or len(tokens) < 2:
-                raise ProfileError(f"{at}: token counts and seconds differ in length or have < 2 points")
-            if any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tokens) or any(
-                b <= a for a, b in zip(tokens, tokens[1:], strict=False)
-            ):
-                raise ProfileError(f"{at}: token counts must be positive integers, strictly ascending")
-            out[str(key)][op] = (tuple(tokens), tuple(_number(x, at) for x in seconds))
-    return out
-
-
-def _int_key(raw: Any, where: str) -> int:
-    try:
-        n = int(raw)
-    except (TypeError, ValueError):
-        raise ProfileError(f"{where}: key {raw!r} is not a GPU count") from None
-    if n < 2:
-        raise ProfileError(f"{where}: key {raw!r}: all-reduces need 2+ GPUs")
-    return n
+        """Validate a parsed profile (preempt.core.profile_schema's `DeviceFile`); a missing
+        or bad field raises ProfileError naming it."""
+        return cls(**validate(DeviceFile, data, where).fields())
 
 
 def load_device(name_or_path: str | Path) -> DeviceProfile:
@@ -358,38 +254,31 @@ def load_target(path: str | Path) -> TargetProfile:
     if data.get("kind") == "device" or ("model" not in data and "device" not in data):
         device = DeviceProfile.from_dict(data.get("device", data), where=f"{path.name}: device")
         return TargetProfile(f"{path.stem}-llama3-8b", MODELS["llama3-8b"], 1, device)
-    for key in ("model", "num_gpus", "device"):
-        if key not in data:
-            raise ProfileError(f"{path.name}: missing field '{key}'")
-    model = data["model"]
-    if isinstance(model, str):
-        if model not in MODELS:
-            raise ProfileError(f"{path.name}: model: unknown '{model}'; choose one of {sorted(MODELS)}")
-        shape = MODELS[model]
-    elif isinstance(model, dict):
+    spec = validate(TargetFile, data, path.name)
+    if isinstance(spec.model, str):
+        if spec.model not in MODELS:
+            raise ProfileError(f"{path.name}: model: unknown '{spec.model}'; choose one of {sorted(MODELS)}")
+        shape = MODELS[spec.model]
+    elif isinstance(spec.model, dict):
         try:
-            shape = ModelShape(**model)
+            shape = ModelShape(**spec.model)
         except TypeError as err:
             raise ProfileError(f"{path.name}: model: {err}") from None
     else:
         raise ProfileError(f"{path.name}: model: expected a name or an object")
-    num_gpus = data["num_gpus"]
-    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
-        raise ProfileError(f"{path.name}: num_gpus: expected a positive integer, got {num_gpus!r}")
-    device = data["device"]
     device = (
-        load_device(device)
-        if isinstance(device, str)
-        else DeviceProfile.from_dict(device, where=f"{path.name}: device")
+        load_device(spec.device)
+        if isinstance(spec.device, str)
+        else DeviceProfile.from_dict(spec.device, where=f"{path.name}: device")
     )
-    if num_gpus > 1 and num_gpus not in device.all_reduce:
-        raise ProfileError(f"{path.name}: device.all_reduce has no entry for {num_gpus} GPUs")
+    if spec.num_gpus > 1 and spec.num_gpus not in device.all_reduce:
+        raise ProfileError(f"{path.name}: device.all_reduce has no entry for {spec.num_gpus} GPUs")
     extra = {
-        k: _number(data[k], f"{path.name}: {k}")
+        k: getattr(spec, k)
         for k in ("gpu_mem_util", "activation_reserve_bytes")
-        if k in data
+        if getattr(spec, k) is not None
     }
-    return TargetProfile(str(data.get("name", path.stem)), shape, num_gpus, device, **extra)
+    return TargetProfile(spec.name or path.stem, shape, spec.num_gpus, device, **extra)
 
 
 # name -> (model, number of GPUs, bundled device profile)
