@@ -62,12 +62,12 @@ parity: $(STAMP) $(PEER_PREEMPT)
 run: $(STAMP)
 	$(BIN)/python -m experiments.main --out runs/main
 
-# The sweeps behind docs/results.md (experiments/configs/*.yaml; null backend, 5 seeds per
+# The sweeps behind docs/results.md (preempt/configs/*.yaml; null backend, 5 seeds per
 # point, Ray on this machine's cores; docs/results.md gives each one's wall time), then
 # the report from them and the main job's quick ablation (`make run` first).
 SWEEPS := load lengths slices sla margin pool regimes
 sweeps: $(STAMP)
-	for s in $(SWEEPS); do $(BIN)/preempt ablate --config experiments/configs/$$s.yaml --out runs/$$s || exit 1; done
+	for s in $(SWEEPS); do $(BIN)/preempt ablate --config preempt/configs/$$s.yaml --out runs/$$s || exit 1; done
 
 results: sweeps
 	$(BIN)/preempt report --quick runs/main/ablate $(foreach s,$(SWEEPS),--sweep runs/$(s)) --early runs/main/early.json \

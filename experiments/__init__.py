@@ -1,2 +1,2 @@
-"""Ablation experiments: configs under `experiments/configs/`, thin runners over the
+"""Ablation experiments: configs under `preempt/configs/`, thin runners over the
 `preempt` and `predictor` packages."""

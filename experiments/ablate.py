@@ -1,6 +1,6 @@
-"""Running an ablation or a sweep: `preempt ablate --config experiments/configs/NAME.yaml --out DIR`.
+"""Running an ablation or a sweep: `preempt ablate --config preempt/configs/NAME.yaml --out DIR`.
 
-Owns: the command: plan (experiments.arms), execute (experiments.execution: in process or
+Owns: the command: plan (experiments.plan), execute (experiments.execution: in process or
 as Ray tasks, `--ray-address` for a cluster), the results rows (metrics from
 experiments.measure, output quality from experiments.quality), with seeds the points with
 95% intervals (experiments.aggregate -> `DIR/summary.csv`), the tables
@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from experiments.aggregate import aggregate, point_key
-from experiments.arms import AblationPlan, ArmRun, plan_ablation, without_seed
 from experiments.catalogue import LOSSY_MODES, METRICS, NAN
 from experiments.execution import default_jobs, execute
+from experiments.plan import AblationPlan, ArmRun, plan_ablation, without_seed
 from experiments.quality import score_quality
 from experiments.tables import note_no_effect, results_markdown, write_csv
 from experiments.wandb_sink import WandbSink

@@ -2,16 +2,16 @@
 
 Owns: `aggregate` (the rows of `summary.csv`: description and grid columns, the seeds
 that ran, and for every metric `m` its mean `m` and interval `m_lo`, `m_hi`), and which
-interval each metric gets (experiments.stats): a Student-t interval over seeds; a
+interval each metric gets (preempt.obs.stats): a Student-t interval over seeds; a
 percentile metric of a point with one run only gets a bootstrap over that run's requests
-instead (there is no seed spread then; its caveat is in experiments/stats.py). Either is
+instead (there is no seed spread then; its caveat is in preempt/obs/stats.py). Either is
 intersected with the metric's range (`stats.metric_range`: a share in [0, 1], a count,
 latency or byte total in [0, inf)), so tables and sweep bands never show a bound the
-mean cannot take; coverage stays the interval's own (experiments/stats.py).
+mean cannot take; coverage stays the interval's own (preempt/obs/stats.py).
 
 Must never: mix seeds of different points or arms, fill an interval where fewer than
 two values exist (NaN bounds: tables say "no interval"), or clip a metric whose range
-experiments.stats does not know (unknown names stay unbounded).
+preempt.obs.stats does not know (unknown names stay unbounded).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from experiments.arms import AblationPlan, run_key, without_seed
 from experiments.catalogue import DESCRIPTION_COLUMNS, NAN, NOT_REPRODUCIBLE
-from experiments.stats import Interval, bootstrap_interval, metric_range, percentile_statistic, t_interval
+from experiments.plan import AblationPlan, run_key, without_seed
+from preempt.obs.stats import Interval, bootstrap_interval, metric_range, percentile_statistic, t_interval
 
 # (sla level or None, latency column, percentile) of a percentile metric's name
 _PERCENTILE = re.compile(r"^(?:sla(\d+)_)?(ttft|tpot)_p(50|99)_s$")

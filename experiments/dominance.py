@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from experiments.stats import Interval, t_interval
 from experiments.tables import sla_levels
+from preempt.obs.stats import Interval, t_interval
 
 Rows = list[dict[str, Any]]
 Arms = dict[str, Rows]  # arm name -> its results rows, one per seed (+ "_config")
@@ -44,7 +44,7 @@ never baselines or design arms a verdict rests on."""
 DESIGN_ARMS = ("score", "score_learned", "score_tuned")
 """The design as specified (docs/design.md §1, its defaults: the remaining work is what
 `max_tokens` allows), the same with the learned remaining-output estimate, and its tuned
-variant (experiments/configs/tune.yaml); `preempt report --compare ARM` adds a user's own."""
+variant (preempt/configs/tune.yaml); `preempt report --compare ARM` adds a user's own."""
 BETTER, WORSE, TIED = "better", "worse", "tied"
 
 

@@ -26,8 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from experiments.arms import AblationPlan, ArmRun
 from experiments.catalogue import NAN
+from experiments.plan import AblationPlan, ArmRun
 from experiments.wandb_sink import jsonable
 
 

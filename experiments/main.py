@@ -100,7 +100,7 @@ def run(out: Path, lm: Path, wandb: str) -> dict[str, float]:
             [
                 "collect",
                 "--config",
-                "experiments/configs/collect.yaml",
+                "preempt/configs/collect.yaml",
                 "--out",
                 str(out / f"collect-{start}"),
                 "--features",
@@ -149,7 +149,7 @@ def run(out: Path, lm: Path, wandb: str) -> dict[str, float]:
         + ["--lengths", str(lengths), "--arms", EARLY_ARMS, "--modes", "swap"],
         stdout_to=out / "early.json",
     )
-    from experiments.early_windows import render_windows
+    from preempt.bench.early_windows import render_windows
 
     print(render_windows(json.loads((out / "early.json").read_text())), flush=True)
     times["ablate"] = _step(
@@ -157,7 +157,7 @@ def run(out: Path, lm: Path, wandb: str) -> dict[str, float]:
         [
             "ablate",
             "--config",
-            "experiments/configs/quick.yaml",
+            "preempt/configs/quick.yaml",
             "--out",
             str(out / "ablate"),
             "--predictor",

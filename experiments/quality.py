@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from experiments.arms import AblationPlan, ArmRun, run_key
 from experiments.catalogue import NAN
+from experiments.plan import AblationPlan, ArmRun, run_key
 
 
 def output_agreement(run_dir: Path, reference_dir: Path) -> tuple[float, float, int]:

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from experiments.stats import t_interval
 from experiments.tables import interval_cell, read_csv
+from preempt.obs.stats import t_interval
 
 RECOMPUTE, RAW = "rate_limit", "swap_raw"
 

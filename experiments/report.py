@@ -416,11 +416,11 @@ def report(
     if paper is None:
         text += (
             "\n## Paper ablation\n\nNot run for this report: `preempt ablate --config "
-            "experiments/configs/paper.yaml --out runs/ablate-paper [--ray-address ADDR]` "
+            "preempt/configs/paper.yaml --out runs/ablate-paper [--ray-address ADDR]` "
             "(docs/regimes.md: its time on N Ray workers), then add `--paper runs/ablate-paper`.\n"
         )
     if early is not None:
-        from experiments.early_windows import render_windows
+        from preempt.bench.early_windows import render_windows
 
         result = json.loads(Path(early).read_text())
         num_windows = len({tuple(row["window_s"]) for row in result["windows"]})

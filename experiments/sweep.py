@@ -1,6 +1,6 @@
 """The program a wandb sweep runs: one arm of an ablation with the sweep's parameters.
 
-    wandb sweep experiments/configs/sweep.yaml          # prints SWEEP_ID (needs wandb online)
+    wandb sweep preempt/configs/sweep.yaml          # prints SWEEP_ID (needs wandb online)
     wandb agent ENTITY/PROJECT/SWEEP_ID                 # on as many machines as you like
 
 Each agent asks the wandb server for the next parameters and starts
@@ -32,7 +32,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         description="Run one ablation arm with dotted overrides (--a.b=v) and log its metrics to wandb.",
     )
     parser.add_argument(
-        "--ablation", type=Path, required=True, help="ablation config (experiments/configs/*.yaml)"
+        "--ablation", type=Path, required=True, help="ablation config (preempt/configs/*.yaml)"
     )
     parser.add_argument(
         "--arm", required=True, help="the arm to run (its overrides apply before the sweep's)"
@@ -57,9 +57,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def run(argv: list[str]) -> dict[str, Any]:
-    from experiments.arms import plan_ablation
     from experiments.execution import init_worker
     from experiments.measure import run_metrics
+    from experiments.plan import plan_ablation
     from preempt.obs.tracking import resolve_wandb_mode
     from preempt.replay import replay
 

@@ -1,4 +1,4 @@
-"""Tuning an arm's knobs: `preempt tune --config experiments/configs/tune.yaml --out DIR`.
+"""Tuning an arm's knobs: `preempt tune --config preempt/configs/tune.yaml --out DIR`.
 
 Owns: the Optuna study (TPE, seeded, the
 parent arm's own values enqueued as trial 0, ask/tell in batches), each trial as a
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.arms import AblationPlan, ArmRun, ArmSpec, plan_ablation
 from experiments.execution import RayRunner, default_jobs, execute
+from experiments.plan import AblationPlan, ArmRun, ArmSpec, plan_ablation
 from experiments.tune_config import TunePlan, ablation_data, plan_tune, trial_overrides, write_yaml
 from experiments.wandb_sink import WandbSink, jsonable
 from preempt.core.config import ConfigError

@@ -1,4 +1,4 @@
-"""The tune config and its resolution into trials: `experiments/configs/tune.yaml`.
+"""The tune config and its resolution into trials: `preempt/configs/tune.yaml`.
 
 Owns: the schema of a tune config (pydantic, frozen, unknown keys rejected; every error
 one `ConfigError` naming the key, before anything runs) -- the parent arm, the search
@@ -23,15 +23,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from experiments.arms import ArmRun, plan_ablation
 from experiments.catalogue import METRICS, NOT_REPRODUCIBLE, SLA_METRICS
-from preempt.core.config import (
-    ConfigError,
-    build_config,
-    find_config_file,
-    format_validation_error,
-    set_dotted,
-)
+from experiments.plan import ArmRun, plan_ablation
+from preempt.core.config import ConfigError, build_config, format_validation_error
+from preempt.core.config_files import find_config_file, set_dotted
 
 # ---------------------------------------------------------------- the config file
 
@@ -242,7 +237,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def load_tune_config(path: str | Path) -> TuneConfig:
-    from preempt.core.config import read_config_file
+    from preempt.core.config_files import read_config_file
 
     try:
         return TuneConfig.model_validate(read_config_file(path))

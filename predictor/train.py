@@ -32,7 +32,7 @@ CHECKPOINT_NAME = "predictor.ckpt"
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Defaults chosen by val AUPRC on the default collect data (experiments/configs/
+    """Defaults chosen by val AUPRC on the default collect data (preempt/configs/
     collect.yaml, azure-conv; docs/archive/predictor-history.md), (batch_size, max_epochs, seq_len):
     (4096, 6, 64) 0.54, (1024, 6, 64) 0.56, (1024, 12, 64) 0.71, (512, 12, 64) 0.67,
     (1024, 12, 16) 0.55, (1024, 12, 256) 0.72, (1024, 12, whole) 0.69, (2048, 16, 256)

@@ -36,7 +36,7 @@ _EXPORTS = {
     "EngineConfig": "preempt.core.config",
     "ConfigError": "preempt.core.config",
     "build_config": "preempt.core.config",
-    "load_config": "preempt.core.config",
+    "load_config": "preempt.core.config_files",
     "Request": "preempt.core.request",
     "RequestState": "preempt.core.request",
     "build_workload": "preempt.core.workload",

@@ -12,7 +12,7 @@ B=${1:-runs/early-policies}
 mkdir -p "$B"
 D=""
 for w in 0 200 400; do
-  [ -d "$B/features-$w" ] || preempt collect --config experiments/configs/collect.yaml \
+  [ -d "$B/features-$w" ] || preempt collect --config preempt/configs/collect.yaml \
       --set workload.start_s=$w --out "$B/collect-$w" --features "$B/features-$w" --no-progress > "$B/collect-$w.log"
   D=${D:+$D,}$B/features-$w
 done

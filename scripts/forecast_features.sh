@@ -10,7 +10,7 @@
 # (the two traces side by side) on 2 cores. Usage: bash scripts/forecast_features.sh [OUT]
 set -euo pipefail
 B=${1:-runs/pred15c/fcset}
-C=experiments/configs/collect.yaml
+C=preempt/configs/collect.yaml
 F=(--set features.feature_set=forecast --set features.horizon_steps=4
    --set preemption.async_restore=true --set early_save.prefetch=true)
 mkdir -p "$B"

@@ -301,7 +301,7 @@ def section_markdown(section: Section, links: dict[type, tuple[str, str]], regis
 
 def config_groups() -> list[tuple[str, str, list[Section]]]:
     """(heading, intro, sections) of each config the page documents."""
-    from experiments.arms import AblationConfig
+    from experiments.plan import AblationConfig
     from experiments.tune_config import ChoiceSpec, RangeSpec, TuneConfig
     from preempt.core.config import EngineConfig
     from preempt.obs.dataset import FeatureConfig
@@ -317,7 +317,7 @@ def config_groups() -> list[tuple[str, str, list[Section]]]:
             "ablation's `base`/`base_config`, an arm's `set`) take: YAML or JSON, one mapping per "
             "section (preempt.core.config.EngineConfig). Unknown keys are refused, naming the key. "
             "A relative `--config` path that is not found from the current directory is looked "
-            "up among the bundled configs, experiments/configs/ (`--config engine_quick.yaml`).",
+            "up among the bundled configs, preempt/configs/ (`--config engine_quick.yaml`).",
             walk(Section("", EngineConfig, "Top level")),
         ),
         (
@@ -328,14 +328,14 @@ def config_groups() -> list[tuple[str, str, list[Section]]]:
         ),
         (
             "Ablation config",
-            "What `preempt ablate --config FILE` takes (experiments.arms.AblationConfig; "
-            "experiments/configs/*.yaml; docs/experiments.md).",
+            "What `preempt ablate --config FILE` takes (experiments.plan.AblationConfig; "
+            "preempt/configs/*.yaml; docs/experiments.md).",
             walk(Section("", AblationConfig, "Ablation: top level")),
         ),
         (
             "Tune config",
             "What `preempt tune --config FILE` takes (experiments.tune_config.TuneConfig; "
-            "experiments/configs/tune.yaml; docs/tuning.md).",
+            "preempt/configs/tune.yaml; docs/tuning.md).",
             walk(Section("", TuneConfig, "Tune: top level"), {TuneConfig: tune_space}),
         ),
     ]
@@ -354,7 +354,7 @@ def config_page() -> str:
     out = [
         HEADER.format(
             command=COMMAND,
-            source="the pydantic models of preempt.core.config, experiments.arms and experiments.tune_config "
+            source="the pydantic models of preempt.core.config, experiments.plan and experiments.tune_config "
             "(and preempt.obs.dataset.FeatureConfig)",
         ),
         "# Configuration reference\n",

@@ -6,7 +6,7 @@ The policy must read what the logger trains on (until 2026-12-02 the early saver
 before the prefetcher: 3,733 of 227,942 rows of [0, 200) s differed, and 2 of 3,327
 oracle forecasts were wrong; docs/archive/predictor-history.md).
 
-One replay of a window of experiments/configs/collect.yaml (raw swap, async restores,
+One replay of a window of preempt/configs/collect.yaml (raw swap, async restores,
 prefetch, no early saves), reading the engine at both points of every step that ran
 something, the early saver's (right after the prefetcher returns) and the logger's:
 1. features: one `Features` source at each point; the rows that differ, per column (a
@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 
 from preempt.bench.early import COLLECT
-from preempt.core.config import load_config
+from preempt.core.config_files import load_config
 from preempt.core.workload import build_workload
-from preempt.engine.engine import Engine
 from preempt.early.features import FEATURE_SETS, Features
 from preempt.early.lookahead import Lookahead
+from preempt.engine.engine import Engine
 from preempt.obs.dataset import preemption_events
 
 HORIZON_MS, HORIZON_STEPS = 50.0, 4

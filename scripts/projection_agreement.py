@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from preempt.bench.early import COLLECT
-from preempt.core.config import load_config
+from preempt.core.config_files import load_config
 from preempt.early.lookahead import Lookahead
 from preempt.early.projection import Projection
 from preempt.replay import replay

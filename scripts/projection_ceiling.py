@@ -18,9 +18,9 @@ import json
 import tempfile
 from pathlib import Path
 
-from experiments.early_windows import choose_windows
-from experiments.stats import t_interval
 from preempt.bench.early import arm_overrides, hidden_share, run_arm, window_s
+from preempt.bench.early_windows import choose_windows
+from preempt.obs.stats import t_interval
 
 
 def exact_lengths(engine) -> None:

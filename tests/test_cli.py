@@ -64,12 +64,12 @@ def test_run_writes_contract_files(tmp_path, capsys):
 
 def test_run_names_the_window_and_rate_a_config_file_brings(tmp_path, capsys):
     """A user's --trace with engine_quick.yaml replays that file's 60 s at 4x: said so."""
-    argv = ["run", "--config", "experiments/configs/engine_quick.yaml", "--trace", "azure-code"]
+    argv = ["run", "--config", "preempt/configs/engine_quick.yaml", "--trace", "azure-code"]
     assert main([*argv, "--duration", "5", "--out", str(tmp_path / "a"), "--no-progress"]) == 0
     line = json.loads(capsys.readouterr().out.rsplit("\nwrote", 1)[0])["workload"]
     assert line == (
         "azure-code [0 s, 5 s) at 4x its rate, max_tokens fixed at 1024 "
-        "(workload.rate_scale=4.0, workload.max_tokens_mode=fixed from experiments/configs/engine_quick.yaml)"
+        "(workload.rate_scale=4.0, workload.max_tokens_mode=fixed from preempt/configs/engine_quick.yaml)"
     )
 
 

@@ -41,7 +41,7 @@ def _installed(name: str) -> str:
 
 
 def run_blocks(path: Path, workdir: Path, monkeypatch) -> None:
-    # as from the repository's root (the tutorials name experiments/configs/...), but
+    # as from the repository's root (the tutorials name bundled configs, experiments/), but
     # writing into a scratch directory
     (workdir / "experiments").symlink_to(ROOT / "experiments")
     if (ROOT / ".peer").is_dir():  # the vLLM environment (`make peer`), as from the root

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from experiments.dominance import Arms
-from experiments.stats import Interval, metric_range, t_interval
 from experiments.tables import metric_fingerprint
+from preempt.obs.stats import Interval, metric_range, t_interval
 
 HELD, NOT_HELD, INCONCLUSIVE, IDLE, NOT_MEASURED = (
     "held",
@@ -79,7 +79,7 @@ def show(rows: list[dict[str, Any]], metric: str, digits: int = 3, scale: float 
 
 # What a relative change of non-negative metrics can take: `a / b - 1` is at least -100%,
 # a reduction `1 - a / b` at most 100% (the mean of per-seed ratios too, so the interval is
-# clipped to it like a metric's; experiments.stats).
+# clipped to it like a metric's; preempt.obs.stats).
 RELATIVE_CHANGE = (-1.0, math.inf)
 REDUCTION = (-math.inf, 1.0)
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from experiments.claims.base import IDLE, INCONCLUSIVE, Claim, Finding, fmt, missing, n_seeds, show
 from experiments.dominance import Arms, paired, paired_interval, top_level
-from experiments.stats import compare
+from preempt.obs.stats import compare
 
 Rows = list[dict[str, Any]]
 

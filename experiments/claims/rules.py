@@ -42,7 +42,7 @@ from experiments.dominance import (
     paired_interval,
     top_level,
 )
-from experiments.stats import compare, ratio_interval, t_interval
+from preempt.obs.stats import compare, ratio_interval, t_interval
 
 # ---------------------------------------------------------------- from the ablations' arms
 
@@ -386,7 +386,7 @@ SHARE_TARGET = 0.5
 def oracle_share(without: str, learned: str, oracle: str) -> Callable[[Arms], Finding]:
     """The share of the oracle's advantage over `without` (remaining work from max_tokens)
     that `learned` recovers: mean(learned - without) / mean(oracle - without), paired by
-    seed, with Fieller's interval (experiments.stats.ratio_interval). Per metric: held
+    seed, with Fieller's interval (preempt.obs.stats.ratio_interval). Per metric: held
     when the interval is above SHARE_TARGET, did not hold when below; a metric where the
     oracle's own advantage is not clear of 0 decides nothing."""
 

@@ -44,7 +44,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from preempt.core.config import EngineConfig, build_config, load_config
+from preempt.core.config import EngineConfig, build_config
+from preempt.core.config_files import BUNDLED_CONFIGS, load_config
 from preempt.core.workload import build_workload
 from preempt.early.features import FORECAST_EVERY_STEPS
 from preempt.engine.engine import Engine
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
     from preempt.kv.record import PreemptionRecord
     from preempt.kv.segment import Segment
 
-COLLECT = Path(__file__).resolve().parents[2] / "experiments" / "configs" / "collect.yaml"
+COLLECT = BUNDLED_CONFIGS / "collect.yaml"
 # The trace window replayed: one that no recipe here trains a predictor on (the collects
 # of docs/archive/predictor-history.md use azure-conv [0, 1200) and [2400, 3000) s, the main job [3000,
 # 3200) s), so the `lstm` arm is scored on requests it never saw. collect.yaml's own

@@ -1,12 +1,11 @@
 """`preempt bench early --windows`: the async-restore arms of `preempt bench early` on
-every held-out trace window, with each issue-15 target judged by a 95% interval over
-windows (one window is an anecdote: the same checkpoint wasted 30-49% of its early bytes
-on seven unseen windows of azure-conv, docs/archive/predictor-history.md).
+every held-out trace window, with each early-save target judged by a 95% interval over
+windows (one window is an anecdote: a checkpoint's waste varies widely from one unseen
+window of a trace to the next).
 
 Owns: the held-out windows, the per-window runs and their summary (`summarize_windows`).
 The arms themselves are preempt.bench.early's (`arm_overrides`, `run_arm`); the
-intervals and verdicts experiments.stats'. Here, not in preempt/bench: only the CLI and
-experiments/ may import experiments.stats (tests/test_architecture.py).
+intervals and verdicts preempt.obs.stats'.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from experiments.stats import UNIT, Range, compare, t_interval
 from preempt.bench.early import (
     ASYNC_MODES,
     COLLECT,
@@ -30,8 +28,9 @@ from preempt.bench.early import (
     training_windows_of,
     window_s,
 )
-from preempt.core.config import load_config
+from preempt.core.config_files import load_config
 from preempt.core.workload import TraceError, load_trace, resolve_trace
+from preempt.obs.stats import UNIT, Range, compare, t_interval
 
 FORECAST_ARMS = ("forecast", "forecast_k4", "projection", "projection_learned")
 """preempt.bench.early's forecast arms (no checkpoint: one run a window): the fork every
@@ -226,7 +225,7 @@ RANGES: dict[str, Range] = {
     "minus_waste_share": (-1.0, 1.0),
 }
 """What each summarized quantity can take, so its interval is clipped to it
-(experiments.stats: the same coverage of a mean that lies in the range). `waste_share`
+(preempt.obs.stats: the same coverage of a mean that lies in the range). `waste_share`
 (wasted / early-saved bytes) is a share; `stall_hidden` = 1 - stall / stall of `none`
 is at most 1 and negative when an arm stalls more than `none`; differences of two
 hidden shares are unbounded, of two waste shares in [-1, 1]."""

@@ -1,8 +1,8 @@
-"""`preempt bench lengths` (judged here, by intervals over minutes): how well each remaining-output estimator
-(`preemption.remaining`, preempt.engine.remaining) knows what a running request still has
+"""`preempt bench lengths`: how well each remaining-output estimator (`preemption.remaining`,
+preempt.engine.remaining) knows what a running request still has
 to make, on minutes of the trace it was not fitted on.
 
-Protocol: for each held-out minute (the `lengths` sweep's fifteen, experiments/configs/
+Protocol: for each held-out minute (the `lengths` sweep's fifteen, preempt/configs/
 lengths.yaml; the first three with --quick), the learned model is fitted exactly as a run
 fits it (LengthModel.from_trace: the trace's records outside that minute, max_tokens as
 clients send it: a 1024 cap). Every request of the minute is then asked at the points of
@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 import yaml
 
-from experiments.stats import t_interval
 from preempt.core.config import WorkloadConfig
 from preempt.core.workload import build_workload
 from preempt.engine.lengths import LengthModel
+from preempt.obs.stats import t_interval
 
 EVERY_TOKENS = 32  # a request is asked again after this many tokens
 CAP = 1024
@@ -33,7 +33,7 @@ CAP = 1024
 
 def held_out_minutes() -> list[float]:
     """The `lengths` sweep's minutes (its `replicate: workload.start_s`), one home."""
-    from preempt.core.config import find_config_file
+    from preempt.core.config_files import find_config_file
 
     spec = yaml.safe_load(Path(find_config_file("lengths.yaml")).read_text())
     return [float(s) for s in spec["replicate"]["workload.start_s"]]

@@ -88,7 +88,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.http:  # experiments/ judges the seeds by intervals
             import tempfile
 
-            from experiments.vllm_http import bench_vllm_http
+            from preempt.bench.vllm_http import bench_vllm_http
             from preempt.parity.harness import peer_python
 
             with tempfile.TemporaryDirectory(prefix="preempt-bench-vllm-http-") as tmp:
@@ -107,19 +107,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 arms = [arm for arm in ARMS if arm.name in names]
                 result = bench_vllm_http(peer_python(None), Path(tmp), args.quick, arms, shapes)
         elif args.name == "lengths":  # experiments/ judges the minutes by intervals
-            from experiments.length_estimates import bench_lengths, render_lengths
+            from preempt.bench.lengths import bench_lengths, render_lengths
 
             result = bench_lengths(args.quick)
             if not args.json:
                 print(render_lengths(result))
                 return 0
         elif args.windows:  # experiments/ judges the windows by intervals
-            from experiments.early_windows import bench_early_windows
+            from preempt.bench.early_windows import bench_early_windows
 
             arms = args.arms.split(",") if args.arms is not None else None
             try:
                 if arms is None and not models:  # every arm that needs no checkpoint
-                    from experiments.early_windows import WINDOW_ARMS
+                    from preempt.bench.early_windows import WINDOW_ARMS
 
                     arms = [arm for arm in WINDOW_ARMS if not arm.startswith("lstm")]
                 if args.lengths is not None and not Path(args.lengths).is_file():
@@ -154,8 +154,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_connector(args: argparse.Namespace, work_dir: Path) -> int:
     """`bench vllm --http --connector`: the table per regime (or the JSON with --json)."""
-    from experiments.vllm_connector import bench_vllm_connector, connector_table
-    from preempt.bench.vllm_connector import CONNECTOR_ARMS
+    from preempt.bench.vllm_connector import CONNECTOR_ARMS, bench_vllm_connector, connector_table
     from preempt.parity.harness import peer_python
 
     names = args.arms.split(",") if args.arms is not None else [arm.name for arm in CONNECTOR_ARMS]
@@ -176,7 +175,7 @@ def _print_windows(result: dict[str, Any], args: argparse.Namespace) -> int:
     paths written. `--json`: the result alone on stdout, compact, and files only with an
     explicit `--out` (their paths on stderr): scripts run several at once, each to its own
     file, and must not race on the default folder."""
-    from experiments.early_windows import RESULTS_DIR, render_windows, write_windows
+    from preempt.bench.early_windows import RESULTS_DIR, render_windows, write_windows
 
     if args.json and args.out is None:
         print(json.dumps(result))

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from preempt.core.config import ConfigError, EngineConfig, load_config
+from preempt.core.config import ConfigError, EngineConfig
+from preempt.core.config_files import load_config
 
 
 def _config_from_args(args: argparse.Namespace) -> EngineConfig:

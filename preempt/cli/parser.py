@@ -320,8 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     calibrate.set_defaults(func=cmd_calibrate)
 
-    ablate = sub.add_parser("ablate", help="run an ablation matrix (experiments/configs/*.yaml)")
-    ablate.add_argument("--config", type=Path, required=True, help="e.g. experiments/configs/quick.yaml")
+    ablate = sub.add_parser("ablate", help="run an ablation matrix (preempt/configs/*.yaml)")
+    ablate.add_argument("--config", type=Path, required=True, help="e.g. preempt/configs/quick.yaml")
     ablate.add_argument("--out", type=Path, required=True, help="writes results.csv, results.md, plots/")
     _add_wandb_flag(ablate)
     ablate.add_argument("--jobs", type=_positive_int, help="arms run at once (default: min(cores, arms))")
@@ -413,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune = sub.add_parser(
         "tune", help="tune an arm's knobs with Optuna (TPE) on ablation runs; one JSON line (docs/tuning.md)"
     )
-    tune.add_argument("--config", type=Path, required=True, help="e.g. experiments/configs/tune.yaml")
+    tune.add_argument("--config", type=Path, required=True, help="e.g. preempt/configs/tune.yaml")
     tune.add_argument("--out", type=Path, required=True, help="writes study.json, best.yaml, trials/")
     tune.add_argument("--trials", type=_positive_int, help="trials in all (default: the config's `trials`)")
     tune.add_argument("--jobs", type=_positive_int, help="runs at once (default: min(cores, a batch's runs))")

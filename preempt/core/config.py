@@ -7,15 +7,14 @@ blocks actually allocated, the model's vocabulary) live in state objects, never 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from preempt.core.config_base import ConfigError, Section, format_validation_error
+from preempt.core.early_save_config import EarlySaveConfig
 from preempt.core.registry import (
-    EARLY_SAVE_POLICIES,
     PREEMPTION_MODES,
     SCHEDULING_POLICIES,
     check_mode,
@@ -23,18 +22,7 @@ from preempt.core.registry import (
 )
 
 
-class ConfigError(ValueError):
-    """A configuration problem, with a message that names the key."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    def __deepcopy__(self, memo: dict[int, object] | None = None) -> _Section:
-        return self  # frozen: a copy of the engine shares its config, as a tuple would
-
-
-class ModelConfig(_Section):
+class ModelConfig(Section):
     backend: Literal["tiny", "null", "hf"] = "tiny"
     """`tiny`: real small Llama-style decoder on CPU; `null`: no model compute; `hf`: a
     Llama/Qwen2-family checkpoint (config.json + safetensors) from `checkpoint`."""
@@ -67,7 +55,7 @@ class ModelConfig(_Section):
         return self
 
 
-class CacheConfig(_Section):
+class CacheConfig(Section):
     block_size: int = Field(16, gt=0)
     """Tokens per KV block."""
     num_blocks: int | None = Field(None, gt=0)
@@ -75,7 +63,7 @@ class CacheConfig(_Section):
     block vLLM keeps as its null block (so `num_blocks` here is vLLM's `num_gpu_blocks` - 1)."""
 
 
-class SglangConfig(_Section):
+class SglangConfig(Section):
     """The `sglang_*` policies' own knobs, named and defaulted as SGLang 0.5.23's server
     arguments (python/sglang/srt/arg_groups/fields/schedule.py and environ.py)."""
 
@@ -94,7 +82,7 @@ class SglangConfig(_Section):
     the user's choosing; SLA levels here are 0-2, so 0: any higher level)."""
 
 
-class SchedulerConfig(_Section):
+class SchedulerConfig(Section):
     max_num_seqs: int = Field(128, gt=0)
     """Most requests in one batch."""
     max_num_batched_tokens: int = Field(2048, gt=0)
@@ -117,7 +105,7 @@ class SchedulerConfig(_Section):
         return SCHEDULING_POLICIES.check(name)
 
 
-class ClockConfig(_Section):
+class ClockConfig(Section):
     kind: Literal["virtual", "wall"] = "virtual"
     """`virtual`: step durations from the target's cost model (deterministic)."""
     target: str = "h200-llama3-8b"
@@ -141,7 +129,7 @@ class ClockConfig(_Section):
         return name
 
 
-class WorkloadConfig(_Section):
+class WorkloadConfig(Section):
     trace: str = "azure-conv"
     """Bundled trace name (azure-conv, azure-code, mooncake-synthetic) or a file path."""
     start_s: float = Field(0.0, ge=0)
@@ -181,7 +169,7 @@ class WorkloadConfig(_Section):
         return mix
 
 
-class PriorityWeights(_Section):
+class PriorityWeights(Section):
     """Weights of `score = age_s * age + sla_level * sla - remaining_ktokens * tokens`.
 
     Units are explicit: age in seconds since arrival, SLA level as an integer class,
@@ -201,7 +189,7 @@ class PriorityWeights(_Section):
     all but name (the vLLM plugin's defaults cap it; docs/vllm_plugin.md)."""
 
 
-class TimeSliceConfig(_Section):
+class TimeSliceConfig(Section):
     """Slice lengths by the request's current length (prompt + generated tokens)."""
 
     long_ms: float = Field(50.0, gt=0)
@@ -215,7 +203,7 @@ class TimeSliceConfig(_Section):
     """The one slice of the `static` strategy."""
 
 
-class BackoffConfig(_Section):
+class BackoffConfig(Section):
     """After a preemption failure, new admissions wait base * 2^(k-1) seconds (k =
     failures in a row, capped); k resets after `reset_after_s` without a failure."""
 
@@ -233,7 +221,7 @@ class BackoffConfig(_Section):
     class first, with the pool free; such requests are still marked and protected)."""
 
 
-class MlfqConfig(_Section):
+class MlfqConfig(Section):
     """FastServe's skip-join multi-level feedback queue (docs/fastserve.md; the defaults are
     its public artifact's, LLMServe/FastServe fastserve/scheduler.py): queue k has quantum
     `base_quantum_ms * quantum_ratio**k`; a new request joins the first queue whose quantum
@@ -253,7 +241,7 @@ class MlfqConfig(_Section):
     serving Llama-3-8B, whose 2,048-token prefill step takes ~48 ms (docs/clock.md)."""
 
 
-class PreemptionConfig(_Section):
+class PreemptionConfig(Section):
     """The design's `preemption` section (serve_config.json), extended."""
 
     mode: str = "recompute"
@@ -413,113 +401,7 @@ class PreemptionConfig(_Section):
         return not forced or self.rate_cap_counts == "all"
 
 
-class EarlySaveConfig(_Section):
-    """Speculative KV saves before a preemption happens: when the
-    policy expects a running request to be preempted soon, its blocks are copied to the
-    host in the background; the preemption then saves only the blocks written since."""
-
-    policy: str = "none"
-    """A name of `preempt.core.registry.EARLY_SAVE_POLICIES`, or the import path of a
-    user's own `EarlySavePolicy` subclass. `always`: every running request (write-through,
-    like SGLang HiCache); `rule`: the lowest-priority running request whose time slice is
-    used up; `lstm`: the trained predictor (`checkpoint`) at p >= threshold; `oracle`: the
-    preemptions of a reference run without early saves (`oracle_log`), within
-    `horizon_ms`; `lookahead`: the true future, by simulating a fork of the engine ahead
-    (preempt/early/lookahead.py; virtual clock); `forecast`: the same fork knowing only
-    the present (requests arrived by now, each run to its `max_tokens`); `projection`: the
-    forecast without a fork, the scheduler's block arithmetic stepped ahead from the
-    present state (preempt/early/projection.py; any clock), every step, with
-    `length_model` if given (docs/predictor.md: the recommended policy)."""
-    checkpoint: str | None = None
-    """`lstm`: the predictor checkpoint (`preempt train` writes predictor.ckpt)."""
-    threshold: float | None = Field(None, gt=0, lt=1)
-    """`lstm`: probability that starts an early save (None: the checkpoint's own
-    operating threshold)."""
-    waste_cap: float | None = Field(None, gt=0, lt=1)
-    """`lstm`: hold the live share of early-copied bytes that are wasted at this value by
-    moving the threshold online (`preempt.early.early_save.WasteCap`: integral control
-    on the recent waste share, from `threshold`). A threshold chosen on val drifts
-    when the load shifts (fewer preemptions, more finishes per warning); this follows it.
-    None: the threshold stays fixed."""
-    waste_cap_gain: float = Field(0.2, gt=0)
-    """`waste_cap`: logit units the threshold moves per step in which early copies were
-    claimed or wasted, per unit of error in the recent waste share (the default's choice on
-    dev windows: docs/archive/predictor-history.md)."""
-    oracle_log: str | None = None
-    """`oracle`: preemptions.parquet of a run with the same config and early_save none."""
-    horizon_ms: float = Field(50.0, gt=0)
-    """`oracle`/`lookahead`/`lstm`: how far ahead a preemption counts as predicted (a
-    `lstm` checkpoint must have been trained with the same horizon)."""
-    horizon_steps: int = Field(0, ge=0)
-    """The horizon in engine steps as well: predicted when within `horizon_ms` or within
-    this many steps, whichever reaches further (0: time only)."""
-    feature_set: Literal["v1", "scale_free", "forecast"] = "v1"
-    """`lstm`: the features the checkpoint must have been trained on (preempt.early.features;
-    `forecast` forks the engine, so virtual clock only)."""
-    every_k_steps: int = Field(1, gt=0)
-    """`lstm`: step the predictor (features and LSTM) every this many engine steps, keeping
-    its decision between; the checkpoint must have been trained on rows logged at the same
-    stride (`features.every_k_steps`), or it is refused."""
-    lookahead_every_steps: int = Field(1, gt=0)
-    """`lookahead`/`forecast`: fork and simulate every this many steps (between, reuse the
-    forecast). `forecast` also forks at once on news its last fork could not know (an
-    arrival; a request ending before its max_tokens)."""
-    length_model: str | None = None
-    """`projection`: a learned output-length model (`preempt lengths fit` writes
-    lengths.json; preempt.engine.lengths). The projection runs every request to its
-    max_tokens; with this model it keeps only the preemptions it predicts within the
-    steps where no unforeseen finish is likely (`length_confidence`): a request ending
-    early frees the seat or blocks the predicted preemption needed. None: all kept."""
-    length_confidence: float = Field(0.5, gt=0, lt=1)
-    """`length_model`: the probability, under the model, that no running request ends
-    before a predicted preemption's step, that keeping the prediction needs."""
-    prefetch: bool = False
-    """Restore prefetch (preempt/early/prefetch.py): start restoring the next requests to be
-    admitted into free blocks before they are admitted (virtual clock)."""
-    prefetch_depth: int = Field(8, gt=0)
-    """Prefetch: how many of the next requests to be admitted are considered."""
-    prefetch_block_share: float = Field(0.25, gt=0, le=1)
-    """Prefetch: at most this share of the KV blocks held by prefetched restores."""
-    prefetch_host_budget: int | str = Field("8GB", validate_default=True)
-    """Prefetch: host bytes that copies decoded ahead of their restore may hold at once."""
-    prefetch_decode_threads: int = Field(4, gt=0)
-    """Prefetch: host threads decoding ahead, one blob each at the codec's calibrated
-    per-thread rate (`preemption.codec_decode_mb_s`)."""
-    host_budget: int | str = Field("1GB", validate_default=True)
-    """Host bytes that speculative copies may hold at once; demand saves always come first."""
-    max_inflight: int = Field(4, gt=0)
-    """Early saves queued or running at once (the bounded queue)."""
-
-    @field_validator("policy")
-    @classmethod
-    def _known_policy(cls, name: str) -> str:
-        return EARLY_SAVE_POLICIES.check(name)
-
-    @field_validator("host_budget", "prefetch_host_budget")
-    @classmethod
-    def _size(cls, value: int | str) -> int:
-        from preempt.core.sizes import parse_size
-
-        return parse_size(value)
-
-    @model_validator(mode="after")
-    def _needs(self) -> EarlySaveConfig:
-        if self.policy == "lstm" and not self.checkpoint:
-            raise ValueError("policy 'lstm' needs early_save.checkpoint (a predictor.ckpt)")
-        if self.waste_cap is not None and self.policy != "lstm":
-            raise ValueError(
-                f"early_save.waste_cap moves the lstm policy's threshold; policy is '{self.policy}'"
-            )
-        if self.length_model is not None and self.policy != "projection":
-            raise ValueError(
-                f"early_save.length_model informs the projection policy; policy is '{self.policy}'"
-            )
-        if self.policy == "oracle" and not self.oracle_log:
-            raise ValueError("policy 'oracle' needs early_save.oracle_log (a reference preemptions.parquet)")
-        return self
-
-
-class SLOConfig(_Section):
+class SLOConfig(Section):
     """Latency objectives per SLA level, for goodput and SLO attainment. Levels not
     listed use level 0's. Defaults: interactive-chat targets of the range that
     vLLM/DistServe evaluations use, tighter for VIP (level 1)."""
@@ -540,7 +422,7 @@ class SLOConfig(_Section):
         return self.ttft_s.get(level, self.ttft_s[0]), self.tpot_s.get(level, self.tpot_s[0])
 
 
-class ServeConfig(_Section):
+class ServeConfig(Section):
     """`preempt serve`'s own defaults (the engine ignores this section)."""
 
     default_max_tokens: int | None = Field(256, gt=0)
@@ -551,7 +433,7 @@ class ServeConfig(_Section):
     default to 16 (OpenAI's and vLLM's) whatever this says."""
 
 
-class EngineConfig(_Section):
+class EngineConfig(Section):
     seed: int = 0
     """Seeds model init, prompt tokens, SLA assignment and sampling."""
     model: ModelConfig = ModelConfig()
@@ -596,105 +478,9 @@ class EngineConfig(_Section):
         return self
 
 
-def format_validation_error(err: ValidationError, noun: str = "config key") -> str:
-    """pydantic's first error as one line naming the dotted key: "unknown <noun> 'a.b'" or
-    "<noun> 'a.b': <message>". Every pydantic-validated input of the project (engine
-    config, ablation files, parity workloads, the vLLM plugin's settings) words its errors
-    this way; `noun` is what the input calls its keys."""
-    first = err.errors()[0]
-    key = ".".join(str(p) for p in first["loc"]) or "<root>"
-    if first["type"] == "extra_forbidden":
-        return f"unknown {noun} '{key}'"
-    return f"{noun} '{key}': {first['msg']}"
-
-
 def build_config(data: dict[str, Any]) -> EngineConfig:
     """Validate a nested dict into an EngineConfig, raising ConfigError naming the key."""
     try:
         return EngineConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err)) from None
-
-
-BUNDLED_CONFIGS = Path(__file__).resolve().parents[2] / "experiments" / "configs"
-"""The configs that ship with the repository (experiments/configs/): a relative config path
-that is not found where it is given is looked up here, so `--config engine_quick.yaml`
-works from any directory (a checkout's; an installed wheel carries none of them)."""
-
-
-def find_config_file(path: str | Path, beside: str | Path | None = None) -> Path:
-    """Where the config file `path` is: as given (relative to the cwd; or, given `beside`,
-    relative to that directory, as an ablation's `base_config` is to its file), else, for a
-    relative path, among the bundled configs (BUNDLED_CONFIGS). Raises ConfigError listing
-    every place it looked."""
-    path = Path(path)
-    if path.is_absolute():
-        candidates = [path]
-    else:
-        candidates = [path if beside is None else Path(beside) / path, BUNDLED_CONFIGS / path]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    looked = " and ".join(str(candidate.absolute()) for candidate in candidates)
-    raise ConfigError(f"config file not found: {path} (looked for {looked})")
-
-
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a JSON or YAML file into a dict (no validation yet); a relative path missing from
-    the cwd is looked up among the bundled configs (`find_config_file`)."""
-    path = find_config_file(path)
-    text = path.read_text()
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as err:
-        raise ConfigError(
-            f"config file {path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {err}"
-        ) from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping at the top level")
-    return data
-
-
-def parse_assignment(assignment: str) -> tuple[str, Any]:
-    """`a.b=value` -> ("a.b", value), the value parsed as YAML (so 10, 0.5, true, null and
-    {0: 1.0} keep their types; what YAML cannot parse stays a string)."""
-    if "=" not in assignment:
-        raise ConfigError(f"--set expects key=value, got '{assignment}'")
-    key, raw = assignment.split("=", 1)
-    try:
-        return key.strip(), yaml.safe_load(raw)
-    except yaml.YAMLError:
-        return key.strip(), raw
-
-
-def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
-    """Set `data["a"]["b"]["c"] = value` for key "a.b.c" in place, creating sections."""
-    parts = key.strip().split(".")
-    if not all(parts):
-        raise ConfigError(f"empty key in '{key}'")
-    node = data
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"config key '{key}': '{part}' is not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def apply_override(data: dict[str, Any], assignment: str) -> None:
-    """Apply one `--set a.b.c=value` override in place (`parse_assignment`, `set_dotted`)."""
-    key, value = parse_assignment(assignment)
-    try:
-        set_dotted(data, key, value)
-    except ConfigError as err:
-        raise ConfigError(f"--set {assignment}: {err}") from None
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> EngineConfig:
-    """Config file (optional) + `--set` overrides -> validated EngineConfig."""
-    data = read_config_file(path) if path is not None else {}
-    for assignment in overrides:
-        apply_override(data, assignment)
-    return build_config(data)

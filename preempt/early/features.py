@@ -188,9 +188,9 @@ def scale_free_features(
     """The `scale_free` set (SCALE_FREE_NAMES), (R, 8) float32: shares of the pool, of
     the running requests and of the batch's seats.
 
-    One pass of attribute reads, then numpy (the same values as computing the `v1`
-    columns and rescaling them, which took ~5 Python passes over the running requests
-    and one `time_slice_s` call each: issue 15's online cost)."""
+    One pass of attribute reads, then numpy: the same values as computing the `v1`
+    columns and rescaling them, without ~5 Python passes over the running requests and
+    one `time_slice_s` call each (it runs every step, online)."""
     num_running = len(running)
     fields = np.array(
         [

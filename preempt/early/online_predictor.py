@@ -103,7 +103,7 @@ def check_trained_for(
     number of engine steps per LSTM step. Checkpoints from before these were recorded
     were trained on `v1` features with a 50 ms, time-only horizon, every step. The
     feature *names* are compared too: a set whose columns changed under the same name
-    (scale_free's `free_kv_fraction` -> `headroom`, issue 15) is refused, not misread."""
+    (scale_free's `free_kv_fraction` -> `headroom`) is refused, not misread."""
     from preempt.early.features import FEATURE_SETS
 
     trained = (

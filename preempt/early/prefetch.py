@@ -48,7 +48,7 @@ class Prefetcher:
         self.block_share = config.prefetch_block_share
         self.host_budget = config.prefetch_host_budget
         self.num_cancelled = 0
-        # Lead of copy-ins ahead (issue 15): a copy-in started by the hook right before
+        # Lead of copy-ins ahead: a copy-in started by the hook right before
         # the admission's schedule() had no compute to overlap with (0 steps of lead).
         self._started: dict[int, tuple[Request, int]] = {}  # id(request) -> (it, num_steps at start)
         self.num_admitted = 0

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from preempt.core.config import EngineConfig
     from preempt.engine.lengths import LengthModel
 
+
 class RemainingEstimator(ABC):
     """Sets `request.expected_output_left` from what it knows."""
 

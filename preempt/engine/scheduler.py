@@ -582,4 +582,3 @@ class Scheduler:
     def _release_blocks(self, request: Request) -> None:
         self.block_pool.free(request.block_ids)
         request.block_ids = []
-

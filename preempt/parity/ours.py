@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from preempt.core.config import EngineConfig, apply_override, build_config
+from preempt.core.config import EngineConfig, build_config
+from preempt.core.config_files import apply_override
 from preempt.core.request import Request
 from preempt.parity.workload import ParityRequest, ParityWorkload
 

@@ -20,7 +20,8 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from preempt.core.cli_args import ArgParser
-from preempt.core.config import ConfigError, EngineConfig, apply_override, build_config, read_config_file
+from preempt.core.config import ConfigError, EngineConfig, build_config
+from preempt.core.config_files import apply_override, read_config_file
 from preempt.core.sizes import parse_size
 from preempt.serve.app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, create_app
 from preempt.serve.engine_loop import DEFAULT_MAX_QUEUE, EngineLoop

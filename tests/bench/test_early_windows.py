@@ -1,4 +1,4 @@
-"""`preempt bench early --windows` (experiments/early_windows.py): the summary judges each
+"""`preempt bench early --windows` (preempt/bench/early_windows.py): the summary judges each
 target by its interval over windows, clipped to each quantity's range; the command prints
 a table and writes its results."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from experiments.early_windows import INTERVAL, render_windows, summarize_windows
+from preempt.bench.early_windows import INTERVAL, render_windows, summarize_windows
 
 
 def test_windows_summary_judges_each_target_by_its_interval():
@@ -68,7 +68,7 @@ def test_windows_summary_judges_each_target_by_its_interval():
 
 
 def test_windows_avoid_what_the_checkpoints_trained_on():
-    from experiments.early_windows import HELD_OUT_WINDOWS_S, choose_windows
+    from preempt.bench.early_windows import HELD_OUT_WINDOWS_S, choose_windows
 
     # no training on this trace: its held-out windows as they are
     other = [{"trace": "azure-code", "start_s": 0.0, "end_s": 3000.0}]
@@ -86,7 +86,7 @@ def test_windows_avoid_what_the_checkpoints_trained_on():
 
 
 def test_windows_of_any_trace_spread_over_it_and_a_full_overlap_is_refused(tmp_path):
-    from experiments.early_windows import choose_windows
+    from preempt.bench.early_windows import choose_windows
 
     # mooncake-synthetic (1,022 s): four 200 s windows spread evenly, none overlapping
     chosen = choose_windows("mooncake-synthetic", 200.0, [])
@@ -105,7 +105,7 @@ def test_windows_of_any_trace_spread_over_it_and_a_full_overlap_is_refused(tmp_p
 def test_arms_picks_what_runs_and_what_is_judged(monkeypatch):
     """`--arms lookahead,lstm`: per window the synchronous `none`, the oracle in swap only,
     and each checkpoint's `lstm`; nothing else runs, and the summary judges those."""
-    import experiments.early_windows as windows
+    import preempt.bench.early_windows as windows
 
     ran = []
 
@@ -191,7 +191,7 @@ def test_windows_table_names_its_interval_and_reclips_an_old_result():
 
 
 def _result(monkeypatch) -> None:
-    import experiments.early_windows as windows
+    import preempt.bench.early_windows as windows
 
     def fake(quick, models, trace, arms, *rest):
         rows = _two_windows(waste=(0.1, 0.2), hidden=(0.8, 0.9))

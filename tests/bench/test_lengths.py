@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from experiments.length_estimates import bench_lengths, held_out_minutes, render_lengths
+from preempt.bench.lengths import bench_lengths, held_out_minutes, render_lengths
 from preempt.cli import main
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.vllm_http import summarize_http
+from preempt.bench.vllm_http import summarize_http
 
 
 def _result(name: str, tops: list[float], tokens: list[int]) -> dict:

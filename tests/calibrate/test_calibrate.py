@@ -5,7 +5,8 @@ import pytest
 
 from preempt.calibrate import fit, vidur
 from preempt.cli import main
-from preempt.core.config import ConfigError, load_config
+from preempt.core.config import ConfigError
+from preempt.core.config_files import load_config
 from preempt.core.cost_model import CostModel, StepShape
 from preempt.core.profiles import MODELS, ProfileError, TargetProfile, get_target, load_device, load_target
 

@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from preempt.core.config import BUNDLED_CONFIGS, ConfigError, EngineConfig, find_config_file, load_config
+from preempt.core.config import ConfigError, EngineConfig
+from preempt.core.config_files import BUNDLED_CONFIGS, find_config_file, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,7 +68,7 @@ def test_bad_files(tmp_path):
 def test_a_bundled_config_is_found_by_name_from_any_directory(tmp_path, monkeypatch):
     """`preempt run --config engine_quick.yaml` (and every reader of an engine config:
     serve, ablate, tune) outside the repository's root: the bundled one."""
-    assert BUNDLED_CONFIGS == REPO / "experiments" / "configs"
+    assert BUNDLED_CONFIGS == REPO / "preempt" / "configs"
     monkeypatch.chdir(tmp_path)
     assert find_config_file("engine_quick.yaml") == BUNDLED_CONFIGS / "engine_quick.yaml"
     assert load_config("engine_quick.yaml") == load_config(BUNDLED_CONFIGS / "engine_quick.yaml")

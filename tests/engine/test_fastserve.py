@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.arms import chain_overrides
+from experiments.plan import chain_overrides
 from preempt.core.config import build_config
 from preempt.core.request import RequestState
 from preempt.engine.engine import Engine

@@ -104,7 +104,7 @@ def test_fitting_on_logged_runs_reads_their_finished_requests(tmp_path):
 
     for start in (0, 60):
         code = preempt(
-            ["run", "--config", "experiments/configs/collect.yaml", "--out", str(tmp_path / f"run-{start}"),
+            ["run", "--config", "preempt/configs/collect.yaml", "--out", str(tmp_path / f"run-{start}"),
              "--no-progress", "--set", f"workload.start_s={start}", "--set", "workload.duration_s=20"]
         )  # fmt: skip
         assert code == 0

@@ -11,13 +11,14 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from experiments.arms import STANDARD_ARMS, plan_ablation
+from experiments.arms import STANDARD_ARMS
 from experiments.catalogue import METRICS, NOT_REPRODUCIBLE, SLA_METRICS, undefined_reason
 from experiments.execution import run_arm
+from experiments.plan import plan_ablation
 from experiments.tables import read_csv
 from preempt.cli import main
 
-SMOKE = Path("experiments/configs/smoke.yaml")
+SMOKE = Path("preempt/configs/smoke.yaml")
 PLOTS = ("ttft_cdf", "tpot_cdf", "preemptions_over_time", "goodput", "stall_per_preemption", "bytes_saved")
 
 
@@ -191,7 +192,7 @@ def test_every_standard_arm_changes_something_and_resolves(tmp_path):
 
 
 def test_sweep_config_parameters_are_engine_keys(tmp_path):
-    sweep = yaml.safe_load(Path("experiments/configs/sweep.yaml").read_text())
+    sweep = yaml.safe_load(Path("preempt/configs/sweep.yaml").read_text())
     assert sweep["metric"]["name"] in METRICS and sweep["program"] == "experiments/sweep.py"
     args = sweep["command"]
     ablation, arm = args[args.index("--ablation") + 1], args[args.index("--arm") + 1]
@@ -219,16 +220,18 @@ def test_the_ablation_path_never_imports_lightning():
 
     code = (
         "import sys\n"
-        "from experiments import ablate, aggregate, arms, derive, execution, plots, report, stats, sweep\n"
+        "from experiments import ablate, aggregate, arms, derive, execution, plan, plots, report\n"
+        "from experiments import sweep\n"
+        "from preempt.obs import stats\n"
         "from preempt.cli import build_parser\n"
-        "plan = arms.plan_ablation('experiments/configs/quick.yaml', '/tmp/x')\n"
+        "runs = plan.plan_ablation('preempt/configs/quick.yaml', '/tmp/x')\n"
         "assert 'pytorch_lightning' not in sys.modules and 'lightning' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_paper_grid_runs_every_arm_at_every_point_with_references_at_the_same_point(tmp_path):
-    plan = plan_ablation("experiments/configs/paper.yaml", tmp_path, predictor=None)
+    plan = plan_ablation("preempt/configs/paper.yaml", tmp_path, predictor=None)
     points = {tuple(sorted(run.grid_point.items())) for run in plan.runs}
     assert len(points) == 6 * 5 and len(plan.runs) == 6 * 5 * len(STANDARD_ARMS)  # 5 seeds per point
     oracle = plan.run("early_oracle@trace=azure-code,rate_scale=2.0,seed=3")

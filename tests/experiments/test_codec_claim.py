@@ -124,8 +124,8 @@ def test_the_report_command_takes_the_flag():
 
 
 def test_the_main_job_measures_its_prompts_and_hands_them_to_the_report(tmp_path, monkeypatch):
-    import experiments.early_windows
     import experiments.main as main_job
+    import preempt.bench.early_windows
 
     steps: list[list[str]] = []
 
@@ -136,7 +136,7 @@ def test_the_main_job_measures_its_prompts_and_hands_them_to_the_report(tmp_path
         return 0.0
 
     monkeypatch.setattr(main_job, "_step", step)
-    monkeypatch.setattr(experiments.early_windows, "render_windows", lambda result: "")
+    monkeypatch.setattr(preempt.bench.early_windows, "render_windows", lambda result: "")
     main_job.run(tmp_path, tmp_path / "lm", "disabled")
     codec = next(argv for argv in steps if argv[:2] == ["bench", "codec"])
     assert codec[codec.index("--prompts") + 1] == str(main_job.CODEC_PROMPTS) == "32"

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("no_wandb_network")
 
 def test_collect_train_and_the_early_arm_saves_early(tmp_path):
     features = tmp_path / "features"
-    collect = ["collect", "--config", "experiments/configs/collect.yaml", "--no-progress"]
+    collect = ["collect", "--config", "preempt/configs/collect.yaml", "--no-progress"]
     window = ["--set", "workload.start_s=1300", "--set", "workload.duration_s=100"]
     assert main([*collect, *window, "--out", str(tmp_path / "collect"), "--features", str(features)]) == 0
     out = tmp_path / "predictor"
@@ -28,7 +28,7 @@ def test_collect_train_and_the_early_arm_saves_early(tmp_path):
     assert metrics["threshold"] is not None and metrics["num_predicted"] > 0
 
     result = ablate(
-        "experiments/configs/quick.yaml",
+        "preempt/configs/quick.yaml",
         tmp_path / "ablate",
         wandb="disabled",
         jobs=1,

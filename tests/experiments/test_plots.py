@@ -16,10 +16,10 @@ from experiments import plots
 from experiments.ablate import ablate
 from experiments.arms import STANDARD_ARMS
 from experiments.dominance import DESIGN_ARMS, is_baseline
-from experiments.stats import NONNEGATIVE, UNIT, metric_range
 from experiments.tables import read_csv
+from preempt.obs.stats import NONNEGATIVE, UNIT, metric_range
 
-SMOKE = Path("experiments/configs/smoke.yaml")
+SMOKE = Path("preempt/configs/smoke.yaml")
 SEEDS = [0, 1]
 ARMS = ["vllm_priority", "swap_mixed", "early_rule"]
 

@@ -12,12 +12,12 @@ import pytest
 import yaml
 
 from experiments.ablate import ablate
-from experiments.arms import plan_ablation
 from experiments.catalogue import NOT_REPRODUCIBLE
-from experiments.stats import t_interval
+from experiments.plan import plan_ablation
 from experiments.tables import read_csv
+from preempt.obs.stats import t_interval
 
-SMOKE = Path("experiments/configs/smoke.yaml")
+SMOKE = Path("preempt/configs/smoke.yaml")
 
 
 def _sweep_config(tmp_path: Path, duration_s: float = 10, **changes) -> Path:
@@ -202,7 +202,7 @@ def test_quick_seeds_are_samples_of_the_workload(tmp_path):
     windows; the tiny arms keep the first 30 s (their cost)."""
     from experiments.main import TRAIN_WINDOWS_START_S
 
-    plan = plan_ablation(Path("experiments/configs/quick.yaml"), tmp_path / "q")
+    plan = plan_ablation(Path("preempt/configs/quick.yaml"), tmp_path / "q")
     starts = {run.key: run.config.workload.start_s for run in plan.runs}
     fcfs = [starts[f"vllm_fcfs@seed={seed}"] for seed in range(5)]
     assert len(set(fcfs)) == 5

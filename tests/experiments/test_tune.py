@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from experiments.arms import ArmSpec, plan_ablation
+from experiments.plan import ArmSpec, plan_ablation
 from experiments.tune import _best, tune
 from experiments.tune_config import load_tune_config, plan_tune, trial_overrides
 from preempt.cli import main
@@ -95,10 +95,10 @@ def test_bad_configs_fail_before_anything_runs_naming_the_key(tmp_path, changes,
 
 
 def test_the_shipped_config_is_valid_and_its_windows_avoid_the_judge():
-    plan = plan_tune("experiments/configs/tune.yaml")
+    plan = plan_tune("preempt/configs/tune.yaml")
     assert len(plan.parent_runs) == 9
     # nor the early-save benchmark's held-out windows (200 s each)
-    from experiments.early_windows import HELD_OUT_WINDOWS_S
+    from preempt.bench.early_windows import HELD_OUT_WINDOWS_S
 
     for start in plan.config.replicate["workload.start_s"]:
         assert all(start + 60 <= s or start >= s + 200 for s in HELD_OUT_WINDOWS_S), start
@@ -244,7 +244,8 @@ def test_the_tuned_arm_is_the_committed_best_trial():
     import json
     from pathlib import Path
 
-    from experiments.arms import STANDARD_ARMS, chain_overrides
+    from experiments.arms import STANDARD_ARMS
+    from experiments.plan import chain_overrides
 
     [study] = sorted(Path("benchmarks").glob("tune_*.json"))[-1:]
     data = json.loads(study.read_text())

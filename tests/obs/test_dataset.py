@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from preempt.cli import main
 from preempt.core.config import PreemptionConfig, build_config
+from preempt.core.config_files import BUNDLED_CONFIGS
 from preempt.early.features import FEATURE_DOCS, FEATURE_NAMES, compute_features
 from preempt.engine.engine import Engine
 from preempt.kv.record import PreemptionRecord
 from preempt.obs.dataset import FeatureConfig, FeatureLogger, label_rows
 from tests.conftest import make_request
 
-COLLECT_CONFIG = Path(__file__).resolve().parents[2] / "experiments" / "configs" / "collect.yaml"
+COLLECT_CONFIG = BUNDLED_CONFIGS / "collect.yaml"
 
 
 def _config():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from experiments.catalogue import METRICS, SLA_METRICS
-from experiments.stats import (
+from preempt.obs.stats import (
     NONNEGATIVE,
     UNBOUNDED,
     UNIT,
@@ -101,7 +101,7 @@ def _clipped_coverage(draw, true_mean: float, bounds, num_trials: int, seed: int
 # (distribution, seeds) -> (coverage, share of trials whose t-interval went below 0), both
 # measured over 40,000 trials: the clipped interval covers exactly as often as the
 # t-interval, which on skewed seeds covers less than 95% at 2-5 seeds (clipping neither
-# causes nor cures that; experiments/stats.py says so).
+# causes nor cures that; preempt/obs/stats.py says so).
 SKEWED = {
     "lognormal(sigma=0.25)": (lambda rng, n: rng.lognormal(0.0, 0.25, n), math.exp(0.25**2 / 2)),
     "exponential": (lambda rng, n: rng.exponential(1.0, n), 1.0),

@@ -61,7 +61,8 @@ def test_serve_config_json_is_the_specs_example() -> None:
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    config = config_from_args(parser.parse_args(["--config", str(REPO / "serve_config.json")]))
+    shipped = REPO / "preempt" / "configs" / "serve_config.json"
+    config = config_from_args(parser.parse_args(["--config", str(shipped)]))
     p = config.preemption
     assert p.time_slice_strategy == "dynamic" and p.min_time_slice_ms == 10
     assert (p.priority_weights.age, p.priority_weights.sla, p.priority_weights.tokens) == (1.2, 0.8, 0.5)

@@ -37,7 +37,7 @@ def test_the_reference_lm_is_served_by_default_once_make_run_made_it(
     _save_lm(reference_lm_path())
     assert _config([]).model.checkpoint == str(reference_lm_path())
     # The shipped serve config chooses no model: it serves the reference LM too.
-    shipped = Path(__file__).resolve().parents[2] / "serve_config.json"
+    shipped = Path(__file__).resolve().parents[2] / "preempt" / "configs" / "serve_config.json"
     assert _config(["--config", str(shipped)]).model.checkpoint == str(reference_lm_path())
     # A model the user chose is served as chosen, never replaced by the reference LM.
     mine = tmp_path / "mine.pt"
