@@ -428,9 +428,11 @@ class Scheduler:
         that arrived since, or one ranked ahead of it, must not wait for them (with
         nothing running, nobody would ever free them). A prefetched request is a waiting
         one whose KV is on the host and whose blocks are already its own."""
-        held = [
-            r for r in self.waiting_requests() if r is not head and r.kv_location == "host" and r.block_ids
-        ]
+        if self.mover is None:  # recompute: no host copies, so nothing is prefetched
+            return False
+        held = self.waiting.in_order(
+            lambda r: r is not head and r.kv_location == "host" and bool(r.block_ids)
+        )
         need = max(
             self._admission_missing_blocks(head),
             blocks_needed(head.num_computed_tokens + num_new, self.block_size) - len(head.block_ids),

@@ -48,6 +48,11 @@ class WaitingQueue:
         """Admission order, over a snapshot: the caller may push, pop or discard meanwhile."""
         return iter([entry[2] for entry in sorted(self._heap)])
 
+    def in_order(self, keep: Callable[[Request], bool]) -> list[Request]:
+        """The queued requests `keep` accepts, in admission order: sorts only those (a
+        queue of thousands behind a head that does not fit is scanned, not sorted)."""
+        return [entry[2] for entry in sorted(entry for entry in self._heap if keep(entry[2]))]
+
     def unordered(self) -> Iterator[Request]:
         """Every queued request in no particular order (heap order: no sort)."""
         for entry in self._heap:
