@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 WHEELS ?= /opt/wheels
 PIP_LOCAL := $(if $(wildcard $(WHEELS)/*.whl),--find-links $(WHEELS))
 
-.PHONY: setup run test lint bench clean peer parity sweeps results gpu-wheels lock
+.PHONY: setup run test lint bench clean peer vidur parity sweeps results gpu-wheels lock
 
 # Installs the lock (locks/venv.txt: every package the suite passed with, resolved by uv
 # from pyproject.toml + constraints.txt), then preempt itself, editable, without touching
@@ -49,6 +49,21 @@ $(PEER_PREEMPT): $(PEER_STAMP) pyproject.toml
 	touch $(PEER_PREEMPT)
 
 peer: $(PEER_PREEMPT)
+
+# Vidur 0.0.26 (microsoft/vidur, MIT) in its own virtualenv (~1 min), for `preempt bench
+# peers --vidur`, from its lock (locks/vidur.txt). Nothing of preempt is installed there:
+# the bench runs preempt/bench/vidur_peer.py with this checkout on PYTHONPATH, and hands
+# Vidur the profiling CSVs in benchmarks/vidur/ (copied from Vidur's repository, with its
+# license), so it never downloads its profiles at run time.
+VIDUR ?= .vidur
+VIDUR_STAMP := $(VIDUR)/.installed
+$(VIDUR_STAMP): locks/vidur.txt
+	$(PY) -m venv $(VIDUR)
+	$(VIDUR)/bin/pip install -q pip==$(PIP_VERSION)
+	$(VIDUR)/bin/pip install -q $(PIP_LOCAL) -r locks/vidur.txt
+	touch $(VIDUR_STAMP)
+
+vidur: $(VIDUR_STAMP)
 
 # Every bundled parity workload under both of vLLM's policies; exits 1 on any difference.
 parity: $(STAMP) $(PEER_PREEMPT)
@@ -91,12 +106,12 @@ $(CHROMIUM):
 	  echo "make test needs Debian's chromium at $(CHROMIUM): apt-get install chromium (as root)"; exit 1; }
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
 
-# The whole suite: the vLLM peer (for parity and the plugin's tests), guidellm (the
-# `load` extra) and Chromium (the docs' browser check) are installed first, so nothing
-# skips but the GPU tests; REQUIRE turns a missing one
-# into a failure. The root conftest.py sets TRITON_INTERPRET=1 without CUDA.
-test: $(STAMP) $(PEER_PREEMPT) $(CHROMIUM)
-	PREEMPT_REQUIRE_PEER=1 PREEMPT_REQUIRE_LOADGEN=1 PREEMPT_REQUIRE_BROWSER=1 $(BIN)/python -m pytest
+# The whole suite: the vLLM peer (for parity and the plugin's tests), Vidur (the peers
+# bench's test), guidellm (the `load` extra) and Chromium (the docs' browser check) are
+# installed first, so nothing skips but the GPU tests; REQUIRE turns a missing one into a
+# failure. The root conftest.py sets TRITON_INTERPRET=1 without CUDA.
+test: $(STAMP) $(PEER_PREEMPT) $(VIDUR_STAMP) $(CHROMIUM)
+	PREEMPT_REQUIRE_PEER=1 PREEMPT_REQUIRE_VIDUR=1 PREEMPT_REQUIRE_LOADGEN=1 PREEMPT_REQUIRE_BROWSER=1 $(BIN)/python -m pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check preempt predictor experiments tests
@@ -122,3 +137,4 @@ $(LOCKENV)/bin/uv:
 lock: $(LOCKENV)/bin/uv
 	$(UV_COMPILE) $(UPGRADE) pyproject.toml --extra dev --extra load -c constraints.txt -o locks/venv.txt
 	$(UV_COMPILE) $(UPGRADE) locks/peer.in -o locks/peer.txt
+	$(UV_COMPILE) $(UPGRADE) locks/vidur.in -o locks/vidur.txt

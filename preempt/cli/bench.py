@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# Benchmarks judged by experiments/ (intervals over seeds or windows), by name.
-JUDGED_BENCHMARKS = ("lengths",)
+# Benchmarks with their own table and flags, beside preempt.bench.BENCHMARKS: `lengths`
+# (judged by intervals over minutes), `peers` (another simulator beside ours).
+JUDGED_BENCHMARKS = ("lengths", "peers")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -43,6 +44,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    if args.vidur and args.name != "peers":
+        print("preempt: error: --vidur applies to `bench peers` only", file=sys.stderr)
+        return 2
+    if args.name == "peers" and not args.vidur:
+        print("preempt: error: `bench peers` needs a peer: --vidur", file=sys.stderr)
+        return 2
     if args.shape is not None and not args.http:
         print("preempt: error: --shape applies to `bench vllm --http` only", file=sys.stderr)
         return 2
@@ -106,7 +113,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     return 2
                 arms = [arm for arm in ARMS if arm.name in names]
                 result = bench_vllm_http(peer_python(None), Path(tmp), args.quick, arms, shapes)
-        elif args.name == "lengths":  # experiments/ judges the minutes by intervals
+        elif args.name == "peers":
+            from preempt.bench.peers import bench_peers, render_peers, vidur_python
+
+            result = bench_peers(vidur_python(), args.quick)
+            if not args.json:
+                print(render_peers(result))
+                return 0
+        elif args.name == "lengths":  # judged by intervals over minutes
             from preempt.bench.lengths import bench_lengths, render_lengths
 
             result = bench_lengths(args.quick)

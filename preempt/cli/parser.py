@@ -292,6 +292,13 @@ def build_parser() -> argparse.ArgumentParser:
         "requests keep the pool under memory pressure, the urgent class every 0.4 s from 3 s), or both",
     )
     bench.add_argument(
+        "--vidur",
+        action="store_true",
+        help="peers: Vidur 0.0.26 (`make vidur`) beside preempt on the same azure-conv requests, "
+        "Llama-3-70B on 2 A100s: wall time, peak RSS, latency percentiles, preemptions (the hour: "
+        "a few minutes; --quick: its first 10 minutes); prints a table",
+    )
+    bench.add_argument(
         "--no-served-speed",
         action="store_true",
         help="codec: skip the speed section at a served model's KV shape (minutes)",

@@ -285,6 +285,9 @@ def load_target(path: str | Path) -> TargetProfile:
 _BUILTIN = {
     "h200-llama3-8b": ("llama3-8b", 1, "h200"),
     "4xh200-llama3-70b": ("llama3-70b", 4, "h200"),
+    # the deployment `preempt bench peers --vidur` compares on: Vidur's own profiles
+    # cover it with measured data (benchmarks/vidur/README.md)
+    "2xa100-llama3-70b": ("llama3-70b", 2, "a100"),
 }
 
 
