@@ -216,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     lengths.set_defaults(func=cmd_lengths)
 
     bench = sub.add_parser(
-        "bench", help="micro/macro benchmarks; one JSON object on stdout (early --windows, lengths: a table)"
+        "bench",
+        help="micro/macro benchmarks; one JSON object on stdout (early --windows, lengths, peers: a table)",
     )
     bench.add_argument("name", choices=sorted([*BENCHMARKS, *JUDGED_BENCHMARKS]))
     bench.add_argument("--json", action="store_true", help="compact JSON on one line")
