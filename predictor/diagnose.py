@@ -1,6 +1,6 @@
 """What a trace's labels let any predictor know: `python -m predictor.diagnose RUN FEATURES`.
 
-Owns one question (issue 15, mooncake-synthetic): how many positive rows were logged
+Owns one question (asked first of mooncake-synthetic): how many positive rows were logged
 before the cause of their preemption existed. A priority preemption is triggered by its
 challenger; a row logged before the challenger arrived cannot know of it from any
 feature, so such rows bound every predictor's recall at a precision above the base

@@ -66,7 +66,7 @@ Hence the default rule, `waste_capped`."""
 
 MAX_WASTE_SHARE = 0.30
 """`waste_capped`: the largest share of early-copied bytes that may be wasted on val (the
-issue-15 target for the share wasted live)."""
+target for the share wasted live)."""
 
 WASTE_BOUND_Z = 1.96
 """`waste_capped`: the walk down the curve ends at the first threshold whose waste share is
@@ -101,7 +101,7 @@ def expected_value_curve(
     claimed at its next preemption, where they avoid their copy time at the measured
     copy rate (at most the lead time of the first warning: a copy must end in time), or
     wasted if it finishes first. EV = stall avoided (s) - waste_weight * copy time of the
-    wasted bytes (s). Needs the dataset's `num_tokens` column (collects since issue 15)."""
+    wasted bytes (s). Needs the dataset's `num_tokens` column (collects log it)."""
     if table.num_tokens is None:
         raise ValueError("the dataset has no num_tokens column (collect it again) for the expected value")
     labels = table.label[rows].astype(bool)
