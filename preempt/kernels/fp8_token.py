@@ -27,7 +27,6 @@ import triton.language as tl
 
 from preempt.kernels import dispatch
 
-FP8_MAX = 448.0
 _E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # code -> value
 
 
@@ -43,8 +42,8 @@ def quantize_fp8_token_ref(selected: torch.Tensor) -> torch.Tensor:
         return out
     # amax on the source dtype is exact (rounding to float32 is monotonic)
     amax = torch.maximum(selected.amax(dim=-1), -selected.amin(dim=-1)).float()  # (n, 2, T)
-    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    values = (selected.float() / scales[..., None]).clamp_(-FP8_MAX, FP8_MAX)
+    scales = dispatch.fp8_scales(amax)
+    values = (selected.float() / scales[..., None]).clamp_(-dispatch.FP8_MAX, dispatch.FP8_MAX)
     codes = out[:, : 2 * num_tokens * head_dim]
     codes.copy_(values.to(torch.float8_e4m3fn).view(torch.uint8).reshape(num_heads, -1))
     out[:, 2 * num_tokens * head_dim :].copy_(scales.reshape(num_heads, -1).view(torch.uint8))

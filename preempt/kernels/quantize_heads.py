@@ -51,7 +51,6 @@ import triton.language as tl
 from preempt.kernels import dispatch
 from preempt.kernels.plan import EXTRA_CLASSES, KIVI_BITS, HeadClass, HeadPlan
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _TILE_ELEMS = 4096
 
 
@@ -372,12 +371,12 @@ def quantize_fp8_ref(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
         scales = torch.empty(num_rows, dtype=torch.float32, device=selected.device)
     else:
         amax = torch.maximum(rows.amax(dim=1), -rows.amin(dim=1)).float()  # (rows,)
-        scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        scales = dispatch.fp8_scales(amax)
     for row in range(num_rows):
         buffer.copy_(rows[row])
         if in_loop:
             amax = torch.maximum(buffer.amax(), buffer.amin().neg_())
-            scales[row] = torch.where(amax > 0, amax / FP8_MAX, 1.0)
-        buffer.div_(scales[row]).clamp_(-FP8_MAX, FP8_MAX)
+            scales[row] = dispatch.fp8_scales(amax)
+        buffer.div_(scales[row]).clamp_(-dispatch.FP8_MAX, dispatch.FP8_MAX)
         out_rows[row].copy_(buffer)  # float32 -> E4M3, round half to even
     return out, scales.view(-1, 2)
