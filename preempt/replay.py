@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from preempt.core.config import EngineConfig
+from preempt.core.request import Request
 from preempt.core.workload import build_workload
 from preempt.engine.engine import Engine
 from preempt.engine.step import EngineView, StepOutput
@@ -53,20 +54,25 @@ def replay(
         bar = tqdm(total=len(requests), unit="req", desc="replay", mininterval=1.0)
 
     def hook(output: StepOutput) -> None:
-        if on_step is not None:
-            on_step(engine.view, output)
-        if bar is not None:
-            if output.finished:
-                bar.update(len(output.finished))
-            bar.set_postfix(
-                sim_s=f"{engine.clock.now():.0f}",
-                run=len(engine.scheduler.running),
-                wait=engine.scheduler.num_waiting,
-                refresh=False,
-            )
+        on_step(engine.view, output)
+
+    def finished(done: list[Request]) -> None:
+        bar.update(len(done))
+        bar.set_postfix(
+            sim_s=f"{engine.clock.now():.0f}",
+            run=len(engine.scheduler.running),
+            wait=engine.scheduler.num_waiting,
+            refresh=False,
+        )
 
     try:
-        engine.run(requests, on_step=hook if progress or on_step is not None else None)
+        # The bar moves as requests finish, which keeps the engine's decode runs on (a
+        # step hook would see every step, so it turns them off).
+        engine.run(
+            requests,
+            on_step=hook if on_step is not None else None,
+            on_finished=finished if bar is not None else None,
+        )
     finally:
         engine.close()
         if bar is not None:

@@ -226,6 +226,22 @@ class CostModel:
             lm_head = self._lm_head[seqs] = self._lm_head_s(seqs)
         return OpTimes(linear, elementwise, attention, all_reduce, lm_head, self._dev.cpu_step_overhead_s)
 
+    def decode_step_time_s(self, num_seqs: int, context: int) -> float:
+        """`step_time_s` of a step in which `num_seqs` sequences decode one token each,
+        `context` the sum of their contexts with the new tokens (each attends to and reads
+        its whole context once): the same float, the same operations in the same order,
+        without building the step's shape and op times (the engine's decode runs price
+        every step of a run with it)."""
+        terms = self._token_terms.get(num_seqs)
+        if terms is None:
+            terms = self._token_terms[num_seqs] = self._token_count_terms(num_seqs)
+        lm_head = self._lm_head.get(num_seqs)
+        if lm_head is None:
+            lm_head = self._lm_head[num_seqs] = self._lm_head_s(num_seqs)
+        linear, elementwise, all_reduce = terms
+        attention = self.target.model.num_layers * self.attention_s(context, context)
+        return linear + elementwise + attention + all_reduce + lm_head + self._dev.cpu_step_overhead_s
+
     def _token_count_terms(self, t: int) -> tuple[float, float, float]:
         """(linear, elementwise, all_reduce) seconds of a step of `t` tokens."""
         num_layers = self.target.model.num_layers

@@ -84,6 +84,8 @@ class Engine:
         # `run`'s arrivals not yet added (the lookahead oracle reads the future from them).
         self._pending: list[Request] = []
         self._next_pending = 0
+        self.decode_runs = True  # `run` steps plain decode runs at once (`_decode_run`)
+        self.num_decode_run_steps = 0  # of num_steps, those run so
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -257,8 +259,12 @@ class Engine:
         self,
         requests: Sequence[Request],
         on_step: Callable[[StepOutput], None] | None = None,
+        on_finished: Callable[[list[Request]], None] | None = None,
     ) -> list[Request]:
-        """Replay requests (sorted by arrival) to completion; returns them, all final."""
+        """Replay requests (sorted by arrival) to completion; returns them, all final.
+        `on_step` sees every step's output; `on_finished` only the requests that finish
+        (after the step or decode run that finished them: a progress bar's hook, which
+        keeps decode runs on)."""
         pending = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
         self._pending = pending
         next_index = 0
@@ -272,9 +278,19 @@ class Engine:
                 if next_index < len(pending):
                     self.clock.wait_until(pending[next_index].arrival_s)
                 continue
+            if on_step is None:
+                finished = self._decode_run(
+                    pending[next_index].arrival_s if next_index < len(pending) else None
+                )
+                if finished is not None:
+                    if finished and on_finished is not None:
+                        on_finished(finished)
+                    continue
             output = self.step()
             if on_step is not None:
                 on_step(output)
+            if output.finished and on_finished is not None:
+                on_finished(output.finished)
             if not output.scheduled.chunks and not output.scheduled.preempted:
                 if self.scheduler.backoff_until_s > self.clock.now():
                     # Only new requests wait, and the backoff holds them: idle until it ends.
@@ -284,6 +300,50 @@ class Engine:
                 # the pool cannot hold the head request, which add_request already rejects.
                 raise RuntimeError("scheduler made no progress with requests queued")
         return list(pending)
+
+    def _decode_run(self, next_arrival_s: float | None) -> list[Request] | None:
+        """Run the next steps at once if they are plain decodes (`Scheduler.decode_run`) up
+        to the step the next arrival lands in: their clock, tokens and block allocations
+        exactly as single steps would make them, without a schedule and a step output per
+        step. Returns the requests that finished; None (nothing run) where the next step
+        must be decided on its own, and always with step hooks, on the wall clock, with a
+        runner that computes real tokens, or while a restore is still running.
+        `decode_runs = False` turns it off (tests compare the two)."""
+        if not self.decode_runs or self.prefetcher is not None or self.early_saver is not None:
+            return None
+        if self.config.clock.kind != "virtual" or not hasattr(self.runner, "decode_tokens"):
+            return None
+        start_s = self.clock.now()
+        if self.saver is not None and self.saver.restore_end_s > start_s:
+            return None  # each step would stall for it
+        run = self.scheduler.decode_run()
+        if run is None:
+            return None
+        requests, max_steps = run
+        num_seqs = len(requests)
+        context = sum(request.num_computed_tokens for request in requests)
+        now = start_s
+        step_s: list[float] = []
+        ends_s: list[float] = []
+        step_time_s = self.cost_model.decode_step_time_s
+        for _ in range(max_steps):
+            context += num_seqs  # one more token in each sequence's context
+            seconds = step_time_s(num_seqs, context)
+            now += seconds
+            step_s.append(seconds)
+            ends_s.append(now)
+            if next_arrival_s is not None and next_arrival_s <= now:
+                break  # the arrival is added before the next step
+        num_steps, allocations = self.scheduler.fit_decode_run(requests, len(step_s))
+        if num_steps == 0:
+            return None
+        del step_s[num_steps:], ends_s[num_steps:]
+        tokens = self.runner.decode_tokens(requests, num_steps)
+        for seconds in step_s:
+            self.clock.advance(seconds)
+        self.num_steps += num_steps
+        self.num_decode_run_steps += num_steps
+        return self.scheduler.apply_decode_run(requests, step_s, ends_s, tokens, allocations)
 
     def generate(
         self,

@@ -30,6 +30,7 @@ from preempt.engine.sampling import (
     process_logits,
     sample_token,
     token_seed,
+    token_seeds,
 )
 
 __all__ = ["ModelRunner", "NullModelRunner", "TinyModelRunner", "sample_token", "token_seed"]
@@ -223,6 +224,15 @@ class NullModelRunner(ModelRunner):
             else:
                 out.append(None)
         return out
+
+    def decode_tokens(self, requests: Sequence[Request], num_steps: int) -> list[list[int]]:
+        """The tokens `execute` would return for `num_steps` consecutive one-token decode
+        steps of each request (the engine's decode runs): positions num_tokens ..
+        num_tokens + num_steps - 1, drawn in one pass."""
+        self._check_open()
+        ids = [r.request_id for r in requests]
+        seeds = token_seeds(self.seed, ids, [r.num_tokens for r in requests], num_steps)
+        return (seeds % self.vocab_size).tolist()
 
 
 def create_model_runner(config: EngineConfig, num_blocks: int, block_size: int) -> ModelRunner:

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
+
 if TYPE_CHECKING:
     import torch
 
@@ -37,6 +39,20 @@ def token_seed(seed: int, request_id: int, position: int) -> int:
     """63-bit seed of the draw for the token at `position` of request `request_id`: three
     splitmix64 rounds, over the seed, the request id and the position."""
     return _splitmix64(_request_hash(seed, request_id) ^ (position & _MASK64)) >> 1
+
+
+def token_seeds(seed: int, request_ids: Sequence[int], first: Sequence[int], count: int) -> np.ndarray:
+    """`token_seed` for `count` consecutive positions of each request: (len(request_ids),
+    count) uint64, row i holding positions first[i] .. first[i] + count - 1 of
+    request_ids[i]. One numpy pass over a whole batch (the null backend's multi-step
+    decode runs); the same values bit for bit (uint64 arithmetic wraps as the masks do)."""
+    hashes = np.array([_request_hash(seed, r) for r in request_ids], dtype=np.uint64)
+    positions = np.asarray(first, dtype=np.uint64)[:, None] + np.arange(count, dtype=np.uint64)
+    x = hashes[:, None] ^ positions
+    x += np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return (x ^ (x >> np.uint64(31))) >> np.uint64(1)
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -132,6 +132,11 @@ class SglangScheduler(Scheduler):
             self.chunked = None
         self._left([request])
 
+    def decode_run(self) -> None:
+        """Never: SGLang's loop moves its new-token ratio and may retract every step, so
+        each step is decided on its own."""
+        return None
+
     def _left(self, requests: list[Request]) -> None:
         for request in requests:
             self._entry.pop(request, None)

@@ -193,3 +193,16 @@ def test_a_profile_without_op_tables_still_loads_and_round_trips_with_them():
         == device.op_tables
         == {"llama3-8b/tp1": {"add": ((1, 8), (2e-6, 3e-6))}}
     )
+
+
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_a_decode_step_costs_the_same_float_either_way(name):
+    # The engine's decode runs price steps with decode_step_time_s: any difference, even in
+    # the last bit, would move the virtual clock of every replay.
+    target = get_target(name)
+    fast, general = CostModel(target), CostModel(target)
+    for num_seqs in (1, 2, 7, 64, 255, 1024):
+        for per_seq in (1, 17, 500, 4096, 100_000):
+            context = num_seqs * per_seq + 3
+            shape = StepShape(num_seqs, context, context, num_seqs, 0)
+            assert fast.decode_step_time_s(num_seqs, context) == general.step_time_s(shape)

@@ -206,3 +206,22 @@ def test_kv_cache_block_copies() -> None:
         cache.read_blocks([6])
     with pytest.raises(ValueError, match="expects shape"):
         cache.write_blocks([0], data)
+
+
+def test_null_decode_tokens_are_the_tokens_single_steps_return():
+    # Request ids and positions across the 64-bit range, where numpy's uint64 wrap-around
+    # must agree with the masked Python arithmetic bit for bit.
+    runner = NullModelRunner(config("null", seed=2**40 + 7))
+    requests = [
+        Request(rid, 0.0, np.arange(prompt, dtype=np.int32), 50, 50)
+        for rid, prompt in ((0, 1), (5, 17), (2**62 + 3, 300), (2**63 - 1, 9))
+    ]
+    runs = runner.decode_tokens(requests, 6)
+    for request, run in zip(requests, runs, strict=True):
+        stepped = []
+        for _ in range(6):
+            request.num_computed_tokens = request.num_tokens - 1
+            (token,) = runner.execute([ScheduledChunk(request, 1)])
+            stepped.append(token)
+            request.output_token_ids.append(token)
+        assert run == stepped

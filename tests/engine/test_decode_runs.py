@@ -1,0 +1,168 @@
+"""Decode runs (`Engine.run`'s fast path over plain decode steps) change nothing: every
+request, record, counter and the clock come out exactly as stepping one step at a time,
+bit for bit, on workloads that preempt, save, restore and finish inside runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from preempt.core.block_pool import BlockPool
+from preempt.core.config import PreemptionConfig, SchedulerConfig, build_config
+from preempt.core.workload import build_workload
+from preempt.engine.engine import Engine
+from preempt.engine.policies import get_policy
+from preempt.engine.scheduler import Scheduler
+from tests.conftest import make_request, small_config
+
+# Small pools under heavy load: memory preemptions, saves and restores between runs.
+_BASE = {
+    "seed": 3,
+    "model": {"backend": "null", "max_model_len": 16384},
+    "cache": {"block_size": 16, "num_blocks": 400},
+    "scheduler": {"max_num_seqs": 24, "max_num_batched_tokens": 2048},
+    "workload": {"trace": "azure-conv", "duration_s": 40, "rate_scale": 6.0, "sla_mix": {0: 0.7, 1: 0.3}},
+    "preemption": {"host_mem": "16GB", "slot_size": "1GB"},
+}
+
+CASES = {
+    "vllm_fcfs": {"scheduler": {"policy": "vllm_fcfs"}},
+    "vllm_fcfs_light": {"cache": {"num_blocks": None}, "workload": {"rate_scale": 1.0, "duration_s": 120}},
+    "vllm_fcfs_first_chunk": {"scheduler": {"policy": "vllm_fcfs", "reserve_full_sequence": False}},
+    "vllm_priority": {"scheduler": {"policy": "vllm_priority"}},
+    "score_swap_zstd_learned": {
+        "scheduler": {"policy": "priority_score"},
+        "preemption": {"mode": "swap_zstd", "remaining": "learned"},
+    },
+    "score_pause": {"scheduler": {"policy": "priority_score"}, "preemption": {"mode": "pause"}},
+    "score_swap_async_oracle": {
+        "scheduler": {"policy": "priority_score"},
+        "preemption": {"mode": "swap", "async_restore": True, "remaining": "oracle"},
+        "workload": {"max_tokens_mode": "trace"},
+    },
+    "srpt": {"scheduler": {"policy": "srpt"}, "preemption": {"remaining": "learned"}},
+    "sglang_fcfs": {"scheduler": {"policy": "sglang_fcfs"}},
+    "azure_code_tight": {
+        "cache": {"num_blocks": 250},
+        "workload": {"trace": "azure-code", "rate_scale": 3.0},
+    },
+}
+
+
+def _config(name: str):
+    data = json.loads(json.dumps(_BASE))
+    for section, values in CASES[name].items():
+        data.setdefault(section, {}).update(values)
+    return build_config(data)
+
+
+def _outcome(config, decode_runs: bool) -> tuple[dict, int]:
+    engine = Engine(config)
+    engine.decode_runs = decode_runs
+    requests = build_workload(config.workload, seed=config.seed)
+    engine.run(requests)
+    engine.close()
+    fields = [
+        f.name for f in dataclasses.fields(requests[0]) if f.name not in ("prompt_token_ids", "sampling")
+    ]
+    outcome = {
+        "requests": [repr([getattr(r, name) for name in fields]) for r in requests],
+        "records": [repr(dataclasses.astuple(record)) for record in engine.scheduler.records],
+        "stats": repr(sorted(engine.stats().items())),
+        "clock": repr(engine.clock.now()),
+        "free_blocks": engine.block_pool.num_free,
+    }
+    return outcome, engine.num_decode_run_steps
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_decode_runs_change_nothing(name):
+    config = _config(name)
+    stepped, none = _outcome(config, decode_runs=False)
+    fast, in_runs = _outcome(config, decode_runs=True)
+    assert none == 0
+    assert fast == stepped
+    if name == "sglang_fcfs" or name == "srpt":
+        assert in_runs == 0  # their loops decide every step (SGLang's ratio, SRPT's clock)
+    else:
+        assert in_runs > 0
+    if name not in ("vllm_fcfs_light", "azure_code_tight", "sglang_fcfs"):
+        assert fast["records"]  # under pressure: preemptions between the runs
+
+
+def _decoding_scheduler(num_blocks: int, contexts: list[int], block_size: int = 4) -> Scheduler:
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+        get_policy("vllm_fcfs", PreemptionConfig()),
+        BlockPool(num_blocks),
+        block_size,
+    )
+    for index, context in enumerate(contexts):
+        request = make_request(index, context, 100)
+        request.output_token_ids = [1]
+        request.num_computed_tokens = request.num_tokens - 1
+        request.block_ids = scheduler.block_pool.allocate(-(-request.num_computed_tokens // block_size))
+        scheduler.running.append(request)
+    return scheduler
+
+
+def test_fit_decode_run_stops_before_the_pool_runs_out():
+    # Contexts 4, 6, 8 computed tokens in blocks of 4 (rooms 0, 2, 0): request 0 and 2 need
+    # a block in step 1, request 1 in step 3, then 0 and 2 again in step 5.
+    scheduler = _decoding_scheduler(num_blocks=5 + 2, contexts=[4, 6, 8])
+    requests, max_steps = scheduler.decode_run()
+    assert max_steps == 99  # 100 tokens each, one made
+    assert scheduler.block_pool.num_free == 2
+    assert scheduler.fit_decode_run(requests, 10) == (2, [0, 2])  # step 3's block is missing
+    assert scheduler.fit_decode_run(requests, 1) == (1, [0, 2])
+    scheduler.block_pool.free(requests[2].block_ids[-1:])
+    assert scheduler.fit_decode_run(requests, 4) == (4, [0, 2, 1])
+
+
+def test_no_decode_run_while_a_request_waits_or_prefills():
+    scheduler = _decoding_scheduler(num_blocks=20, contexts=[4, 6])
+    assert scheduler.decode_run() is not None
+    scheduler.running[1].num_computed_tokens -= 1  # its last chunk has two tokens
+    assert scheduler.decode_run() is None
+    scheduler.running[1].num_computed_tokens += 1
+    scheduler.add_request(make_request(9, 5, 5))
+    assert scheduler.decode_run() is None
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_run_cut_by_the_pool_matches_stepping(mode):
+    # Six requests admitted at once on their first chunk, outputs far past what 40 blocks
+    # hold: runs end where the pool would run dry, a memory preemption follows, and the
+    # victims come back once others finish.
+    def outcome(decode_runs: bool):
+        config = small_config(
+            model={"backend": "null"},
+            cache={"num_blocks": 40},
+            scheduler={"reserve_full_sequence": False},
+            preemption={"mode": mode, "host_mem": "64MB", "slot_size": "1MB"},
+        )
+        engine = Engine(config)
+        engine.decode_runs = decode_runs
+        requests = [make_request(i, 5 + 3 * i, 60 + 7 * i, arrival_s=0.001 * i) for i in range(6)]
+        cut = []
+        fit = engine.scheduler.fit_decode_run
+        engine.scheduler.fit_decode_run = lambda batch, n: cut.append(n) or _note(cut, fit(batch, n))
+        engine.run(requests)
+        return (
+            [(r.output_token_ids, r.finish_s, r.num_preemptions, r.executed_s) for r in requests],
+            [dataclasses.astuple(record) for record in engine.scheduler.records],
+            engine.clock.now(),
+            engine.num_steps,
+        ), cut
+
+    def _note(cut, result):
+        cut[-1] = (cut[-1], result[0])
+        return result
+
+    stepped, _ = outcome(False)
+    fast, runs = outcome(True)
+    assert fast == stepped
+    assert stepped[1]  # it preempted
+    assert any(0 < fitted < asked for asked, fitted in runs)  # some run was cut by the pool
