@@ -316,17 +316,17 @@ class Engine:
         start_s = self.clock.now()
         if self.saver is not None and self.saver.restore_end_s > start_s:
             return None  # each step would stall for it
-        run = self.scheduler.decode_run()
+        run = self.scheduler.decode_run(start_s)
         if run is None:
             return None
-        requests, max_steps = run
+        requests = run.requests
         num_seqs = len(requests)
         context = sum(request.num_computed_tokens for request in requests)
         now = start_s
         step_s: list[float] = []
         ends_s: list[float] = []
         step_time_s = self.cost_model.decode_step_time_s
-        for _ in range(max_steps):
+        for _ in range(run.max_steps):
             context += num_seqs  # one more token in each sequence's context
             seconds = step_time_s(num_seqs, context)
             now += seconds
@@ -334,7 +334,7 @@ class Engine:
             ends_s.append(now)
             if next_arrival_s is not None and next_arrival_s <= now:
                 break  # the arrival is added before the next step
-        num_steps, allocations = self.scheduler.fit_decode_run(requests, len(step_s))
+        num_steps, allocations = self.scheduler.fit_decode_run(run, len(step_s))
         if num_steps == 0:
             return None
         del step_s[num_steps:], ends_s[num_steps:]

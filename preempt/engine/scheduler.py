@@ -57,6 +57,7 @@ from preempt.core.block_pool import BlockPool, blocks_needed
 from preempt.core.config import PreemptionConfig, SchedulerConfig
 from preempt.core.registry import save_codec
 from preempt.core.request import Request, RequestState, ScheduledChunk
+from preempt.engine.decode_runs import DecodeRuns
 from preempt.engine.gate import PreemptionGate
 from preempt.engine.host_copies import HostCopies, recompute_from_scratch
 from preempt.engine.policies import SchedulingPolicy
@@ -78,7 +79,7 @@ class SchedulerOutput(NamedTuple):
     copy_out_wait_until_s: float
 
 
-class Scheduler:
+class Scheduler(DecodeRuns):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -291,102 +292,6 @@ class Scheduler:
         if self.policy.on_step([chunk.request for chunk in output.chunks], step_s, now):
             # The policy moved waiting requests (FastServe's starvation promotion).
             self.waiting.rekey()
-        self._remove_finished(finished)
-        return finished
-
-    # ----------------------------------------------------------------- decode runs
-    def decode_run(self) -> tuple[list[Request], int] | None:
-        """The batch and how many steps it can run as plain decodes, decided in one go
-        (`Engine.run`'s fast path), or None when the next step may decide anything.
-
-        A plain decode step: nobody waits to be admitted (so no admission and no priority
-        preemption), every running request computes its one next token (within the token
-        budget, no sampling params whose stop tokens would need checking), and the policy
-        keeps no per-step state (`on_step` is the base no-op). Such steps repeat as long as
-        nothing arrives, nobody finishes and blocks do not run out; the bound returned is
-        the first finish (the step that makes it is included), `fit_decode_run` cuts it at
-        the blocks, the engine at the next arrival."""
-        running = self.running
-        if (
-            not running
-            or self.waiting
-            or self.restores
-            or len(running) > self.config.max_num_batched_tokens
-            or type(self.policy).on_step is not SchedulingPolicy.on_step
-        ):
-            return None
-        for request in running:
-            if (
-                request.num_computed_tokens + 1 != request.num_tokens
-                or request.sampling is not None
-                or not request.output_token_ids
-            ):
-                return None
-        max_steps = min(min(r.max_tokens, r.target_output_tokens) - len(r.output_token_ids) for r in running)
-        return list(running), max_steps
-
-    def fit_decode_run(self, requests: list[Request], num_steps: int) -> tuple[int, list[int]]:
-        """How many of `num_steps` decode steps of `requests` the free blocks allow, and the
-        order of their block allocations (indices into `requests`): the order the steps
-        would allocate in, step by step and running order within a step. A step whose
-        allocation would find the pool empty needs a memory preemption: the run ends
-        before it."""
-        block_size = self.block_size
-        events: list[tuple[int, int]] = []  # (step, index): that step's token needs a new block
-        for index, request in enumerate(requests):
-            room = len(request.block_ids) * block_size - request.num_computed_tokens
-            if room < 0:
-                return 0, []
-            events.extend((step, index) for step in range(room + 1, num_steps + 1, block_size))
-        events.sort()
-        num_free = self.block_pool.num_free
-        if len(events) > num_free:
-            num_steps = events[num_free][0] - 1
-            events = [event for event in events[:num_free] if event[0] <= num_steps]
-        return num_steps, [index for _, index in events]
-
-    def apply_decode_run(
-        self,
-        requests: list[Request],
-        step_s: Sequence[float],
-        ends_s: Sequence[float],
-        tokens: Sequence[Sequence[int]],
-        allocations: Sequence[int],
-    ) -> list[Request]:
-        """Apply `len(step_s)` decode steps of `requests` at once, as that many `schedule`
-        and `update_from_output` calls would have (`step_s`: each step's seconds, `ends_s`:
-        the clock after each, `tokens[i]`: request i's new tokens, `allocations`:
-        `fit_decode_run`'s order). Each request's times are summed step by step, as the
-        single steps would (floating-point sums depend on their order). Returns the
-        requests that finished in the last step, running order."""
-        self.settle_saves()
-        self.copy_out.new_step()
-        self._batch_reuses_copy_out = False
-        if len(ends_s) > 1:
-            self._now = ends_s[-2]  # the last step was scheduled then
-        for index, block_id in zip(allocations, self.block_pool.allocate(len(allocations)), strict=True):
-            requests[index].block_ids.append(block_id)
-        num_steps = len(step_s)
-        now = ends_s[-1]
-        finished: list[Request] = []
-        for request, new_tokens in zip(requests, tokens, strict=True):
-            slice_used_s, executed_s = request.slice_used_s, request.executed_s
-            for seconds in step_s:
-                slice_used_s += seconds
-                executed_s += seconds
-            request.slice_used_s, request.executed_s = slice_used_s, executed_s
-            request.num_computed_tokens += num_steps
-            request.output_token_ids.extend(new_tokens[:-1])
-            if self.remaining is not None and num_steps > 1:
-                # the estimate as the last step but one left it (a request that finishes
-                # keeps that one, as after a single step)
-                self.remaining.update(request)
-            request.output_token_ids.append(new_tokens[-1])
-            if request.is_finished_generating:
-                request.finish_s = now
-                finished.append(request)
-            elif self.remaining is not None:
-                self.remaining.update(request)
         self._remove_finished(finished)
         return finished
 

@@ -132,7 +132,7 @@ class SglangScheduler(Scheduler):
             self.chunked = None
         self._left([request])
 
-    def decode_run(self) -> None:
+    def decode_run(self, now: float) -> None:
         """Never: SGLang's loop moves its new-token ratio and may retract every step, so
         each step is decided on its own."""
         return None

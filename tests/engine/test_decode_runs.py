@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 
 import pytest
 
@@ -51,10 +52,39 @@ CASES = {
 }
 
 
+def _drawn(index: int) -> dict:
+    """A config drawn from the knobs that decide when runs start and end (seats, blocks,
+    token budget, first-chunk admission, policy, what happens to a victim's KV, load)."""
+    rng = random.Random(index)
+    return {
+        "seed": index,
+        "cache": {"num_blocks": rng.choice([100, 200, 400])},
+        "scheduler": {
+            "policy": rng.choice(["vllm_fcfs", "vllm_priority", "priority_score", "fastserve_mlfq"]),
+            "max_num_seqs": rng.choice([4, 16, 64]),
+            "max_num_batched_tokens": rng.choice([512, 2048]),
+            "reserve_full_sequence": rng.random() < 0.5,
+        },
+        "preemption": {"mode": rng.choice(["recompute", "swap", "swap_zstd", "pause"])},
+        "workload": {
+            "trace": rng.choice(["azure-conv", "azure-code"]),
+            "rate_scale": rng.choice([2.0, 6.0, 12.0]),
+            "duration_s": 30,
+            "max_tokens_mode": rng.choice(["fixed", "trace"]),
+        },
+    }
+
+
+CASES.update({f"drawn_{index}": _drawn(index) for index in range(12)})
+
+
 def _config(name: str):
     data = json.loads(json.dumps(_BASE))
     for section, values in CASES[name].items():
-        data.setdefault(section, {}).update(values)
+        if isinstance(values, dict):
+            data.setdefault(section, {}).update(values)
+        else:
+            data[section] = values
     return build_config(data)
 
 
@@ -84,51 +114,74 @@ def test_decode_runs_change_nothing(name):
     fast, in_runs = _outcome(config, decode_runs=True)
     assert none == 0
     assert fast == stepped
-    if name == "sglang_fcfs" or name == "srpt":
-        assert in_runs == 0  # their loops decide every step (SGLang's ratio, SRPT's clock)
-    else:
+    if name in ("sglang_fcfs", "srpt") or "fastserve" in config.scheduler.policy:
+        assert in_runs == 0  # their loops decide every step (SGLang's ratio, SRPT's and MLFQ's clocks)
+    elif not name.startswith("drawn"):
         assert in_runs > 0
-    if name not in ("vllm_fcfs_light", "azure_code_tight", "sglang_fcfs"):
+    if name not in ("vllm_fcfs_light", "azure_code_tight", "sglang_fcfs") and not name.startswith("drawn"):
         assert fast["records"]  # under pressure: preemptions between the runs
 
 
-def _decoding_scheduler(num_blocks: int, contexts: list[int], block_size: int = 4) -> Scheduler:
+def _decoding_scheduler(num_blocks: int, contexts: list[int], policy: str = "vllm_fcfs") -> Scheduler:
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
-        get_policy("vllm_fcfs", PreemptionConfig()),
+        get_policy(policy, PreemptionConfig()),
         BlockPool(num_blocks),
-        block_size,
+        block_size=4,
     )
     for index, context in enumerate(contexts):
         request = make_request(index, context, 100)
         request.output_token_ids = [1]
         request.num_computed_tokens = request.num_tokens - 1
-        request.block_ids = scheduler.block_pool.allocate(-(-request.num_computed_tokens // block_size))
+        request.block_ids = scheduler.block_pool.allocate(-(-request.num_computed_tokens // 4))
         scheduler.running.append(request)
     return scheduler
 
 
 def test_fit_decode_run_stops_before_the_pool_runs_out():
-    # Contexts 4, 6, 8 computed tokens in blocks of 4 (rooms 0, 2, 0): request 0 and 2 need
-    # a block in step 1, request 1 in step 3, then 0 and 2 again in step 5.
+    # Contexts 4, 6, 8 computed tokens in blocks of 4 (rooms 0, 2, 0): requests 0 and 2
+    # need a block in step 1, request 1 in step 3, then 0 and 2 again in step 5.
     scheduler = _decoding_scheduler(num_blocks=5 + 2, contexts=[4, 6, 8])
-    requests, max_steps = scheduler.decode_run()
-    assert max_steps == 99  # 100 tokens each, one made
-    assert scheduler.block_pool.num_free == 2
-    assert scheduler.fit_decode_run(requests, 10) == (2, [0, 2])  # step 3's block is missing
-    assert scheduler.fit_decode_run(requests, 1) == (1, [0, 2])
-    scheduler.block_pool.free(requests[2].block_ids[-1:])
-    assert scheduler.fit_decode_run(requests, 4) == (4, [0, 2, 1])
+    run = scheduler.decode_run(0.0)
+    assert (run.requests, run.max_steps, run.head_blocks) == (
+        scheduler.running,
+        99,
+        None,
+    )  # 100 tokens, 1 made
+    assert scheduler.fit_decode_run(run, 10) == (2, [0, 2])  # step 3's block is missing
+    assert scheduler.fit_decode_run(run, 1) == (1, [0, 2])
+    scheduler.block_pool.free(run.requests[2].block_ids[-1:])
+    assert scheduler.fit_decode_run(run, 4) == (4, [0, 2, 1])
 
 
-def test_no_decode_run_while_a_request_waits_or_prefills():
+def test_a_waiting_head_ends_the_run_where_it_fits():
+    scheduler = _decoding_scheduler(num_blocks=3 + 4, contexts=[4, 6])  # 4 free; step 1 takes 1
+    scheduler.add_request(make_request(9, 11, 5))  # an 11-token prompt: 3 blocks
+    run = scheduler.decode_run(0.0)
+    assert run.head_blocks == 3
+    assert scheduler.fit_decode_run(run, 5) == (0, [])  # admitted in step 1
+    scheduler.add_request(make_request(10, 2, 5))  # behind the head: never looked at
+    scheduler.block_pool.allocate(1)
+    # 2 left after step 1, and only fewer later: it stays out, the run goes on
+    assert scheduler.fit_decode_run(run, 5) == (5, [0, 1, 0])
+    scheduler.config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64)
+    assert scheduler.decode_run(0.0).head_blocks is None  # no seat: it cannot be admitted
+
+
+def test_no_decode_run_when_the_next_step_decides_something():
     scheduler = _decoding_scheduler(num_blocks=20, contexts=[4, 6])
-    assert scheduler.decode_run() is not None
+    assert scheduler.decode_run(0.0) is not None
     scheduler.running[1].num_computed_tokens -= 1  # its last chunk has two tokens
-    assert scheduler.decode_run() is None
+    assert scheduler.decode_run(0.0) is None
     scheduler.running[1].num_computed_tokens += 1
+    scheduler.gate.backoff.until_s = 1.0  # a backoff would end during the run
     scheduler.add_request(make_request(9, 5, 5))
-    assert scheduler.decode_run() is None
+    assert scheduler.decode_run(0.5) is None
+    assert scheduler.decode_run(1.0) is not None
+    priority = _decoding_scheduler(num_blocks=20, contexts=[4, 6], policy="priority_score")
+    assert priority.decode_run(0.0) is not None
+    priority.add_request(make_request(9, 5, 5))
+    assert priority.decode_run(0.0) is None  # it may preempt for the head
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
