@@ -27,10 +27,6 @@ class DecodeRun(NamedTuple):
 
     requests: list[Request]  # the batch, running order
     max_steps: int  # its first finish is in this step
-    # Free blocks the waiting head needs to be admitted (it stays out while fewer are free
-    # after a step's decodes); None: no admission can happen (nobody waits, no seat or no
-    # token budget left).
-    head_blocks: int | None
 
 
 class DecodeRuns:
@@ -47,10 +43,10 @@ class DecodeRuns:
         queue, and with a waiting head that stays out: the policy never preempts for
         priority (`priority_victim` is the base one), the backoff and the rate cap do not
         hold it (so the gate changes nothing), nobody is paused or prefetched (so blocks
-        come back to nobody), and it finds no seat, or no token budget, or too few blocks
-        (`DecodeRun.head_blocks`, checked by `fit_decode_run`: blocks only get fewer
-        during a run). Such steps repeat as long as nothing arrives, nobody finishes and
-        blocks do not run out: `max_steps` is the first finish (the step that makes it
+        come back to nobody), and it finds no seat, or no token budget, or fewer free
+        blocks than it needs once the first step's decodes took theirs (blocks only get
+        fewer during a run). Such steps repeat as long as nothing arrives, nobody finishes
+        and blocks do not run out: `max_steps` is the first finish (the step that makes it
         included); `fit_decode_run` cuts it at the blocks, the engine at the next arrival."""
         running = self.running
         if (
@@ -61,6 +57,8 @@ class DecodeRuns:
             or type(self.policy).on_step is not SchedulingPolicy.on_step
         ):
             return None
+        block_size = self.block_size
+        first_step_blocks = 0  # blocks the first step's decodes take
         for request in running:
             if (
                 request.num_computed_tokens + 1 != request.num_tokens
@@ -68,7 +66,11 @@ class DecodeRuns:
                 or not request.output_token_ids
             ):
                 return None
-        head_blocks = None
+            room = len(request.block_ids) * block_size - request.num_computed_tokens
+            if room <= 0:
+                if room < 0:
+                    return None  # not a state a step leaves (blocks cover what is computed)
+                first_step_blocks += 1
         if self.waiting:
             if type(self.policy).priority_victim is not SchedulingPolicy.priority_victim:
                 return None
@@ -76,9 +78,11 @@ class DecodeRuns:
                 return None  # the one might end during the run, the other counts refusals
             budget = self.config.max_num_batched_tokens - len(running)
             if budget > 0 and len(running) < self.config.max_num_seqs:
-                head_blocks = self._admission_blocks(self.waiting.peek(), budget)
+                need = self._admission_blocks(self.waiting.peek(), budget)
+                if need <= self.block_pool.num_free - first_step_blocks:
+                    return None  # the first step admits it
         max_steps = min(min(r.max_tokens, r.target_output_tokens) - len(r.output_token_ids) for r in running)
-        return DecodeRun(list(running), max_steps, head_blocks)
+        return DecodeRun(list(running), max_steps)
 
     def _admission_blocks(self, request: Request, budget: int) -> int:
         """Free blocks `_admit_waiting` needs to admit `request` with `budget` tokens
@@ -96,21 +100,14 @@ class DecodeRuns:
         order of their block allocations (indices into `run.requests`): the order the
         steps would allocate in, step by step and running order within a step. A step
         whose allocation would find the pool empty needs a memory preemption: the run
-        ends before it. None at all (0) when the waiting head would fit after the first
-        step's decodes: that step admits it."""
+        ends before it."""
         block_size = self.block_size
         events: list[tuple[int, int]] = []  # (step, index): that step's token needs a new block
         for index, request in enumerate(run.requests):
             room = len(request.block_ids) * block_size - request.num_computed_tokens
-            if room < 0:
-                return 0, []
             events.extend((step, index) for step in range(room + 1, num_steps + 1, block_size))
         events.sort()
         num_free = self.block_pool.num_free
-        if run.head_blocks is not None:
-            first_step = sum(1 for step, _ in events if step == 1)
-            if run.head_blocks <= num_free - first_step:
-                return 0, []
         if len(events) > num_free:
             num_steps = events[num_free][0] - 1
             events = [event for event in events[:num_free] if event[0] <= num_steps]
@@ -119,22 +116,22 @@ class DecodeRuns:
     def apply_decode_run(
         self,
         requests: list[Request],
+        start_s: float,
         step_s: Sequence[float],
         ends_s: Sequence[float],
         tokens: Sequence[Sequence[int]],
         allocations: Sequence[int],
     ) -> list[Request]:
         """Apply `len(step_s)` decode steps of `requests` at once, as that many `schedule`
-        and `update_from_output` calls would have (`step_s`: each step's seconds, `ends_s`:
-        the clock after each, `tokens[i]`: request i's new tokens, `allocations`:
-        `fit_decode_run`'s order). Each request's times are summed step by step, as the
-        single steps would (floating-point sums depend on their order). Returns the
-        requests that finished in the last step, running order."""
+        and `update_from_output` calls would have (`start_s`: the clock before the first,
+        `step_s`: each step's seconds, `ends_s`: the clock after each, `tokens[i]`: request
+        i's new tokens, `allocations`: `fit_decode_run`'s order). Each request's times are
+        summed step by step, as the single steps would (floating-point sums depend on
+        their order). Returns the requests that finished in the last step, running order."""
         self.settle_saves()
         self.copy_out.new_step()
         self._batch_reuses_copy_out = False
-        if len(ends_s) > 1:
-            self._now = ends_s[-2]  # the last step was scheduled then
+        self._now = ends_s[-2] if len(ends_s) > 1 else start_s  # when the last step was scheduled
         for index, block_id in zip(allocations, self.block_pool.allocate(len(allocations)), strict=True):
             requests[index].block_ids.append(block_id)
         num_steps = len(step_s)

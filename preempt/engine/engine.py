@@ -343,7 +343,7 @@ class Engine:
             self.clock.advance(seconds)
         self.num_steps += num_steps
         self.num_decode_run_steps += num_steps
-        return self.scheduler.apply_decode_run(requests, step_s, ends_s, tokens, allocations)
+        return self.scheduler.apply_decode_run(requests, start_s, step_s, ends_s, tokens, allocations)
 
     def generate(
         self,

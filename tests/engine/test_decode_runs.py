@@ -143,29 +143,25 @@ def test_fit_decode_run_stops_before_the_pool_runs_out():
     # need a block in step 1, request 1 in step 3, then 0 and 2 again in step 5.
     scheduler = _decoding_scheduler(num_blocks=5 + 2, contexts=[4, 6, 8])
     run = scheduler.decode_run(0.0)
-    assert (run.requests, run.max_steps, run.head_blocks) == (
-        scheduler.running,
-        99,
-        None,
-    )  # 100 tokens, 1 made
+    assert (run.requests, run.max_steps) == (scheduler.running, 99)  # 100 tokens, 1 made
     assert scheduler.fit_decode_run(run, 10) == (2, [0, 2])  # step 3's block is missing
     assert scheduler.fit_decode_run(run, 1) == (1, [0, 2])
     scheduler.block_pool.free(run.requests[2].block_ids[-1:])
     assert scheduler.fit_decode_run(run, 4) == (4, [0, 2, 1])
 
 
-def test_a_waiting_head_ends_the_run_where_it_fits():
+def test_a_waiting_head_stays_out_only_when_it_cannot_get_in():
     scheduler = _decoding_scheduler(num_blocks=3 + 4, contexts=[4, 6])  # 4 free; step 1 takes 1
     scheduler.add_request(make_request(9, 11, 5))  # an 11-token prompt: 3 blocks
-    run = scheduler.decode_run(0.0)
-    assert run.head_blocks == 3
-    assert scheduler.fit_decode_run(run, 5) == (0, [])  # admitted in step 1
+    assert scheduler.decode_run(0.0) is None  # 3 left after step 1's decode: admitted then
     scheduler.add_request(make_request(10, 2, 5))  # behind the head: never looked at
-    scheduler.block_pool.allocate(1)
-    # 2 left after step 1, and only fewer later: it stays out, the run goes on
+    taken = scheduler.block_pool.allocate(1)
+    run = scheduler.decode_run(0.0)  # 2 left after step 1, and only fewer later
     assert scheduler.fit_decode_run(run, 5) == (5, [0, 1, 0])
+    scheduler.block_pool.free(taken)
+    assert scheduler.decode_run(0.0) is None
     scheduler.config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64)
-    assert scheduler.decode_run(0.0).head_blocks is None  # no seat: it cannot be admitted
+    assert scheduler.decode_run(0.0) is not None  # no seat: blocks do not matter
 
 
 def test_no_decode_run_when_the_next_step_decides_something():
@@ -175,12 +171,12 @@ def test_no_decode_run_when_the_next_step_decides_something():
     assert scheduler.decode_run(0.0) is None
     scheduler.running[1].num_computed_tokens += 1
     scheduler.gate.backoff.until_s = 1.0  # a backoff would end during the run
-    scheduler.add_request(make_request(9, 5, 5))
+    scheduler.add_request(make_request(9, 200, 5))  # 50 blocks: it never fits
     assert scheduler.decode_run(0.5) is None
     assert scheduler.decode_run(1.0) is not None
     priority = _decoding_scheduler(num_blocks=20, contexts=[4, 6], policy="priority_score")
     assert priority.decode_run(0.0) is not None
-    priority.add_request(make_request(9, 5, 5))
+    priority.add_request(make_request(9, 200, 5))
     assert priority.decode_run(0.0) is None  # it may preempt for the head
 
 
