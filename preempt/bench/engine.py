@@ -22,6 +22,7 @@ from preempt.engine.step import StepOutput
 # the config does not have is 0.
 PHASES = (
     "arrivals",  # Engine.add_request: queueing the trace's arrivals
+    "decode_runs",  # Engine._decode_run: runs of plain decode steps, and the checks for one
     "schedule",  # Scheduler.schedule (every call, the async-restore retries included)
     "stall",  # Engine._stall: the KV moves' wait (no work without a saver)
     "step_shape",  # Engine._step_shape: the batch's shape for the cost model
@@ -48,6 +49,7 @@ class _PhaseTimer:
         self.depth = 0  # timed phase calls in progress
         timed = {
             (engine, "add_request"): "arrivals",
+            (engine, "_decode_run"): "decode_runs",
             (engine, "step"): "step",
             (engine.scheduler, "schedule"): "schedule",
             (engine, "_stall"): "stall",
@@ -67,12 +69,13 @@ class _PhaseTimer:
         return None if hook is None else _Timed(hook, self, "on_step")
 
     def phases(self, total_s: float, num_steps: int) -> dict[str, Any]:
-        """Seconds and microseconds per (batch-running) step of each phase; they sum to
-        `total_s`, the instrumented `run`'s wall time."""
+        """Seconds and microseconds per (batch-running) step of each phase, decode runs'
+        steps included; they sum to `total_s`, the instrumented `run`'s wall time."""
         seconds = dict(self.seconds)
         step_s = seconds.pop("step")
         seconds["step_other"] = step_s - sum(seconds[p] for p in _INSIDE_STEP)
-        seconds["loop_other"] = total_s - step_s - seconds["arrivals"] - seconds["on_step"]
+        outside = seconds["arrivals"] + seconds["decode_runs"] + seconds["on_step"]
+        seconds["loop_other"] = total_s - step_s - outside
         return {
             "total_s": round(total_s, 3),
             "num_steps": num_steps,  # steps that ran a batch
@@ -122,8 +125,9 @@ def replay_phases(
     overrides: dict[str, Any], on_step: Callable[[StepOutput], None] | None = None
 ) -> dict[str, Any]:
     """One replay of `overrides`'s workload (with `on_step`, if given, as `Engine.run`'s
-    hook) with every phase of its steps timed: slower than a plain replay by the timers'
-    own cost (compare `total_s` with `_replay_speed`'s `wall_s`)."""
+    hook, which turns the engine's decode runs off) with every phase timed: slower than a
+    plain replay by the timers' own cost (compare `total_s` with `_replay_speed`'s
+    `wall_s`). Steps taken in decode runs count in `decode_runs`, not in the step's phases."""
     from preempt.core.workload import build_workload
 
     config = build_config(overrides)
@@ -154,6 +158,7 @@ def _replay_speed(overrides: dict[str, Any]) -> dict[str, Any]:
         "sim_requests_per_wall_s": round(len(requests) / wall_s, 1),
         "sim_s_per_wall_s": round(engine.clock.now() / wall_s, 3),
         "num_preemptions": engine.scheduler.num_preemptions,
+        "num_steps_in_decode_runs": engine.num_decode_run_steps,
     }
 
 

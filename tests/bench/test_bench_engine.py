@@ -63,3 +63,14 @@ def test_a_forking_early_saver_counts_its_forks_once():
     _check(phases)
     assert phases["s"]["early_saver"] > phases["s"]["schedule"]
     assert phases["num_steps"] == _replay_speed(config)["num_steps"]
+
+
+def test_decode_runs_are_a_phase_of_their_own():
+    plain = _replay_speed(NULL_MINUTE)
+    phases = replay_phases(NULL_MINUTE)  # no step hook: the engine takes decode runs
+    _check(phases)
+    assert 0 < plain["num_steps_in_decode_runs"] < plain["num_steps"]
+    assert phases["s"]["decode_runs"] > 0
+    assert (phases["num_steps"], phases["sim_time_s"]) == (plain["num_steps"], plain["sim_time_s"])
+    hooked = replay_phases(NULL_MINUTE, on_step=lambda output: None)
+    assert hooked["s"]["decode_runs"] == 0  # a step hook sees every step: no runs
