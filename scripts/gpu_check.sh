@@ -5,7 +5,7 @@
 # git-ignored), carry `.whl` along, and on the device machine, in the repo root:
 #   bash scripts/gpu_check.sh            # writes $OUT/ (or ./gpu_out/): JSON + logs
 # Stages, most valuable first, each under its own time limit (the whole script < 10 min):
-# 1. the virtual clock's calibration (`preempt calibrate --device cuda`, < 6 min on an H200):
+# 1. the virtual clock's calibration (`preempt calibrate --device cuda`, 45 s on an H200):
 #    a measured profile for h200-llama3-8b and its log;
 # 2. the compiled Triton kernels against their torch references, and the vLLM connector's
 #    host side on the device (pytest -m gpu);

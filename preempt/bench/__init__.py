@@ -62,10 +62,10 @@ def _kernels(quick: bool) -> dict[str, Any]:
     return bench_kernels(quick)
 
 
-def _clock(quick: bool) -> dict[str, Any]:
+def _clock(quick: bool, measured: str | None = None) -> dict[str, Any]:
     from preempt.bench.clock import bench_clock
 
-    return bench_clock(quick)
+    return bench_clock(quick, measured=measured)
 
 
 def _vllm(quick: bool) -> dict[str, Any]:

@@ -19,17 +19,33 @@ that point left out, and from a table of only the token counts `preempt calibrat
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from preempt.calibrate import published, vidur
-from preempt.calibrate.fit import FIT_SETS, LINEAR_OPS, PROFILED_MASKED_SHARE, derive_device, op_tables
+from preempt.calibrate.fit import (
+    FIT_SETS,
+    LINEAR_OPS,
+    PROFILED_MASKED_SHARE,
+    derive_device,
+    measured_op_points,
+    op_tables,
+)
 from preempt.calibrate.gpu import FULL_GRID
 from preempt.core.cost_model import CostModel
-from preempt.core.profiles import ELEMENTWISE_OPS, MODELS, DeviceProfile, TargetProfile, load_device
+from preempt.core.profiles import (
+    ELEMENTWISE_OPS,
+    MODELS,
+    DeviceProfile,
+    ProfileError,
+    TargetProfile,
+    load_device,
+)
 
 DECODE_MAX_TOKENS = 128
 PREFILL_MIN_TOKENS = 512
@@ -255,8 +271,38 @@ def published_fidelity(
     }
 
 
-def bench_clock(quick: bool = False) -> dict[str, Any]:
-    """Fidelity of the bundled device profiles (quick: the same; it takes seconds)."""
+def measured_fidelity(path: Path) -> dict[str, Any]:
+    """The bundled profile of the GPU a `preempt calibrate --device cuda` run measured (its
+    fitted constants alone) against that run's GEMM and elementwise times: per operator,
+    decode-like and prefill-like counts, and the whole layer. What the measurement's own
+    fit would give is not scored: its tables reproduce it by construction."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ProfileError(f"{path}: not a calibration file ({exc})") from None
+    data = data.get("measurements", data)  # the profile file keeps its measurement beside it
+    if not isinstance(data, dict) or not {"device", "shape", "linear", "elementwise"} <= set(data):
+        raise ProfileError(f"{path}: no measurement in it (write one with `preempt calibrate --device cuda`)")
+    gpu = next((name for name in ("h200", "h100", "a100") if name in str(data["device"]).lower()), None)
+    if gpu is None:
+        raise ProfileError(f"{path}: measured on {data['device']!r}, for which no profile is bundled")
+    points = measured_op_points(data)
+    if not points:
+        raise ProfileError(f"{path}: its shape is no bundled model's (a --tiny run?)")
+    device = analytic(load_device(gpu))
+    return {
+        "measured": f"{data['device']}, {points[0].model} ({data.get('timing', 'one call per point')})",
+        "profile": f"preempt/profiles/{gpu}.json: {device.sources.get('linear_flops_per_s', '')}",
+        **op_fidelity(device, points),
+        "layer_table": layer_table(device, points),
+    }
+
+
+def bench_clock(quick: bool = False, measured: str | None = None) -> dict[str, Any]:
+    """Fidelity of the bundled device profiles (quick: the same; it takes seconds); with
+    `measured`, also against a GPU calibration run (`measured_fidelity`)."""
+    if measured is not None:
+        return {"measured_gpu": measured_fidelity(Path(measured)), **bench_clock(quick)}
     ops, attention, all_reduce = vidur.load_ops(), vidur.load_attention(), vidur.load_all_reduce()
     devices = {gpu: analytic(load_device(gpu)) for gpu in ("h100", "a100")}
     datasets = []

@@ -534,14 +534,24 @@ def fit_measurements(data: dict, base: DeviceProfile, name: str | None = None) -
     sources["mem_total_bytes"] = (
         f"torch.cuda.mem_get_info total on {data['device']}" if memory else f"kept from {base.name} (no CUDA)"
     )
-    model = _model_named(shape)
-    if model is not None:  # the measured stack is a known model's shape: its op times too
-        measured = [OpPoint("gpu", model, 1, op, t, sec) for op, t, _, _, sec in data["linear"]]
-        measured += [OpPoint("gpu", model, 1, op, t, sec) for op, t, sec in data["elementwise"]]
-        measured += [p._replace(op="post_attention_layernorm") for p in measured if p.op == "input_layernorm"]
+    measured = measured_op_points(data)
+    if measured:  # the measured stack is a known model's shape: its op times too
         values["op_tables"] = op_tables(measured)
-        sources["op_tables"] = f"{where}: {model} at TP 1, the GEMMs and elementwise kernels"
+        sources["op_tables"] = f"{where}: {measured[0].model} at TP 1, the GEMMs and elementwise kernels"
     return DeviceProfile(name=name or data["device"], sources=sources, **values)  # type: ignore[arg-type]
+
+
+def measured_op_points(data: dict) -> list[OpPoint]:
+    """A `preempt calibrate --device cuda` measurement's GEMM and elementwise times as op
+    points of the bundled model whose shape it measured (none for `--tiny`'s toy shape);
+    both RMSNorms are the one measured kernel."""
+    model = _model_named(data["shape"])
+    if model is None:
+        return []
+    points = [OpPoint("gpu", model, 1, op, t, sec) for op, t, _, _, sec in data["linear"]]
+    points += [OpPoint("gpu", model, 1, op, t, sec) for op, t, sec in data["elementwise"]]
+    points += [p._replace(op="post_attention_layernorm") for p in points if p.op == "input_layernorm"]
+    return points
 
 
 def _model_named(shape: dict) -> str | None:

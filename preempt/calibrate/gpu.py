@@ -1,15 +1,16 @@
 """`preempt calibrate --device cuda`: measure the cost model's operators on this GPU.
 
 Owns: the measurement protocol. A random-weight Llama-3-8B-shaped stack in bf16 (no
-download): the four GEMMs of a layer over 164 token counts (1..8192; CUDA graphs up to
-256 tokens, where launch overhead would otherwise be measured instead of the kernel),
+download): the four GEMMs of a layer over 164 token counts (1..8192; each point 8 calls
+back to back in one CUDA graph, timed as one, so neither launches nor the timing events
+are measured instead of the kernel),
 the LM head, the elementwise kernels, attention decode (batch x context) and prefill
 (chunk x prior context) through SDPA, pinned device->host / host->device / both-ways
 copies from 64 KB to 256 MB, and the memory left for KV. Imports torch and the standard
 library only (the GPU machine may lack the rest); `fit_measurements` (numpy) turns the
 result into a device profile (constants + measured op tables), here or later with
 `preempt calibrate --from FILE`.
-Budget: under 6 minutes on one H200 (each point is the median of a few timed runs).
+Budget: 45 s on one H200, measured 2026-12-04 (each point the median of 10 timed graphs).
 `--tiny`: a toy shape and few points, so the code path runs on CPU in seconds.
 """
 
@@ -64,45 +65,72 @@ TINY_GRID = dict(
 
 
 class _Timer:
-    """Median seconds of `fn` on `device` (CUDA events there; perf_counter on CPU)."""
+    """Median seconds of one call of `fn` on `device`: on CUDA, `INNER` back-to-back calls
+    timed as one between two events (inside one CUDA graph where `graph`, so no launch gap
+    either), divided by `INNER`; on CPU, one call by perf_counter.
+
+    Why not one call per pair of events: that puts a floor of ~15 us under every point, the
+    events' and the launch's own time (the first H200 run, 2026-12-04: a one-token residual
+    add read 15.6 us, docs/gpu.md), and beyond the graphed sizes the launch gaps between an
+    op's kernels were measured instead of the kernels."""
+
+    INNER = 8
 
     def __init__(self, device: torch.device, reps: int) -> None:
         self.device, self.reps = device, reps
         self.is_cuda = device.type == "cuda"
 
-    def __call__(self, fn: Callable[[], Any], graph: bool = False) -> float:
-        if self.is_cuda and graph:
-            fn = self._graphed(fn)
-        fn()  # warm-up (kernel selection, allocator)
-        times = []
-        for _ in range(self.reps):
-            if self.is_cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
+    def __call__(self, fn: Callable[[], Any], graph: bool = True) -> float:
+        if not self.is_cuda:
+            fn()  # warm-up
+            times = []
+            for _ in range(self.reps):
                 t0 = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - t0)
+            return statistics.median(times)
+        run = self._graphed(fn) if graph else None
+        if run is None:  # not asked for, or the op cannot be captured
+
+            def run() -> None:
+                for _ in range(self.INNER):
+                    fn()
+
+        run()  # warm-up (kernel selection, allocator)
+        times = []
+        for _ in range(self.reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / self.INNER)
         return statistics.median(times)
 
-    @staticmethod
-    def _graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    def _graphed(self, fn: Callable[[], Any]) -> Callable[[], Any] | None:
+        """A CUDA graph of `INNER` calls of `fn` (its replay), or None if `fn` cannot be
+        captured."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             fn()  # warm-up outside the graph, as CUDA graph capture requires
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        try:
+            with torch.cuda.graph(graph):
+                for _ in range(self.INNER):
+                    fn()
+        except RuntimeError:
+            torch.cuda.synchronize()
+            return None
         return graph.replay
 
 
 def _rmsnorm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # torch's own RMSNorm where it has one (a fused kernel on CUDA in recent versions; the
+    # composite below is five or more kernels, each a pass over x)
+    if hasattr(F, "rms_norm"):
+        return F.rms_norm(x, (x.shape[-1],), w, 1e-5)
     return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(x.dtype) * w
 
 
@@ -140,7 +168,13 @@ def _measure_copies(timer: _Timer, dev: torch.device, nbytes: int) -> dict[str, 
         for stream in streams:
             torch.cuda.current_stream().wait_stream(stream)
 
-    return {"bytes": nbytes, "d2h_s": timer(d2h), "h2d_s": timer(h2d), "both_s": timer(both)}
+    # eager: back-to-back copies on the link (two streams for `both`, not captured)
+    return {
+        "bytes": nbytes,
+        "d2h_s": timer(d2h, graph=False),
+        "h2d_s": timer(h2d, graph=False),
+        "both_s": timer(both, graph=False),
+    }
 
 
 def _prefill_mask(out: dict[str, Any], chunk: int, prior: int, dev: torch.device) -> Any:
@@ -185,6 +219,9 @@ def measure(device: str = "cuda", tiny: bool = False, log: Callable[[str], None]
         "dtype": str(dtype).replace("torch.", ""),
         "shape": shape,
         "torch": torch.__version__,
+        # how each point was timed, and which RMSNorm ran (torch's own, or the composite)
+        "timing": f"{_Timer.INNER} calls per CUDA graph (copies: eager), median of {grid['reps']}",
+        "rmsnorm": "F.rms_norm" if hasattr(F, "rms_norm") else "composite",
     }
     weights = {op: torch.randn(n, k, device=dev, dtype=dtype) / math.sqrt(k) for op, (k, n) in gemms.items()}
     max_t = max(grid["tokens"])
@@ -194,7 +231,7 @@ def measure(device: str = "cuda", tiny: bool = False, log: Callable[[str], None]
         for op, (k, n) in gemms.items():
             x = x_full[:t, :k].contiguous()
             w = weights[op]
-            linear.append([op, t, k, n, timer(lambda x=x, w=w: F.linear(x, w), graph=t <= 256)])
+            linear.append([op, t, k, n, timer(lambda x=x, w=w: F.linear(x, w))])
     out["linear"] = linear
     log(f"linear: {len(linear)} points ({time.perf_counter() - started:.0f} s)")
 
@@ -202,7 +239,7 @@ def measure(device: str = "cuda", tiny: bool = False, log: Callable[[str], None]
     out["lm_head"] = []
     for t in grid["lm_head_tokens"]:
         x = x_full[:t, :h].contiguous()
-        out["lm_head"].append([t, h, shape["vocab"], timer(lambda x=x, w=lm_w: F.linear(x, w), graph=True)])
+        out["lm_head"].append([t, h, shape["vocab"], timer(lambda x=x, w=lm_w: F.linear(x, w))])
     del lm_w
 
     elementwise = []
@@ -213,12 +250,11 @@ def measure(device: str = "cuda", tiny: bool = False, log: Callable[[str], None]
         qk = torch.randn(t, hq + hkv, d, device=dev, dtype=dtype)
         cos = torch.randn(t, 1, d // 2, device=dev, dtype=dtype)
         sin = torch.randn(t, 1, d // 2, device=dev, dtype=dtype)
-        small = t <= 256
         elementwise += [
-            ["input_layernorm", t, timer(lambda x=x: _rmsnorm(x, norm_w), graph=small)],
-            ["mlp_act", t, timer(lambda g=gate_up: F.silu(g[:, :inter]) * g[:, inter:], graph=small)],
-            ["add", t, timer(lambda x=x: x + x, graph=small)],
-            ["attn_rope", t, timer(lambda q=qk, c=cos, s=sin: _rope(q, c, s), graph=small)],
+            ["input_layernorm", t, timer(lambda x=x: _rmsnorm(x, norm_w))],
+            ["mlp_act", t, timer(lambda g=gate_up: F.silu(g[:, :inter]) * g[:, inter:])],
+            ["add", t, timer(lambda x=x: x + x)],
+            ["attn_rope", t, timer(lambda q=qk, c=cos, s=sin: _rope(q, c, s))],
         ]
     out["elementwise"] = elementwise
     log(f"elementwise: {len(elementwise)} points ({time.perf_counter() - started:.0f} s)")

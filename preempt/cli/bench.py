@@ -21,7 +21,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from preempt.bench import BENCHMARKS
 
     options = {
-        key: getattr(args, key) for key in ("model", "plan", "prompts") if getattr(args, key) is not None
+        key: getattr(args, key)
+        for key in ("model", "plan", "prompts", "measured")
+        if getattr(args, key) is not None
     }
     if args.no_served_speed:
         options["served_speed"] = False
@@ -35,6 +37,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "codec": {"model", "plan", "served_speed", "speed", "prompts"},
         "early": {"model", "windows"},
         "vllm": {"http"},
+        "clock": {"measured"},
     }.get(args.name, set())
     flags = {"served_speed": "no-served-speed", "speed": "no-speed"}
     for key in options:
@@ -83,11 +86,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         models = options["model"].split(",") if "model" in options else []
     else:
         models = [options.get("model")]
-    for key, values in (("model", models), ("plan", [options.get("plan")])):
+    for key, values in (
+        ("model", models),
+        ("plan", [options.get("plan")]),
+        ("measured", [options.get("measured")]),
+    ):
         for value in values:
             if value is not None and not Path(value).is_file():
                 print(f"preempt: error: --{key}: no such file: {value}", file=sys.stderr)
                 return 2
+    from preempt.core.profiles import ProfileError
     from preempt.parity.harness import PeerError
 
     result: dict[str, Any]
@@ -153,7 +161,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 return 2
         else:
             result = BENCHMARKS[args.name](args.quick, **options)
-    except PeerError as err:  # bench vllm: no peer virtualenv, it failed, or `vllm serve` did
+    except (PeerError, ProfileError) as err:  # bench vllm's peer; bench clock's --measured file
         print(f"preempt: error: {err}", file=sys.stderr)
         return 2
 

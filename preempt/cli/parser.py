@@ -231,6 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--plan", help="codec: a head plan file (preempt importance writes one)")
     bench.add_argument(
+        "--measured",
+        help="clock: also score the bundled profile of the GPU a `preempt calibrate --device cuda` "
+        "run measured against that run's GEMM and elementwise times (its output file)",
+    )
+    bench.add_argument(
         "--windows",
         action="store_true",
         help="early: the async arms on every held-out trace window, with intervals (--model may "

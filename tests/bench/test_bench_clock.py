@@ -1,12 +1,15 @@
 """`preempt bench clock`'s published section: predicted / measured per point and summary."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
-from preempt.bench.clock import published_fidelity
+from preempt.bench.clock import measured_fidelity, published_fidelity
 from preempt.calibrate import published
 from preempt.calibrate.published import parse_row
+from preempt.core.profiles import ProfileError
 
 
 def _point(value_ms):
@@ -83,3 +86,43 @@ def test_the_constants_are_scored_without_tables_and_the_tables_on_counts_they_l
     for split in ("interleaved", "calibration_grid"):
         assert tables[split]["all_points"]["n"] > 0
         assert tables[split]["all_points"]["rms_log"] == pytest.approx(0.0, abs=1e-4)
+
+
+MEASURED_H200 = Path(__file__).parents[2] / "benchmarks" / "gpu_2026-12-04" / "h200-measured-v2.json"
+
+
+def test_a_gpu_calibration_scores_the_bundled_profile_of_its_gpu():
+    result = measured_fidelity(MEASURED_H200)
+    assert result["measured"].startswith("NVIDIA H200, llama3-8b")
+    assert result["profile"].startswith("preempt/profiles/h200.json")
+    # every layer op at all 164 measured token counts, a whole layer at each
+    assert all(summary["n"] == 164 for summary in result["by_op"].values())
+    assert len(result["by_op"]) == 9 and result["layer"]["n"] == 164
+    assert [row["tokens"] for row in result["layer_table"]] == [
+        1,
+        8,
+        32,
+        128,
+        256,
+        384,
+        512,
+        1024,
+        2048,
+        4096,
+    ]
+    assert all(
+        row["ratio"] == pytest.approx(row["predicted_us"] / row["measured_us"], abs=2e-3)
+        for row in result["layer_table"]
+    )
+
+
+def test_a_file_that_is_no_gpu_calibration_is_refused(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text('{"kind": "device"}')
+    with pytest.raises(ProfileError, match="no measurement in it"):
+        measured_fidelity(bad)
+    data = json.loads(MEASURED_H200.read_text())
+    data["measurements"]["device"] = "NVIDIA B200"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="no profile is bundled"):
+        measured_fidelity(bad)
