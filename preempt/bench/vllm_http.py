@@ -1,7 +1,7 @@
 """`preempt bench vllm --http`: the plugin in a real `vllm serve`, driven over HTTP.
 
 Each arm starts the peer's own `vllm serve` CLI (`make peer`: vLLM 0.32.0's CPU build with
-preempt installed into it) on a tiny local byte-level Llama (`peer.write_served_model`,
+preempt installed into it) on a tiny local byte-level Llama (`random_llama`'s `served`,
 no download), sends the same requests with the openai client on the wall clock (streamed
 `/v1/completions`, greedy, vLLM's `priority` field), scrapes `/metrics`, and stops the
 server with SIGTERM. Arms: vLLM fcfs, vLLM `--scheduling-policy priority`, and the plugin
@@ -64,8 +64,9 @@ class HttpRequest:
     id: int
     priority: int
     at_s: float  # sent this long after the run starts
-    prompt: str
+    prompt: str | list[int]  # text, or token ids as they are
     max_tokens: int
+    request_id: str | None = None  # vLLM's request id (within its own): lines up with its logs
 
 
 @dataclass(frozen=True)
@@ -123,9 +124,10 @@ def _free_port() -> int:
 
 
 def serve_command(
-    vllm_bin: Path, model_dir: Path, port: int, arm: ServeArm, engine: dict = ENGINE
+    vllm_bin: Path, model_dir: Path, port: int, arm: ServeArm, engine: dict = ENGINE, extra: Sequence[str] = ()
 ) -> list[str]:
-    """`vllm serve` as a user types it (docs/vllm_plugin.md), plus the tiny engine's shape."""
+    """`vllm serve` as a user types it (docs/vllm_plugin.md), plus the tiny engine's shape
+    and `extra` arguments."""
     command = [
         str(vllm_bin), "serve", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
@@ -145,7 +147,7 @@ def serve_command(
     if arm.plugin:
         command += ["--scheduler-cls", PLUGIN_CLS]
         command += ["--additional-config", json.dumps({"preempt": arm.settings})]
-    return command
+    return command + list(extra)
 
 
 def server_env() -> dict[str, str]:
@@ -218,17 +220,20 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 async def _one(client, request: HttpRequest, started: float) -> dict:
     await asyncio.sleep(max(0.0, started + request.at_s - time.perf_counter()))
-    sent = time.perf_counter()
+    sent, sent_wall = time.perf_counter(), time.time()
     first = last = None
     longest_gap = 0.0  # the longest wait between two streamed chunks: a resume's stall shows here
     token_ids: list[int] = []
+    extra = {"priority": request.priority, "ignore_eos": True, "return_token_ids": True}
+    if request.request_id is not None:
+        extra["request_id"] = request.request_id
     stream = await client.completions.create(
         model="tiny",
         prompt=request.prompt,
         max_tokens=request.max_tokens,
         temperature=0.0,
         stream=True,
-        extra_body={"priority": request.priority, "ignore_eos": True, "return_token_ids": True},
+        extra_body=extra,
     )
     async for chunk in stream:
         ids = getattr(chunk.choices[0], "token_ids", None) if chunk.choices else None
@@ -245,6 +250,7 @@ async def _one(client, request: HttpRequest, started: float) -> dict:
         "id": request.id,
         "priority": request.priority,
         "sent_s": sent - started,
+        "sent_wall": sent_wall,  # time.time(): the servers' logs are on this clock
         "ttft_s": (first or done) - sent,
         "latency_s": done - sent,
         "max_gap_s": longest_gap,
@@ -330,11 +336,10 @@ def run_arms(
     return results
 
 
-def write_model(peer_python: Path, model_dir: Path) -> Path:
-    """The served model, written by the peer (it has transformers)."""
-    code = "import sys; from pathlib import Path; from preempt.integrations.vllm.peer import "
-    code += "write_served_model as w; w(Path(sys.argv[1]))"
-    subprocess.run([str(peer_python), "-c", code, str(model_dir)], check=True, env=server_env())
+def write_model(peer_python: Path, model_dir: Path, preset: str = "served") -> Path:
+    """A served model (`preempt.model.random_llama.PRESETS`), written by the peer."""
+    code = "import sys; from preempt.model.random_llama import write_random_llama as w; w(*sys.argv[1:])"
+    subprocess.run([str(peer_python), "-c", code, str(model_dir), preset], check=True, env=server_env())
     return model_dir
 
 

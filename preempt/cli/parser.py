@@ -12,7 +12,7 @@ from pathlib import Path
 from preempt.cli.bench import JUDGED_BENCHMARKS, cmd_bench, cmd_calibrate
 from preempt.cli.engine import cmd_collect, cmd_lengths, cmd_run
 from preempt.cli.experiments import cmd_ablate, cmd_parity_vllm, cmd_report, cmd_tune
-from preempt.cli.serve import add_serve_command, cmd_tokenizer
+from preempt.cli.serve import add_serve_command, cmd_checkpoint, cmd_tokenizer
 from preempt.cli.train import cmd_eval_predictor, cmd_importance, cmd_lm_train, cmd_train
 from preempt.core.cli_args import ArgParser
 
@@ -198,6 +198,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="HTTP server (OpenAI-compatible), engine on the wall clock")
     add_serve_command(serve)  # preempt.serve's flags, or a line naming what is missing
+
+    checkpoint = sub.add_parser(
+        "checkpoint",
+        help="write a random-weight Llama checkpoint vLLM serves from a directory, offline (its text is noise)",
+    )
+    checkpoint.add_argument("--out", type=Path, required=True, help="the directory (kept if it holds one)")
+    checkpoint.add_argument(
+        "--preset",
+        default="fidelity",
+        choices=("tiny", "served", "fidelity"),
+        help="tiny: 0.2M parameters; served: 3M, byte tokenizer; fidelity (default): 27M float32, "
+        "where recomputing a prefill costs (bench fidelity)",
+    )
+    checkpoint.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    checkpoint.set_defaults(func=cmd_checkpoint)
 
     tokenizer = sub.add_parser(
         "tokenizer",

@@ -41,6 +41,23 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    """A random-weight Llama that `vllm serve DIR` loads offline (preempt.model.random_llama)."""
+    from preempt.model.random_llama import PRESETS, num_params, write_random_llama
+
+    try:
+        write_random_llama(args.out, args.preset, args.seed)
+    except ImportError as err:
+        return _missing(f"preempt checkpoint needs {err.name} (pip install transformers): {err}")
+    except OSError as err:
+        print(f"preempt checkpoint: error: cannot write {args.out}: {err.strerror}", file=sys.stderr)
+        return 2
+    spec = PRESETS[args.preset]
+    print(f"wrote {args.out} ({args.preset}: {num_params(args.preset) / 1e6:.1f}M parameters, {spec.dtype}, "
+          "random weights: its text is noise)")
+    return 0
+
+
 def _missing(message: str) -> int:
     print(f"preempt: error: {message}", file=sys.stderr)
     return 2

@@ -28,75 +28,7 @@ import time
 from pathlib import Path
 
 from preempt.integrations.vllm.settings import PLUGIN_CLS
-
-TINY_LLAMA = {
-    "vocab_size": 512,
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,  # head_dim 64: vLLM's CPU attention has no kernel for 16
-    "num_key_value_heads": 1,
-    "max_position_embeddings": 4096,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-
-
-def write_tiny_model(
-    model_dir: Path, seed: int = 0, config: dict = TINY_LLAMA, logit_scale: float = 1.0
-) -> Path:
-    """A random-weight Llama checkpoint (bf16 safetensors, ~0.5 MB for TINY_LLAMA),
-    unless one is there. `logit_scale` multiplies the output head's weights: at the
-    standard init (std 0.02) a random model's logits are nearly flat, so its greedy
-    argmax flips with the last bits of a bf16 matmul, which differ with the batch's
-    shape; scaled, the top token leads by a margin no batch changes."""
-    if (model_dir / "config.json").is_file():
-        return model_dir
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**config))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(logit_scale)
-    model.to(torch.bfloat16).save_pretrained(model_dir)
-    return model_dir
-
-
-# The served model: bytes in and out, and more compute per step (~3M parameters) than
-# TINY_LLAMA, so that more of a step is the worker's matmuls on its own core and less the
-# Python that the API server, the engine core and the client share the other core with
-# (over HTTP on 2 cores with the 0.2M-parameter model, fcfs and priority measured equal).
-SERVED_LLAMA = {**TINY_LLAMA, "vocab_size": 256, "hidden_size": 256, "intermediate_size": 768,
-                "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
-
-# The served model's output head scale (`write_tiny_model`): logits of std ~8, not ~0.3.
-SERVED_LOGIT_SCALE = 25.0
-
-# Byte-level chat turns for the served model: enough for /v1/chat/completions to render.
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
-)
-
-
-def write_served_model(model_dir: Path, seed: int = 0) -> Path:
-    """A random-weight Llama over UTF-8 bytes (vocabulary 256) with a Hugging Face
-    tokenizer whose ids are the bytes (`preempt.model.tokenizer.write_byte_tokenizer`) and a
-    chat template: what `vllm serve` needs to take text prompts, offline (no download).
-    Every id the model can emit decodes, so streamed text is well defined."""
-    if (model_dir / "config.json").is_file():
-        return model_dir
-    from preempt.model.tokenizer import write_byte_tokenizer
-
-    write_byte_tokenizer(model_dir)
-    config_path = model_dir / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config_path.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
-    # config.json last: the "is there" mark. Served outputs are compared token for token
-    # across schedulers (tests/integrations/test_vllm_serve.py): peaked logits.
-    return write_tiny_model(model_dir, seed, SERVED_LLAMA, logit_scale=SERVED_LOGIT_SCALE)
-
+from preempt.model.random_llama import write_random_llama
 
 # ----------------------------------------------------------------- decisions
 def run_decisions(job: dict, model_dir: str) -> dict:
@@ -257,8 +189,7 @@ def run_arm(job: dict, arm: dict, model_dir: str) -> dict:
 def run_llm(job: dict) -> dict:
     # "served": the HTTP bench's byte-level model, whose peaked logits keep greedy tokens
     # stable across batch shapes (outputs are compared token for token)
-    write = write_served_model if job.get("model") == "served" else write_tiny_model
-    model_dir = str(write(Path(job["model_dir"])))
+    model_dir = str(write_random_llama(Path(job["model_dir"]), job.get("model", "tiny")))
     return {"arms": [run_arm(job, arm, model_dir) for arm in job["arms"]]}
 
 

@@ -46,6 +46,7 @@ from preempt.integrations.vllm.decider import PreemptionDecider, RequestView
 from preempt.integrations.vllm.metrics import PrometheusExport, SnapshotWriter
 from preempt.integrations.vllm.saves import SavePlanner
 from preempt.integrations.vllm.settings import load_settings
+from preempt.integrations.vllm.steplog import StepLogging
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -104,9 +105,10 @@ class PolicyQueue(RequestQueue):
         return iter([entry[2] for entry in sorted(self._heap, key=lambda e: (e[0], e[1]))])
 
 
-class PreemptScheduler(Scheduler):
+class PreemptScheduler(StepLogging, Scheduler):
     def __init__(self, vllm_config, kv_cache_config, structured_output_manager, block_size, **kwargs) -> None:
         super().__init__(vllm_config, kv_cache_config, structured_output_manager, block_size, **kwargs)
+        self._open_step_log()  # every step's shape and wall time, with additional_config.step_log
         self.settings = load_settings(vllm_config.additional_config)
         self.decider = PreemptionDecider(self.settings)
         self.clock = make_clock(self.settings.clock, self.settings.step_ms)
