@@ -65,8 +65,8 @@ class FidelitySetup:
         default_factory=lambda: {
             "dtype": "float32",
             "block_size": 32,  # vLLM's CPU attention: multiples of 32
-            "num_gpu_blocks": 96,  # its null block included: 95 usable, 3,040 tokens
-            "max_model_len": 2048,
+            "num_gpu_blocks": 64,  # its null block included: 63 usable, 2,016 tokens
+            "max_model_len": 2016,  # vLLM: at most the usable blocks
             "max_num_seqs": 16,
             "max_num_batched_tokens": 512,
         }
@@ -74,9 +74,10 @@ class FidelitySetup:
 
 
 QUICK = FidelitySetup(
-    window_s=4.0, fit_starts=(300.0,), judge_starts=(600.0,), rate_scale=0.25, length_scale=0.1,
+    window_s=4.0, fit_starts=(300.0,), judge_starts=(600.0,), rate_scale=0.25, length_scale=0.15,
     preset="served", policies=("fcfs",),
-    engine={"dtype": "bfloat16", "block_size": 32, "num_gpu_blocks": 24, "max_model_len": 512,
+    # 11 usable blocks of 32 tokens: two requests fill the pool, so vLLM preempts
+    engine={"dtype": "bfloat16", "block_size": 32, "num_gpu_blocks": 12, "max_model_len": 352,
             "max_num_seqs": 8, "max_num_batched_tokens": 256},
 )  # fmt: skip
 
@@ -125,44 +126,70 @@ def request_id(window: str, index: int) -> str:
 def run_real(
     peer_python: Path, work_dir: Path, setup: FidelitySetup, windows: dict[str, list[WindowRequest]]
 ) -> dict[str, Any]:
-    """Per policy: one `vllm serve` with every step logged, warmed up, then each window in
-    turn (each drains before the next). Returns per policy its step log's path and per
-    window the client's records and the wall-clock time it started."""
+    """Per policy: one `vllm serve` with every step logged (`serve_windows`)."""
     model_dir = write_model(peer_python, work_dir / f"model-{setup.preset}", setup.preset)
-    vllm_bin = peer_python.parent / "vllm"
-    out: dict[str, Any] = {}
-    for policy in setup.policies:
-        log = work_dir / f"steps-{policy}.jsonl"
-        log.unlink(missing_ok=True)
-        arm = ServeArm(f"vllm_{policy}", policy)
-        extra = ["--scheduler-cls", STEP_LOG_CLS, "--additional-config", json.dumps({"step_log": str(log)})]
-        command = serve_command(vllm_bin, model_dir, _free_port(), arm, setup.engine, extra)
-        runs: dict[str, Any] = {}
-        with vllm_server(command, work_dir / f"server-{policy}.log") as server:
-            warm = [HttpRequest(-1 - i, 0, 0.05 * i, [65 + i] * 64, 8) for i in range(4)]
-            asyncio.run(drive(server.url, warm))  # one-time costs, not measured
-            for name, requests in windows.items():
-                http = [
-                    HttpRequest(
-                        r.index, r.priority if policy == "priority" else 0, r.arrival_s, r.prompt,
-                        r.output_tokens, request_id(name, r.index),
-                    )
-                    for r in requests
-                ]  # fmt: skip
-                started = time.time()
-                records = asyncio.run(drive(server.url, http))
-                runs[name] = {"started": started, "ended": time.time(), "records": records}
-        out[policy] = {"step_log": str(log), "command": command, "windows": runs}
-    return out
+    return {
+        policy: serve_windows(peer_python.parent / "vllm", model_dir, work_dir, setup, policy, policy, windows)
+        for policy in setup.policies
+    }
+
+
+def serve_windows(
+    vllm_bin: Path,
+    model_dir: Path,
+    work_dir: Path,
+    setup: FidelitySetup,
+    name: str,
+    policy: str,
+    windows: dict[str, list[WindowRequest]],
+    extra: Sequence[str] = (),
+) -> dict[str, Any]:
+    """One `vllm serve` (vLLM's `policy`, vLLM's own scheduler logging every step to
+    steps-<name>.jsonl, `extra` arguments), warmed up, then each window in turn (each
+    drains before the next). Returns the step log's path, the command, the `/metrics`
+    scrape at the end and per window the client's records and when it started and ended
+    (wall clock)."""
+    from preempt.bench.vllm_http import scrape
+
+    log = work_dir / f"steps-{name}.jsonl"
+    log.unlink(missing_ok=True)
+    arm = ServeArm(f"vllm_{name}", policy)
+    args = ["--scheduler-cls", STEP_LOG_CLS, "--additional-config", json.dumps({"step_log": str(log)}), *extra]
+    command = serve_command(vllm_bin, model_dir, _free_port(), arm, setup.engine, args)
+    runs: dict[str, Any] = {}
+    with vllm_server(command, work_dir / f"server-{name}.log") as server:
+        warm = [HttpRequest(-1 - i, 0, 0.05 * i, [65 + i] * 64, 8) for i in range(4)]
+        asyncio.run(drive(server.url, warm))  # one-time costs, not measured
+        for window, requests in windows.items():
+            http = [
+                HttpRequest(
+                    r.index, r.priority if policy == "priority" else 0, r.arrival_s, r.prompt,
+                    r.output_tokens, request_id(window, r.index),
+                )
+                for r in requests
+            ]  # fmt: skip
+            started = time.time()
+            records = asyncio.run(drive(server.url, http))
+            runs[window] = {"started": started, "ended": time.time(), "records": records}
+        metrics = scrape(server.url)
+    return {"step_log": str(log), "command": command, "windows": runs, "metrics": metrics}
 
 
 # ------------------------------------------------------------------ the simulated side
 def simulate(
-    setup: FidelitySetup, policy: str, target: Path, requests: Sequence[WindowRequest], sent: dict[int, float]
+    setup: FidelitySetup,
+    policy: str,
+    target: Path,
+    requests: Sequence[WindowRequest],
+    sent: dict[int, float],
+    frontend: tuple[float, float] = (0.0, 0.0),
+    overrides: Sequence[str] = (),
 ) -> dict[str, Any]:
     """preempt's engine (`vllm_<policy>`, null backend, the calibrated clock) on the
-    window's requests, each arriving when the client sent it (`sent`: index -> seconds
-    after the window started)."""
+    window's requests, each sent by the client at `sent[index]` (seconds after the window
+    started). `frontend`: the API server's delays (seconds) from the client's send to the
+    scheduler, and from the scheduler's token to the client; a request reaches the engine
+    the first later, and the client sees its tokens the second later."""
     from preempt.engine.engine import Engine
     from preempt.parity.ours import engine_config, workload_request
     from preempt.parity.workload import ParityRequest, ParityWorkload
@@ -177,16 +204,17 @@ def simulate(
         ],
         **engine_shape,
     )
-    config = engine_config(workload, policy, [f"clock.target={target}"])
+    config = engine_config(workload, policy, [f"clock.target={target}", *overrides])
     engine = Engine(config)
-    done = engine.run([workload_request(spec, sent[spec.id]) for spec in workload.requests])
+    to_engine, to_client = frontend
+    done = engine.run([workload_request(spec, sent[spec.id] + to_engine) for spec in workload.requests])
     records = [
         {
             "id": r.request_id,
             "priority": -r.sla_level,
-            "arrival_s": r.arrival_s,
-            "ttft_s": r.first_token_s - r.arrival_s,
-            "e2e_s": r.finish_s - r.arrival_s,
+            "arrival_s": sent[r.request_id],
+            "ttft_s": r.first_token_s + to_client - sent[r.request_id],
+            "e2e_s": r.finish_s + to_client - sent[r.request_id],
             "tokens": r.num_output_tokens,
         }
         for r in done
@@ -200,6 +228,119 @@ def simulate(
         "recomputed_tokens": recomputed,
         "makespan_s": max(r.finish_s for r in done) - min(r.arrival_s for r in done),
     }
+
+
+# ------------------------------------------------------------- the seed's trade
+# The connector's codecs and the engine's swap modes that model them (the connector's
+# `mixed`: a random plan, half the (layer, KV head) pairs FP8, none dropped).
+TRADE = {
+    "raw": ("raw", ["preemption.mode=swap"]),
+    "mixed": ("mixed", ["preemption.mode=swap_mixed", "preemption.head_plan_drop_share=0.0"]),
+}
+
+
+def run_trade(
+    peer_python: Path, work_dir: Path, setup: FidelitySetup, windows: dict[str, list[WindowRequest]]
+) -> dict[str, Any]:
+    """The judge windows again through vLLM FCFS with preempt's KV connector, one server
+    per codec: preempted requests resume from the host pool instead of recomputing."""
+    from preempt.integrations.vllm.kv_store import kv_transfer_config
+
+    model_dir = write_model(peer_python, work_dir / f"model-{setup.preset}", setup.preset)
+    judged = {name: w for name, w in windows.items() if name.startswith("judge")}
+    out = {}
+    for codec, (connector_codec, _) in TRADE.items():
+        extra = ["--kv-transfer-config", json.dumps(kv_transfer_config({"codec": connector_codec}))]
+        out[codec] = serve_windows(
+            peer_python.parent / "vllm", model_dir, work_dir, setup, f"fcfs_{codec}", "fcfs", judged, extra
+        )
+    return out
+
+
+def _preempted(log, run: dict[str, Any], window: str) -> set[int]:
+    """The window's requests vLLM preempted at least once (from its step log)."""
+    prefix = f"{window}-"
+    out = set()
+    for step in log.steps:
+        if run["started"] <= step["t"] < run["ended"]:
+            for engine_id, _ in step["preempted"]:
+                at = engine_id.find(prefix)
+                if at >= 0:
+                    out.add(int(engine_id[at + len(prefix) : at + len(prefix) + 5]))
+    return out
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return round(float(np.mean(values)), 4) if len(values) else None
+
+
+def _paired(ours: Sequence[dict], base: Sequence[dict], ids: set[int], key: str) -> list[float]:
+    a = {r["id"]: r[key] for r in ours}
+    b = {r["id"]: r[key] for r in base}
+    return [a[i] - b[i] for i in sorted(ids) if i in a and i in b]
+
+
+def judge_trade(
+    setup: FidelitySetup,
+    real: dict[str, Any],
+    trade: dict[str, Any],
+    target: Path,
+    frontend: tuple[float, float],
+) -> dict[str, Any]:
+    """Per codec: the e2e latency and TTFT of the requests plain vLLM preempted (FCFS,
+    recompute), each against its own under recompute, paired by request; the mean over
+    windows with a 95% interval; throughput; the connector's save and load seconds; and
+    the simulator's prediction of the same differences (the engine's swap mode against
+    recompute on the calibrated clock, the same requests)."""
+    from preempt.calibrate.vllm_steps import read_step_log
+
+    windows = all_windows(setup)
+    judged = [n for n in windows if n.startswith("judge")]
+    base_log = read_step_log(real["fcfs"]["step_log"])
+    base_runs = real["fcfs"]["windows"]
+    victims = {n: _preempted(base_log, base_runs[n], n) for n in judged}
+    base_real = {n: real_records(base_runs[n]) for n in judged}
+    sent = {n: {r["id"]: r["arrival_s"] for r in base_real[n]} for n in judged}
+    base_sim = {n: simulate(setup, "fcfs", target, windows[n], sent[n], frontend)["records"] for n in judged}
+    out: dict[str, Any] = {"preempted": {n: len(v) for n, v in victims.items()}}
+    for codec, (_, overrides) in TRADE.items():
+        runs = trade[codec]["windows"]
+        row: dict[str, Any] = {}
+        for key in ("e2e_s", "ttft_s"):
+            real_diff = [_paired(real_records(runs[n]), base_real[n], victims[n], key) for n in judged]
+            sim_diff = []
+            for n in judged:
+                swapped = simulate(setup, "fcfs", target, windows[n], sent[n], frontend, overrides)["records"]
+                sim_diff.append(_paired(swapped, base_sim[n], victims[n], key))
+            row[key] = {
+                "real_by_window": t_interval([float(np.mean(d)) for d in real_diff if d])._asdict(),
+                "real_pooled": _mean([v for d in real_diff for v in d]),
+                "sim_by_window": t_interval([float(np.mean(d)) for d in sim_diff if d])._asdict(),
+                "sim_pooled": _mean([v for d in sim_diff for v in d]),
+                "base_real_mean": _mean([r[key] for n in judged for r in base_real[n] if r["id"] in victims[n]]),
+            }
+        tokens = [sum(r["tokens"] for r in real_records(runs[n])) for n in judged]
+        spans = [
+            max(r["arrival_s"] + r["e2e_s"] for r in real_records(runs[n])) - min(r["arrival_s"] for r in real_records(runs[n]))
+            for n in judged
+        ]
+        base_spans = [
+            max(r["arrival_s"] + r["e2e_s"] for r in base_real[n]) - min(r["arrival_s"] for r in base_real[n])
+            for n in judged
+        ]
+        row["throughput_tok_s"] = {
+            "real": [round(t / s, 2) for t, s in zip(tokens, spans, strict=True)],
+            "recompute": [round(t / s, 2) for t, s in zip(tokens, base_spans, strict=True)],
+        }
+        metrics = trade[codec].get("metrics", {})
+        for what in ("save", "load"):
+            total = metrics.get(f"preempt:kv_{what}_seconds_sum")
+            count = metrics.get(f"preempt:kv_{what}_seconds_count")
+            row[f"{what}_ms"] = round(1e3 * total / count, 3) if total is not None and count else None
+            row[f"{what}s"] = count
+        row["fallbacks"] = {k: v for k, v in metrics.items() if k.startswith("preempt:kv_fallbacks")}
+        out[codec] = row
+    return out
 
 
 # ----------------------------------------------------------------------- comparing
@@ -318,22 +459,58 @@ def _count_error(real: Sequence[float], sim: Sequence[float]) -> dict[str, Any]:
 
 
 def bench_fidelity(
-    peer_python: Path, work_dir: Path, quick: bool = False, setup: FidelitySetup | None = None
+    peer_python: Path,
+    work_dir: Path,
+    quick: bool = False,
+    setup: FidelitySetup | None = None,
+    connector: bool = False,
 ) -> dict[str, Any]:
-    """The whole loop (module docstring): real runs, calibration on the fit windows,
-    simulated runs of the judge windows, the comparison per policy."""
+    """The whole loop (module docstring): the real runs (kept in `work_dir`: the step
+    logs, the client's records in real.json, the servers' logs), with `connector` also
+    the judge windows through preempt's KV connector (`run_trade`), then
+    `judge_fidelity`."""
+    setup = setup or (QUICK if quick else FidelitySetup())
+    work_dir.mkdir(parents=True, exist_ok=True)
+    windows = all_windows(setup)
+    started = time.perf_counter()
+    real = run_real(peer_python, work_dir, setup, windows)
+    trade = run_trade(peer_python, work_dir, setup, windows) if connector else None
+    elapsed = round(time.perf_counter() - started, 1)
+    kept = {"setup": asdict(setup), "real": real, "trade": trade, "real_s": elapsed}
+    (work_dir / "real.json").write_text(json.dumps(kept) + "\n")
+    return judge_fidelity(setup, real, work_dir, trade, elapsed)
+
+
+def all_windows(setup: FidelitySetup) -> dict[str, list[WindowRequest]]:
+    """`fit<k>` and `judge<k>` windows, by name, in the order they run."""
+    names = {f"fit{k}": s for k, s in enumerate(setup.fit_starts)}
+    names.update({f"judge{k}": s for k, s in enumerate(setup.judge_starts)})
+    return {name: window_requests(setup, start) for name, start in names.items()}
+
+
+def rejudge(work_dir: Path) -> dict[str, Any]:
+    """`judge_fidelity` again on the real runs a bench left in `work_dir` (real.json)."""
+    data = json.loads((work_dir / "real.json").read_text())
+    setup = data["setup"]
+    setup = FidelitySetup(**{**setup, **{k: tuple(v) for k, v in setup.items() if isinstance(v, list)}})
+    return judge_fidelity(setup, data["real"], work_dir, data.get("trade"), data.get("real_s"))
+
+
+def judge_fidelity(
+    setup: FidelitySetup,
+    real: dict[str, Any],
+    work_dir: Path,
+    trade: dict[str, Any] | None = None,
+    real_s: float | None = None,
+) -> dict[str, Any]:
+    """Calibration on the fit windows, simulated runs of the judge windows, the
+    comparison per policy (and the connector's trade, `judge_trade`, when it ran)."""
     from preempt.calibrate.vllm_steps import calibrate_vllm, errors, read_step_log, shape_of, timed_steps
     from preempt.core.cost_model import CostModel
     from preempt.core.profiles import load_target
 
-    setup = setup or (QUICK if quick else FidelitySetup())
-    work_dir.mkdir(parents=True, exist_ok=True)
-    names = {f"fit{k}": s for k, s in enumerate(setup.fit_starts)}
-    names.update({f"judge{k}": s for k, s in enumerate(setup.judge_starts)})
-    windows = {name: window_requests(setup, start) for name, start in names.items()}
-    started = time.perf_counter()
-    real = run_real(peer_python, work_dir, setup, windows)
-    real_s = time.perf_counter() - started
+    windows = all_windows(setup)
+    names = list(windows)
 
     # calibrate: every policy's steps inside the fit windows
     fit_spans = [
@@ -349,17 +526,27 @@ def bench_fidelity(
     cost = CostModel(load_target(target))
 
     judged = [n for n in names if n.startswith("judge")]
+    fitted = [n for n in names if n.startswith("fit")]
     policies: dict[str, Any] = {}
+    frontends: dict[str, tuple[float, float]] = {}
     for policy in setup.policies:
         log = read_step_log(real[policy]["step_log"])
         runs = real[policy]["windows"]
-        real_w, sim_w, engine_w, sim_runs = [], [], [], []
+        # the API server's delays, measured on the fit windows (means over their requests)
+        fit_sides = [engine_side(log, runs[name], name) for name in fitted]
+        frontend = (
+            float(np.mean([e["arrival_delay_s"]["mean"] for e in fit_sides])),
+            float(np.mean([e["first_token_delay_s"]["mean"] for e in fit_sides])),
+        )
+        frontends[policy] = frontend
+        real_w, sim_w, bare_w, engine_w, sim_runs = [], [], [], [], []
         for name in judged:
             records = real_records(runs[name])
             sent = {r["id"]: r["arrival_s"] for r in records}
-            sim = simulate(setup, policy, target, windows[name], sent)
+            sim = simulate(setup, policy, target, windows[name], sent, frontend)
             real_w.append(records)
             sim_w.append(sim["records"])
+            bare_w.append(simulate(setup, policy, target, windows[name], sent)["records"])
             sim_runs.append(sim)
             engine_w.append(engine_side(log, runs[name], name))
         judge_steps = [
@@ -371,6 +558,8 @@ def bench_fidelity(
         span_real = [max(r["arrival_s"] + r["e2e_s"] for r in w) - min(r["arrival_s"] for r in w) for w in real_w]
         policies[policy] = {
             "latency": compare(real_w, sim_w),
+            "frontend_s": {"to_engine": round(frontend[0], 5), "to_client": round(frontend[1], 5)},
+            "latency_without_frontend": compare(real_w, bare_w),
             "steps": _count_error([e["steps"] for e in engine_w], [s["steps"] for s in sim_runs]),
             "preemptions": _count_error([e["preemptions"] for e in engine_w], [s["preemptions"] for s in sim_runs]),
             "recomputed_tokens": _count_error(
@@ -387,11 +576,95 @@ def bench_fidelity(
             },
             "requests": [len(w) for w in real_w],
         }
-    return {
+    out = {
         "setup": asdict(setup),
         "windows": {n: len(w) for n, w in windows.items()},
         "profile": {"path": str(target), "fit": profile["fit"]},
         "policies": policies,
-        "real_s": round(real_s, 1),
+        "real_s": real_s,
         "commands": {p: real[p]["command"] for p in setup.policies},
     }
+    if trade is not None:
+        out["trade"] = judge_trade(setup, real, trade, target, frontends["fcfs"])
+        out["commands"].update({f"fcfs_{codec}": trade[codec]["command"] for codec in trade})
+    return out
+
+
+# ----------------------------------------------------------------------- the table
+def render_fidelity(result: dict[str, Any]) -> str:
+    """The comparison as Markdown: per policy, each latency's real and simulated values
+    and the relative error (pooled over the judge windows; the mean over windows with its
+    95% interval), then the run totals and where the error comes from."""
+    setup = result["setup"]
+    fit = result["profile"]["fit"]
+    lines = [
+        f"vLLM {setup['preset']} model, {setup['trace']} windows of {setup['window_s']:g} s at rate x"
+        f"{setup['rate_scale']:g}, lengths x{setup['length_scale']:g}; judged on "
+        f"{sum(1 for n in result['windows'] if n.startswith('judge'))} windows the profile was not fitted on",
+        f"profile: {result['profile']['path']} ({fit['steps']} steps, RMS log error {fit['rms_log']})",
+    ]
+    for policy, row in result["policies"].items():
+        front = row["frontend_s"]
+        lines += [
+            "",
+            f"### vllm_{policy} ({sum(row['requests'])} requests; API server delays "
+            f"{front['to_engine'] * 1e3:.1f} ms in, {front['to_client'] * 1e3:.1f} ms out)",
+            "",
+            "| | real | sim | error | error by window (95%) |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for metric in METRICS:
+            for stat in STATS:
+                cell = row["latency"][metric][stat]
+                w = cell["error_by_window"]
+                lines.append(
+                    f"| {metric.removesuffix('_s').upper()} {stat} | {cell['real']:.3f} s | {cell['sim']:.3f} s "
+                    f"| {cell['error']:+.1%} | {w['mean']:+.1%} [{w['lo']:+.1%}, {w['hi']:+.1%}] |"
+                )
+        for key in ("steps", "preemptions", "recomputed_tokens", "throughput_tok_s"):
+            c = row[key]
+            error = "n/a" if c["error"] is None else f"{c['error']:+.1%}"
+            lines.append(f"| {key.replace('_', ' ')} | {sum(c['real']):g} | {sum(c['sim']):g} | {error} | |")
+        formula = row["sources"]["step_formula_on_judge_steps"]
+        bare = row["latency_without_frontend"]["ttft_s"]["mean"]["error"]
+        lines += [
+            "",
+            f"Where it comes from: the step formula on the judge windows' own {formula['steps']} steps: "
+            f"RMS log error {formula['rms_log']}, sum of predicted / measured {formula['sum_ratio']}; "
+            f"without the API server's delays, mean TTFT error {bare:+.1%}.",
+        ]
+    if "trade" in result:
+        lines += render_trade(result["trade"])
+    return "\n".join(lines)
+
+
+def _interval(cell: dict[str, Any]) -> str:
+    if cell["num"] < 2:
+        return f"{cell['mean']:+.3f} s (one window)"
+    return f"{cell['mean']:+.3f} [{cell['lo']:+.3f}, {cell['hi']:+.3f}] s"
+
+
+def render_trade(trade: dict[str, Any]) -> list[str]:
+    """The connector against recompute, on the requests plain vLLM preempted."""
+    lines = [
+        "",
+        f"### The seed's trade: preempt's KV connector against recompute (vLLM FCFS; "
+        f"{sum(trade['preempted'].values())} requests preempted under recompute)",
+        "",
+        "| codec | e2e, recompute | e2e change, real (95%) | e2e change, sim | TTFT change, real | "
+        "TTFT change, sim | save / load ms | throughput tok/s (recompute) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for codec in TRADE:
+        if codec not in trade:
+            continue
+        row = trade[codec]
+        e2e, ttft, tput = row["e2e_s"], row["ttft_s"], row["throughput_tok_s"]
+        save = "n/a" if row["save_ms"] is None else f"{row['save_ms']:.1f} / {row['load_ms'] or 0:.1f}"
+        lines.append(
+            f"| {codec} | {e2e['base_real_mean']:.2f} s | {_interval(e2e['real_by_window'])} "
+            f"| {_interval(e2e['sim_by_window'])} | {_interval(ttft['real_by_window'])} "
+            f"| {_interval(ttft['sim_by_window'])} | {save} "
+            f"| {sum(tput['real']):.0f} ({sum(tput['recompute']):.0f}) |"
+        )
+    return lines

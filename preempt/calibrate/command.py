@@ -33,6 +33,19 @@ def calibrate_vidur(out_dir: Path) -> list[Path]:
     return paths
 
 
+def calibrate_vllm_steps(logs: list[Path], out: Path) -> Path:
+    """A target profile fitted to a real vLLM's step logs (preempt.calibrate.vllm_steps)."""
+    from preempt.calibrate.vllm_steps import calibrate_vllm
+
+    profile = calibrate_vllm(logs, name=out.stem)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile, indent=1) + "\n")
+    fit = profile["fit"]
+    print(f"fitted on {fit['steps']} steps: RMS log error {fit['rms_log']}, predicted / measured "
+          f"sum {fit['sum_ratio']}; use it with --set clock.target={out}", file=sys.stderr)  # fmt: skip
+    return out
+
+
 def calibrate_file(measurements: Path, out: Path, base: str) -> Path:
     from preempt.calibrate.fit import fit_measurements
 

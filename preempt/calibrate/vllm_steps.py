@@ -14,8 +14,9 @@ busy (synchronous scheduling: schedule, forward, update, the engine core's own l
 host's work is inside it. Steps before an idle gap have no next start and are not used.
 
 Which constants whole steps can tell apart: the GEMMs' FLOP and byte rates and their knee,
-one streaming rate for every elementwise kernel, attention's KV and FLOP rates and its
-per-row cost, and one constant per step. Per-kernel floors (launches, the last wave) are a
+attention's KV and FLOP rates and its per-row cost, and one constant per step. The
+elementwise kernels stream at the GEMMs' byte rate (both grow with the step's tokens; apart,
+the fit drives one of them to infinity). Per-kernel floors (launches, the last wave) are a
 constant per step of a given model and so cannot be told apart from the host's per-step
 work: they are folded into `cpu_step_overhead_s` and written as 0. Fitted on log time
 (a 15 ms decode and a 1 s prefill weigh the same), with a pseudo-Huber loss (scale
@@ -45,7 +46,7 @@ from preempt.calibrate.fit import (
 from preempt.core.cost_model import CostModel, StepShape, step_shape
 from preempt.core.profiles import ELEMENTWISE_OPS, DeviceProfile, ModelShape, ProfileError, TargetProfile
 
-ROBUST_SCALE = 0.25  # log-time residuals past ~25% count linearly, not squared
+ROBUST_SCALE = 0.1  # log-time residuals past ~10% count linearly, not squared
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Attention's masked pairs inside a chunk: whole steps cannot separate them from the
 # chunk's other prefill work (both grow with the chunk), so the kernel is taken to compute
@@ -155,12 +156,12 @@ class _Features:
         lin = np.r_[x[0:3], -np.inf]  # log flops/s, log bytes/s, knee; floor 0
         step = sum(linear_predict(lin, f, b) for f, b in self.gemms) * self.num_layers
         step = step + linear_predict(lin, *self.lm_head)
-        ew = np.array([-np.inf, x[3], -np.inf, 0.0])  # floor 0, rate, no row term, p = 2
+        ew = np.array([-np.inf, x[1], -np.inf, 0.0])  # floor 0, the GEMMs' byte rate, p = 2
         for op, nbytes, row in self.elementwise:
             step = step + elementwise_predict(ew, nbytes, row) * (1 if op == "emb" else self.num_layers)
-        attn = np.array([x[4], x[5], 0.0, -np.inf, x[6]])  # kv, flops, p = 2, floor 0, per row
+        attn = np.array([x[3], x[4], 0.0, -np.inf, x[5]])  # kv, flops, p = 2, floor 0, per row
         step = step + attention_predict(attn, *self.attention) * self.num_layers
-        return step + np.exp(x[7])
+        return step + np.exp(x[6])
 
 
 # (name, start) of the fitted log-constants, in `_Features.predict`'s order
@@ -168,7 +169,6 @@ _PARAMS = (
     ("linear_flops_per_s", 50e9),
     ("linear_bytes_per_s", 20e9),
     ("linear_exponent", None),  # log(p - 1): p = 3 to start
-    ("elementwise_bytes_per_s", 5e9),
     ("attn_kv_bytes_per_s", 10e9),
     ("attn_flops_per_s", 20e9),
     ("attn_per_row_head_s", 1e-7),
@@ -195,7 +195,8 @@ def fit_steps(model: ModelShape, shapes: Sequence[StepShape], seconds: Sequence[
 
     x0 = [math.log(2.0) if start is None else math.log(start) for _, start in _PARAMS]
     x = levenberg_marquardt(residuals, x0)
-    fitted = {name: float(np.exp(value)) for (name, _), value in zip(_PARAMS, x, strict=True)}
+    # a constant the steps do not bound from below (its term never matters) is written as 0
+    fitted = {name: float(np.exp(value)) if value > -40 else 0.0 for (name, _), value in zip(_PARAMS, x, strict=True)}
     fitted["linear_exponent"] = _exponent(x[2])
     return fitted
 
@@ -204,7 +205,7 @@ def device_profile(name: str, fitted: dict[str, float], what: str, copy: tuple[f
     """The fitted constants as a device profile; `copy`: the host copy rate (bytes/s) and
     where it comes from (saves and restores of the swap modes)."""
     source = f"fit: {what}"
-    ew = (0.0, fitted["elementwise_bytes_per_s"], 0.0, 2.0)
+    ew = (0.0, fitted["linear_bytes_per_s"], 0.0, 2.0)
     folded = "0: a constant per step, folded into cpu_step_overhead_s (whole steps cannot tell them apart)"
     rate, rate_source = copy
     values = dict(
@@ -229,7 +230,8 @@ def device_profile(name: str, fitted: dict[str, float], what: str, copy: tuple[f
     sources = {k: source for k in values}
     sources.update(
         linear_floor_s=folded, attn_floor_s=folded,
-        elementwise=f"fit: {what}: one streaming rate for every kernel, floors {folded}",
+        elementwise=f"fit: {what}: every kernel streams at the GEMMs' byte rate (whole steps cannot "
+        f"tell the two apart), floors {folded}",
         attn_exponent="fixed (2): not identifiable from whole steps",
         attn_masked_share="fixed (1): the chunk's masked pairs grow with its other prefill work",
         all_reduce="unused: one device, no tensor parallelism",

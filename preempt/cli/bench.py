@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# Benchmarks with their own table and flags, beside preempt.bench.BENCHMARKS: `lengths`
-# (judged by intervals over minutes), `peers` (another simulator beside ours).
-JUDGED_BENCHMARKS = ("lengths", "peers")
+# Benchmarks with their own table and flags, beside preempt.bench.BENCHMARKS: `fidelity`
+# (the simulator against a real vLLM), `lengths` (judged by intervals over minutes),
+# `peers` (another simulator beside ours).
+JUDGED_BENCHMARKS = ("fidelity", "lengths", "peers")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -50,14 +51,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.vidur and args.name != "peers":
         print("preempt: error: --vidur applies to `bench peers` only", file=sys.stderr)
         return 2
+    if args.real is not None and args.name != "fidelity":
+        print("preempt: error: --real applies to `bench fidelity` only", file=sys.stderr)
+        return 2
+    if args.name == "fidelity":
+        return _bench_fidelity(args, options)
     if args.name == "peers" and not args.vidur:
         print("preempt: error: `bench peers` needs a peer: --vidur", file=sys.stderr)
         return 2
     if args.shape is not None and not args.http:
         print("preempt: error: --shape applies to `bench vllm --http` only", file=sys.stderr)
         return 2
-    if args.connector and not args.http:
-        print("preempt: error: --connector applies to `bench vllm --http` only", file=sys.stderr)
+    if args.connector and not args.http and args.name != "fidelity":
+        print("preempt: error: --connector applies to `bench vllm --http` and `bench fidelity` only", file=sys.stderr)
         return 2
     if args.connector and args.shape is not None:
         message = "--connector runs its own forced-preemption workloads: drop --shape"
@@ -174,6 +180,45 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_fidelity(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    """`bench fidelity`: real vLLM, then calibrate, simulate, compare; the table (or the
+    JSON) on stdout, everything in --out."""
+    from preempt.bench.fidelity import bench_fidelity, rejudge, render_fidelity
+    from preempt.core.profiles import ProfileError
+    from preempt.parity.harness import PeerError, peer_python
+
+    flags = [key for key in options] + [k for k in ("shape", "trace", "arms", "max_tokens", "lengths", "modes")
+                                        if getattr(args, k) is not None]  # fmt: skip
+    flags += [k for k in ("windows", "http", "vidur") if getattr(args, k)]
+    if flags:
+        print(f"preempt: error: --{flags[0].replace('_', '-')} does not apply to `bench fidelity`", file=sys.stderr)
+        return 2
+    out = args.out or Path("runs/fidelity")
+    try:
+        if args.real is not None:
+            if args.connector:
+                print("preempt: error: --real judges what the kept run holds: drop --connector", file=sys.stderr)
+                return 2
+            if not (args.real / "real.json").is_file():
+                print(f"preempt: error: --real: no real.json in {args.real}", file=sys.stderr)
+                return 2
+            result = rejudge(args.real)
+            out = args.real if args.out is None else out
+        else:
+            result = bench_fidelity(peer_python(None), out.resolve(), args.quick, connector=args.connector)
+    except (PeerError, ProfileError) as err:
+        print(f"preempt: error: {err}", file=sys.stderr)
+        return 2
+    table = render_fidelity(result)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fidelity.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "fidelity.md").write_text(table + "\n")
+    print(json.dumps(result) if args.json else table)
+    print(f"wrote {out / 'fidelity.json'}, {out / 'fidelity.md'} and the calibrated {out / 'target.json'}",
+          file=sys.stderr if args.json else sys.stdout)  # fmt: skip
+    return 0
+
+
 def _bench_connector(args: argparse.Namespace, work_dir: Path) -> int:
     """`bench vllm --http --connector`: the table per regime (or the JSON with --json)."""
     from preempt.bench.vllm_connector import CONNECTOR_ARMS, bench_vllm_connector, connector_table
@@ -221,8 +266,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from preempt.calibrate import command
     from preempt.core.profiles import ProfileError
 
+    if (args.steps is not None) != (args.source == "vllm"):
+        print("preempt: error: --from vllm takes its step logs with --steps LOG [LOG ...]", file=sys.stderr)
+        return 2
     try:
-        if args.source == "vidur":
+        if args.source == "vllm":
+            paths = [command.calibrate_vllm_steps(args.steps, args.out)]
+        elif args.source == "vidur":
             paths = command.calibrate_vidur(args.out)
         elif args.source is not None:
             paths = [command.calibrate_file(Path(args.source), args.out, args.base)]

@@ -290,7 +290,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         type=Path,
         help="early --windows: the folder it writes result.json (what --json prints) and "
-        "results.md (the table) to (runs/bench/early_windows; with --json, none unless given)",
+        "results.md (the table) to (runs/bench/early_windows; with --json, none unless given). "
+        "fidelity: the folder for the step logs, the client's records (real.json), the calibrated "
+        "target.json, fidelity.json and fidelity.md (default runs/fidelity)",
+    )
+    bench.add_argument(
+        "--real",
+        type=Path,
+        metavar="DIR",
+        help="fidelity: judge the real runs a bench left in DIR again (calibrate, simulate, compare; "
+        "no servers, seconds)",
     )
     bench.add_argument(
         "--http",
@@ -303,7 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="vllm --http: preempt's KV connector against vLLM's recompute under forced preemptions "
         "(preempt.bench.vllm_connector: plain vLLM, the plugin, the plugin with raw / mixed copies and "
         "early copies; long and short prompts): tokens recomputed, latency, TTFT, throughput with 95%% "
-        "intervals (about 6 min; --quick 3 min)",
+        "intervals (about 6 min; --quick 3 min). fidelity: also the judge windows through vLLM FCFS "
+        "with preempt's KV connector (raw, mixed) against its recompute, beside the simulator's "
+        "prediction of the same gain",
     )
     bench.add_argument(
         "--shape",
@@ -338,13 +349,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     calibrate = sub.add_parser("calibrate", help="fit the virtual clock's device profile (docs/clock.md)")
     calibrate.add_argument(
-        "--from", dest="source", help="`vidur`: the bundled Vidur profiles; or a measurement JSON to fit"
+        "--from",
+        dest="source",
+        help="`vidur`: the bundled Vidur profiles; `vllm`: a real vLLM's steps (--steps); or a "
+        "measurement JSON to fit",
+    )
+    calibrate.add_argument(
+        "--steps",
+        nargs="+",
+        type=Path,
+        metavar="LOG",
+        help="--from vllm: step logs vLLM wrote with preempt's step logger (--scheduler-cls "
+        "preempt.integrations.vllm.steplog.StepLogScheduler --additional-config "
+        "'{\"step_log\": PATH}'); writes a target profile (--out) that clock.target loads",
     )
     calibrate.add_argument("--device", choices=["cuda"], help="measure this GPU (a Llama-3-8B-shaped stack)")
     calibrate.add_argument("--tiny", action="store_true", help="--device: toy shape (CPU without CUDA)")
     calibrate.add_argument("--base", default="h200", help="profile for what is not measured (all-reduce)")
     calibrate.add_argument(
-        "--out", type=Path, required=True, help="profile JSON (--from vidur: a directory for a100/h100/h200)"
+        "--out", type=Path, required=True, help="profile JSON (--from vidur: a directory for a100/h100/h200; --from vllm: a target file)"
     )
     calibrate.set_defaults(func=cmd_calibrate)
 
