@@ -38,7 +38,15 @@ from typing import Any
 
 import numpy as np
 
-from preempt.bench.vllm_http import HttpRequest, ServeArm, _free_port, drive, serve_command, vllm_server, write_model
+from preempt.bench.vllm_http import (
+    HttpRequest,
+    ServeArm,
+    _free_port,
+    drive,
+    serve_command,
+    vllm_server,
+    write_model,
+)
 from preempt.obs.stats import t_interval
 
 STEP_LOG_CLS = "preempt.integrations.vllm.steplog.StepLogScheduler"
@@ -74,7 +82,7 @@ class FidelitySetup:
 
 
 QUICK = FidelitySetup(
-    window_s=4.0, fit_starts=(300.0,), judge_starts=(600.0,), rate_scale=0.25, length_scale=0.15,
+    window_s=4.0, fit_starts=(300.0,), judge_starts=(600.0,), rate_scale=0.5, length_scale=0.2,
     preset="served", policies=("fcfs",),
     # 11 usable blocks of 32 tokens: two requests fill the pool, so vLLM preempts
     engine={"dtype": "bfloat16", "block_size": 32, "num_gpu_blocks": 12, "max_model_len": 352,
@@ -112,7 +120,11 @@ def window_requests(setup: FidelitySetup, start_s: float) -> list[WindowRequest]
         prompt = max(1, min(round(len(r.prompt_token_ids) * setup.length_scale), limit - output))
         out.append(
             WindowRequest(
-                r.request_id, r.arrival_s, [int(t) for t in r.prompt_token_ids[:prompt]], output, top - r.sla_level
+                r.request_id,
+                r.arrival_s,
+                [int(t) for t in r.prompt_token_ids[:prompt]],
+                output,
+                top - r.sla_level,
             )
         )
     return out
@@ -129,7 +141,9 @@ def run_real(
     """Per policy: one `vllm serve` with every step logged (`serve_windows`)."""
     model_dir = write_model(peer_python, work_dir / f"model-{setup.preset}", setup.preset)
     return {
-        policy: serve_windows(peer_python.parent / "vllm", model_dir, work_dir, setup, policy, policy, windows)
+        policy: serve_windows(
+            peer_python.parent / "vllm", model_dir, work_dir, setup, policy, policy, windows
+        )
         for policy in setup.policies
     }
 
@@ -154,7 +168,13 @@ def serve_windows(
     log = work_dir / f"steps-{name}.jsonl"
     log.unlink(missing_ok=True)
     arm = ServeArm(f"vllm_{name}", policy)
-    args = ["--scheduler-cls", STEP_LOG_CLS, "--additional-config", json.dumps({"step_log": str(log)}), *extra]
+    args = [
+        "--scheduler-cls",
+        STEP_LOG_CLS,
+        "--additional-config",
+        json.dumps({"step_log": str(log)}),
+        *extra,
+    ]
     command = serve_command(vllm_bin, model_dir, _free_port(), arm, setup.engine, args)
     runs: dict[str, Any] = {}
     with vllm_server(command, work_dir / f"server-{name}.log") as server:
@@ -199,7 +219,9 @@ def simulate(
         name="fidelity",
         policy=policy,
         requests=[
-            ParityRequest(id=r.index, prompt_tokens=len(r.prompt), output_tokens=r.output_tokens, priority=r.priority)
+            ParityRequest(
+                id=r.index, prompt_tokens=len(r.prompt), output_tokens=r.output_tokens, priority=r.priority
+            )
             for r in requests
         ],
         **engine_shape,
@@ -281,11 +303,7 @@ def _paired(ours: Sequence[dict], base: Sequence[dict], ids: set[int], key: str)
 
 
 def judge_trade(
-    setup: FidelitySetup,
-    real: dict[str, Any],
-    trade: dict[str, Any],
-    target: Path,
-    frontend: tuple[float, float],
+    setup: FidelitySetup, real: dict[str, Any], trade: dict[str, Any], target: Path
 ) -> dict[str, Any]:
     """Per codec: the e2e latency and TTFT of the requests plain vLLM preempted (FCFS,
     recompute), each against its own under recompute, paired by request; the mean over
@@ -299,29 +317,34 @@ def judge_trade(
     base_log = read_step_log(real["fcfs"]["step_log"])
     base_runs = real["fcfs"]["windows"]
     victims = {n: _preempted(base_log, base_runs[n], n) for n in judged}
-    base_real = {n: real_records(base_runs[n]) for n in judged}
+    base_real = {n: engine_side(base_log, base_runs[n], n)["records"] for n in judged}
     sent = {n: {r["id"]: r["arrival_s"] for r in base_real[n]} for n in judged}
-    base_sim = {n: simulate(setup, "fcfs", target, windows[n], sent[n], frontend)["records"] for n in judged}
+    base_sim = {n: simulate(setup, "fcfs", target, windows[n], sent[n])["records"] for n in judged}
     out: dict[str, Any] = {"preempted": {n: len(v) for n, v in victims.items()}}
     for codec, (_, overrides) in TRADE.items():
+        log = read_step_log(trade[codec]["step_log"])
         runs = trade[codec]["windows"]
+        records = {n: engine_side(log, runs[n], n)["records"] for n in judged}
+        swapped = {
+            n: simulate(setup, "fcfs", target, windows[n], sent[n], overrides=overrides)["records"]
+            for n in judged
+        }
         row: dict[str, Any] = {}
         for key in ("e2e_s", "ttft_s"):
-            real_diff = [_paired(real_records(runs[n]), base_real[n], victims[n], key) for n in judged]
-            sim_diff = []
-            for n in judged:
-                swapped = simulate(setup, "fcfs", target, windows[n], sent[n], frontend, overrides)["records"]
-                sim_diff.append(_paired(swapped, base_sim[n], victims[n], key))
+            real_diff = [_paired(records[n], base_real[n], victims[n], key) for n in judged]
+            sim_diff = [_paired(swapped[n], base_sim[n], victims[n], key) for n in judged]
             row[key] = {
                 "real_by_window": t_interval([float(np.mean(d)) for d in real_diff if d])._asdict(),
                 "real_pooled": _mean([v for d in real_diff for v in d]),
                 "sim_by_window": t_interval([float(np.mean(d)) for d in sim_diff if d])._asdict(),
                 "sim_pooled": _mean([v for d in sim_diff for v in d]),
-                "base_real_mean": _mean([r[key] for n in judged for r in base_real[n] if r["id"] in victims[n]]),
+                "base_real_mean": _mean(
+                    [r[key] for n in judged for r in base_real[n] if r["id"] in victims[n]]
+                ),
             }
-        tokens = [sum(r["tokens"] for r in real_records(runs[n])) for n in judged]
+        tokens = [sum(r["tokens"] for r in records[n]) for n in judged]
         spans = [
-            max(r["arrival_s"] + r["e2e_s"] for r in real_records(runs[n])) - min(r["arrival_s"] for r in real_records(runs[n]))
+            max(r["arrival_s"] + r["e2e_s"] for r in records[n]) - min(r["arrival_s"] for r in records[n])
             for n in judged
         ]
         base_spans = [
@@ -383,8 +406,10 @@ def real_records(run: dict[str, Any]) -> list[dict]:
 
 def engine_side(log, run: dict[str, Any], window: str) -> dict[str, Any]:
     """What vLLM's scheduler saw of one window (from its step log): steps, preemptions,
-    recomputed tokens, and per request the client-to-scheduler delay of its arrival and
-    the scheduler-to-client delay of its first token."""
+    recomputed tokens; per request its latencies as vLLM counts them (from its own arrival
+    stamp, set by its API server, to the end of the step that computed the first token,
+    and the last); and the API server's delays (the client's send to vLLM's arrival stamp;
+    the scheduler's first token to the client's)."""
     since, until = run["started"], run["ended"]
     steps = [s for s in log.steps if since <= s["t"] < until and s["chunks"]]
     prefix = f"{window}-"
@@ -395,28 +420,41 @@ def engine_side(log, run: dict[str, Any], window: str) -> dict[str, Any]:
         return None if start < 0 else int(engine_id[start + len(prefix) : start + len(prefix) + 5])
 
     added = {index(a["id"]): a for a in log.adds if index(a["id"]) is not None}
-    prompts = {i: a["prompt"] for i, a in added.items()}
+    finished = {index(f["id"]): f for f in log.finishes if index(f["id"]) is not None}
     first_token: dict[int, float] = {}
     preemptions = recomputed = 0
     for step in steps:
         for engine_id, (before, new) in zip(step["ids"], step["chunks"], strict=True):
             i = index(engine_id)
-            if i is not None and i not in first_token and before + new >= prompts.get(i, math.inf):
+            if i is not None and i not in first_token and before + new >= added[i]["prompt"]:
                 first_token[i] = step["end"]
         for engine_id, tokens in step["preempted"]:
             if index(engine_id) is not None:
                 preemptions += 1
                 recomputed += tokens
+    records = [
+        {
+            "id": i,
+            "priority": added[i]["priority"],
+            "arrival_s": added[i]["arrival"] - since,
+            "ttft_s": first_token[i] - added[i]["arrival"],
+            "e2e_s": finished[i]["t"] - added[i]["arrival"],
+            "tokens": finished[i]["tokens"],
+        }
+        for i in sorted(added)
+        if i in first_token and i in finished
+    ]
     sent = {r["id"]: r["sent_wall"] for r in run["records"]}
     client_first = {r["id"]: r["sent_wall"] + r["ttft_s"] for r in run["records"]}
-    to_scheduler = [added[i]["t"] - sent[i] for i in sent if i in added]
-    to_client = [client_first[i] - first_token[i] for i in client_first if i in first_token]
     return {
+        "records": records,
         "steps": len(steps),
         "preemptions": preemptions,
         "recomputed_tokens": recomputed,
-        "arrival_delay_s": _percentiles(to_scheduler),
-        "first_token_delay_s": _percentiles(to_client),
+        "api_in_s": _percentiles([added[i]["arrival"] - sent[i] for i in sent if i in added]),
+        "api_out_s": _percentiles(
+            [client_first[i] - first_token[i] for i in client_first if i in first_token]
+        ),
     }
 
 
@@ -528,53 +566,58 @@ def judge_fidelity(
     judged = [n for n in names if n.startswith("judge")]
     fitted = [n for n in names if n.startswith("fit")]
     policies: dict[str, Any] = {}
-    frontends: dict[str, tuple[float, float]] = {}
     for policy in setup.policies:
         log = read_step_log(real[policy]["step_log"])
         runs = real[policy]["windows"]
         # the API server's delays, measured on the fit windows (means over their requests)
         fit_sides = [engine_side(log, runs[name], name) for name in fitted]
         frontend = (
-            float(np.mean([e["arrival_delay_s"]["mean"] for e in fit_sides])),
-            float(np.mean([e["first_token_delay_s"]["mean"] for e in fit_sides])),
+            float(np.mean([e["api_in_s"]["mean"] for e in fit_sides])),
+            float(np.mean([e["api_out_s"]["mean"] for e in fit_sides])),
         )
-        frontends[policy] = frontend
-        real_w, sim_w, bare_w, engine_w, sim_runs = [], [], [], [], []
+        server_w, client_w, sim_w, sim_client_w, engine_w, sim_runs = [], [], [], [], [], []
         for name in judged:
-            records = real_records(runs[name])
-            sent = {r["id"]: r["arrival_s"] for r in records}
-            sim = simulate(setup, policy, target, windows[name], sent, frontend)
-            real_w.append(records)
+            side = engine_side(log, runs[name], name)
+            arrivals = {r["id"]: r["arrival_s"] for r in side["records"]}
+            sim = simulate(setup, policy, target, windows[name], arrivals)
+            client = real_records(runs[name])
+            sent = {r["id"]: r["arrival_s"] for r in client}
+            server_w.append(side["records"])
+            client_w.append(client)
             sim_w.append(sim["records"])
-            bare_w.append(simulate(setup, policy, target, windows[name], sent)["records"])
+            sim_client_w.append(simulate(setup, policy, target, windows[name], sent, frontend)["records"])
             sim_runs.append(sim)
-            engine_w.append(engine_side(log, runs[name], name))
+            engine_w.append(side)
         judge_steps = [
             (shape_of(step), s)
             for name in judged
             for step, s in timed_steps(log, runs[name]["started"], runs[name]["ended"])
         ]
-        tokens_real = [sum(r["tokens"] for r in w) for w in real_w]
-        span_real = [max(r["arrival_s"] + r["e2e_s"] for r in w) - min(r["arrival_s"] for r in w) for w in real_w]
+        tokens = [sum(r["tokens"] for r in w) for w in server_w]
+        span_real = [
+            max(r["arrival_s"] + r["e2e_s"] for r in w) - min(r["arrival_s"] for r in w) for w in server_w
+        ]
         policies[policy] = {
-            "latency": compare(real_w, sim_w),
+            "server": compare(server_w, sim_w),
+            "client": compare(client_w, sim_client_w),
             "frontend_s": {"to_engine": round(frontend[0], 5), "to_client": round(frontend[1], 5)},
-            "latency_without_frontend": compare(real_w, bare_w),
             "steps": _count_error([e["steps"] for e in engine_w], [s["steps"] for s in sim_runs]),
-            "preemptions": _count_error([e["preemptions"] for e in engine_w], [s["preemptions"] for s in sim_runs]),
+            "preemptions": _count_error(
+                [e["preemptions"] for e in engine_w], [s["preemptions"] for s in sim_runs]
+            ),
             "recomputed_tokens": _count_error(
                 [e["recomputed_tokens"] for e in engine_w], [s["recomputed_tokens"] for s in sim_runs]
             ),
             "throughput_tok_s": _count_error(
-                [round(t / s, 2) for t, s in zip(tokens_real, span_real, strict=True)],
-                [round(t / s["makespan_s"], 2) for t, s in zip(tokens_real, sim_runs, strict=True)],
+                [round(t / s, 2) for t, s in zip(tokens, span_real, strict=True)],
+                [round(t / s["makespan_s"], 2) for t, s in zip(tokens, sim_runs, strict=True)],
             ),
             "sources": {
                 "step_formula_on_judge_steps": errors(cost, judge_steps),
-                "arrival_delay_s": [e["arrival_delay_s"] for e in engine_w],
-                "first_token_delay_s": [e["first_token_delay_s"] for e in engine_w],
+                "api_in_s": [e["api_in_s"] for e in engine_w],
+                "api_out_s": [e["api_out_s"] for e in engine_w],
             },
-            "requests": [len(w) for w in real_w],
+            "requests": [len(w) for w in server_w],
         }
     out = {
         "setup": asdict(setup),
@@ -585,7 +628,7 @@ def judge_fidelity(
         "commands": {p: real[p]["command"] for p in setup.policies},
     }
     if trade is not None:
-        out["trade"] = judge_trade(setup, real, trade, target, frontends["fcfs"])
+        out["trade"] = judge_trade(setup, real, trade, target)
         out["commands"].update({f"fcfs_{codec}": trade[codec]["command"] for codec in trade})
     return out
 
@@ -607,31 +650,42 @@ def render_fidelity(result: dict[str, Any]) -> str:
         front = row["frontend_s"]
         lines += [
             "",
-            f"### vllm_{policy} ({sum(row['requests'])} requests; API server delays "
-            f"{front['to_engine'] * 1e3:.1f} ms in, {front['to_client'] * 1e3:.1f} ms out)",
+            f"### vllm_{policy} ({sum(row['requests'])} requests)",
+            "",
+            "Latencies as vLLM counts them (from its arrival stamp to the step's end):",
             "",
             "| | real | sim | error | error by window (95%) |",
             "| --- | --- | --- | --- | --- |",
         ]
         for metric in METRICS:
             for stat in STATS:
-                cell = row["latency"][metric][stat]
+                cell = row["server"][metric][stat]
                 w = cell["error_by_window"]
                 lines.append(
-                    f"| {metric.removesuffix('_s').upper()} {stat} | {cell['real']:.3f} s | {cell['sim']:.3f} s "
+                    f"| {metric.removesuffix('_s').upper()} {stat} | {cell['real']:.3f} s "
+                    f"| {cell['sim']:.3f} s "
                     f"| {cell['error']:+.1%} | {w['mean']:+.1%} [{w['lo']:+.1%}, {w['hi']:+.1%}] |"
                 )
         for key in ("steps", "preemptions", "recomputed_tokens", "throughput_tok_s"):
             c = row[key]
             error = "n/a" if c["error"] is None else f"{c['error']:+.1%}"
             lines.append(f"| {key.replace('_', ' ')} | {sum(c['real']):g} | {sum(c['sim']):g} | {error} | |")
+        client = row["client"]
         formula = row["sources"]["step_formula_on_judge_steps"]
-        bare = row["latency_without_frontend"]["ttft_s"]["mean"]["error"]
         lines += [
             "",
-            f"Where it comes from: the step formula on the judge windows' own {formula['steps']} steps: "
-            f"RMS log error {formula['rms_log']}, sum of predicted / measured {formula['sum_ratio']}; "
-            f"without the API server's delays, mean TTFT error {bare:+.1%}.",
+            "Seen by the HTTP client (the simulator adds the API server's mean delays measured on "
+            f"the fit windows, {front['to_engine'] * 1e3:.1f} ms in and "
+            f"{front['to_client'] * 1e3:.1f} ms out): "
+            + ", ".join(
+                f"{m.removesuffix('_s').upper()} mean {client[m]['mean']['real']:.3f} s real, "
+                f"{client[m]['mean']['sim']:.3f} s sim ({client[m]['mean']['error']:+.1%})"
+                for m in METRICS
+            )
+            + ".",
+            "",
+            f"The step formula on the judge windows' own {formula['steps']} steps: RMS log error "
+            f"{formula['rms_log']}, predicted / measured sum {formula['sum_ratio']}.",
         ]
     if "trade" in result:
         lines += render_trade(result["trade"])
@@ -639,6 +693,8 @@ def render_fidelity(result: dict[str, Any]) -> str:
 
 
 def _interval(cell: dict[str, Any]) -> str:
+    if cell["num"] == 0:
+        return "n/a"
     if cell["num"] < 2:
         return f"{cell['mean']:+.3f} s (one window)"
     return f"{cell['mean']:+.3f} [{cell['lo']:+.3f}, {cell['hi']:+.3f}] s"
@@ -661,8 +717,9 @@ def render_trade(trade: dict[str, Any]) -> list[str]:
         row = trade[codec]
         e2e, ttft, tput = row["e2e_s"], row["ttft_s"], row["throughput_tok_s"]
         save = "n/a" if row["save_ms"] is None else f"{row['save_ms']:.1f} / {row['load_ms'] or 0:.1f}"
+        base = "n/a" if e2e["base_real_mean"] is None else f"{e2e['base_real_mean']:.2f} s"
         lines.append(
-            f"| {codec} | {e2e['base_real_mean']:.2f} s | {_interval(e2e['real_by_window'])} "
+            f"| {codec} | {base} | {_interval(e2e['real_by_window'])} "
             f"| {_interval(e2e['sim_by_window'])} | {_interval(ttft['real_by_window'])} "
             f"| {_interval(ttft['sim_by_window'])} | {save} "
             f"| {sum(tput['real']):.0f} ({sum(tput['recompute']):.0f}) |"

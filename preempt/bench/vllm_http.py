@@ -124,7 +124,12 @@ def _free_port() -> int:
 
 
 def serve_command(
-    vllm_bin: Path, model_dir: Path, port: int, arm: ServeArm, engine: dict = ENGINE, extra: Sequence[str] = ()
+    vllm_bin: Path,
+    model_dir: Path,
+    port: int,
+    arm: ServeArm,
+    engine: dict = ENGINE,
+    extra: Sequence[str] = (),
 ) -> list[str]:
     """`vllm serve` as a user types it (docs/vllm_plugin.md), plus the tiny engine's shape
     and `extra` arguments."""

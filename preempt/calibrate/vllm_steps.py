@@ -20,7 +20,10 @@ the fit drives one of them to infinity). Per-kernel floors (launches, the last w
 constant per step of a given model and so cannot be told apart from the host's per-step
 work: they are folded into `cpu_step_overhead_s` and written as 0. Fitted on log time
 (a 15 ms decode and a 1 s prefill weigh the same), with a pseudo-Huber loss (scale
-`ROBUST_SCALE`): a step the OS or the garbage collector stretched does not pull the fit.
+`ROBUST_SCALE`): a step the OS or the garbage collector stretched does not pull the fit's
+shape. Then every time is scaled by one factor so that the fitted steps add up to the
+measured ones: the shape is the typical step's, the total is the mean's, which is what a
+replay's clock adds up.
 Deterministic: the same logs give the same profile.
 """
 
@@ -113,7 +116,7 @@ def timed_steps(log: StepLog, since: float = -math.inf, until: float = math.inf)
     """(step, seconds) for every step that computed tokens, began in [since, until) and was
     followed at once by another (the engine stayed busy)."""
     out = []
-    for step, after in zip(log.steps, log.steps[1:]):
+    for step, after in zip(log.steps, log.steps[1:], strict=False):
         if step["busy"] and step["chunks"] and since <= step["t"] < until:
             out.append((step, after["t"] - step["t"]))
     return out
@@ -195,8 +198,19 @@ def fit_steps(model: ModelShape, shapes: Sequence[StepShape], seconds: Sequence[
 
     x0 = [math.log(2.0) if start is None else math.log(start) for _, start in _PARAMS]
     x = levenberg_marquardt(residuals, x0)
+    # The robust fit on log time follows the typical step; a replay's clock adds steps up,
+    # so every time is scaled to make the fitted steps' sum the measured sum (the
+    # formula is homogeneous in time with its floors at 0: rates / k, seconds x k).
+    k = float(measured.sum() / features.predict(x).sum())
     # a constant the steps do not bound from below (its term never matters) is written as 0
-    fitted = {name: float(np.exp(value)) if value > -40 else 0.0 for (name, _), value in zip(_PARAMS, x, strict=True)}
+    fitted = {
+        name: float(np.exp(value)) if value > -40 else 0.0
+        for (name, _), value in zip(_PARAMS, x, strict=True)
+    }
+    for name in ("linear_flops_per_s", "linear_bytes_per_s", "attn_kv_bytes_per_s", "attn_flops_per_s"):
+        fitted[name] /= k
+    for name in ("attn_per_row_head_s", "cpu_step_overhead_s"):
+        fitted[name] *= k
     fitted["linear_exponent"] = _exponent(x[2])
     return fitted
 
@@ -299,9 +313,13 @@ def calibrate_vllm(
     if not pairs:
         raise ProfileError("the step logs have no timed steps (a busy step followed by another)")
     fitted = fit_steps(model, [p[0] for p in pairs], [p[1] for p in pairs])
-    what = f"{len(pairs)} steps of vLLM {logs[0].header.get('vllm_version', '?')} ({', '.join(p.path.name for p in logs)})"
+    names = ", ".join(p.path.name for p in logs)
+    what = f"{len(pairs)} steps of vLLM {logs[0].header.get('vllm_version', '?')} ({names})"
     if copy is None:
-        copy = (host_copy_rate(), "measured: a 64 MiB host memory copy on the calibrating machine (best of 5)")
+        copy = (
+            host_copy_rate(),
+            "measured: a 64 MiB host memory copy on the calibrating machine (best of 5)",
+        )
     device = device_profile(name, fitted, what, copy)
     target = TargetProfile(name, model, 1, device)
     return {

@@ -63,7 +63,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("preempt: error: --shape applies to `bench vllm --http` only", file=sys.stderr)
         return 2
     if args.connector and not args.http and args.name != "fidelity":
-        print("preempt: error: --connector applies to `bench vllm --http` and `bench fidelity` only", file=sys.stderr)
+        print(
+            "preempt: error: --connector applies to `bench vllm --http` and `bench fidelity` only",
+            file=sys.stderr,
+        )
         return 2
     if args.connector and args.shape is not None:
         message = "--connector runs its own forced-preemption workloads: drop --shape"
@@ -187,17 +190,22 @@ def _bench_fidelity(args: argparse.Namespace, options: dict[str, Any]) -> int:
     from preempt.core.profiles import ProfileError
     from preempt.parity.harness import PeerError, peer_python
 
-    flags = [key for key in options] + [k for k in ("shape", "trace", "arms", "max_tokens", "lengths", "modes")
-                                        if getattr(args, k) is not None]  # fmt: skip
+    named = ("shape", "trace", "arms", "max_tokens", "lengths", "modes")
+    flags = [*options, *(k for k in named if getattr(args, k) is not None)]
     flags += [k for k in ("windows", "http", "vidur") if getattr(args, k)]
     if flags:
-        print(f"preempt: error: --{flags[0].replace('_', '-')} does not apply to `bench fidelity`", file=sys.stderr)
+        print(
+            f"preempt: error: --{flags[0].replace('_', '-')} does not apply to `bench fidelity`",
+            file=sys.stderr,
+        )
         return 2
     out = args.out or Path("runs/fidelity")
     try:
         if args.real is not None:
             if args.connector:
-                print("preempt: error: --real judges what the kept run holds: drop --connector", file=sys.stderr)
+                print(
+                    "preempt: error: --real judges what the kept run holds: drop --connector", file=sys.stderr
+                )
                 return 2
             if not (args.real / "real.json").is_file():
                 print(f"preempt: error: --real: no real.json in {args.real}", file=sys.stderr)

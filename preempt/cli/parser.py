@@ -201,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     checkpoint = sub.add_parser(
         "checkpoint",
-        help="write a random-weight Llama checkpoint vLLM serves from a directory, offline (its text is noise)",
+        help="write a random-weight Llama checkpoint vLLM serves from a directory, offline (its text "
+        "is noise)",
     )
     checkpoint.add_argument("--out", type=Path, required=True, help="the directory (kept if it holds one)")
     checkpoint.add_argument(
@@ -367,7 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--tiny", action="store_true", help="--device: toy shape (CPU without CUDA)")
     calibrate.add_argument("--base", default="h200", help="profile for what is not measured (all-reduce)")
     calibrate.add_argument(
-        "--out", type=Path, required=True, help="profile JSON (--from vidur: a directory for a100/h100/h200; --from vllm: a target file)"
+        "--out",
+        type=Path,
+        required=True,
+        help="profile JSON (--from vidur: a directory for a100/h100/h200; --from vllm: a target file)",
     )
     calibrate.set_defaults(func=cmd_calibrate)
 

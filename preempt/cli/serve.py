@@ -53,8 +53,10 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
         print(f"preempt checkpoint: error: cannot write {args.out}: {err.strerror}", file=sys.stderr)
         return 2
     spec = PRESETS[args.preset]
-    print(f"wrote {args.out} ({args.preset}: {num_params(args.preset) / 1e6:.1f}M parameters, {spec.dtype}, "
-          "random weights: its text is noise)")
+    print(
+        f"wrote {args.out} ({args.preset}: {num_params(args.preset) / 1e6:.1f}M parameters, {spec.dtype}, "
+        "random weights: its text is noise)"
+    )
     return 0
 
 

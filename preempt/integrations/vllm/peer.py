@@ -30,6 +30,7 @@ from pathlib import Path
 from preempt.integrations.vllm.settings import PLUGIN_CLS
 from preempt.model.random_llama import write_random_llama
 
+
 # ----------------------------------------------------------------- decisions
 def run_decisions(job: dict, model_dir: str) -> dict:
     from preempt.integrations.vllm.clock import ReplayClock

@@ -11,15 +11,17 @@ The file (read by `preempt calibrate --from vllm`, `preempt.calibrate.vllm_steps
 - first line, `{"kind": "header", ...}`: the served model's shape (its config.json), the
   dtype, the engine's block size, blocks, seats and token budget, vLLM's version, the
   scheduler class and whether async scheduling is on;
-- `{"kind": "add", "id", "t", "prompt", "priority"}` when a request reaches the scheduler;
+- `{"kind": "add", "id", "t", "arrival", "prompt", "priority"}` when a request reaches the
+  scheduler (at a step's boundary); `arrival` is vLLM's own arrival stamp, set when its API
+  server made the request (vLLM's TTFT and e2e metrics count from it);
 - `{"kind": "step", "step", "t", "end", "busy", "ids", "chunks", "preempted", "waiting",
   "free_blocks"}` per step: `t` when `schedule()` began and `end` when
   `update_from_output()` returned (both `time.time()`, so a client on the same machine can
   line them up with its own), `chunks` `[tokens computed before, new tokens]` per scheduled
   request (the same order as `ids`), `preempted` `[id, tokens computed]` of each request
-  preempted while this step was scheduled (the tokens vLLM recomputes), `busy` whether requests were left unfinished (then, with synchronous
-  scheduling, the next step starts at once: its `t` less this one's is this step's whole
-  cost, host work included);
+  preempted while this step was scheduled (the tokens vLLM recomputes), `busy` whether
+  requests were left unfinished (then, with synchronous scheduling, the next step starts
+  at once: its `t` less this one's is this step's whole cost, host work included);
 - `{"kind": "finish", "id", "t", "tokens"}` when a request finishes.
 
 Async scheduling is off for a `Scheduler` subclass (vLLM says so when it loads one): these
@@ -59,8 +61,9 @@ class StepLog:
     def _write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
 
-    def add(self, request_id: str, prompt: int, priority: int) -> None:
-        self._write({"kind": "add", "id": request_id, "t": time.time(), "prompt": prompt, "priority": priority})
+    def add(self, request_id: str, prompt: int, priority: int, arrival: float) -> None:
+        record = {"kind": "add", "id": request_id, "t": time.time(), "arrival": arrival}
+        self._write({**record, "prompt": prompt, "priority": priority})
 
     def step(self, record: dict[str, Any]) -> None:
         self._write({"kind": "step", **record})
@@ -116,7 +119,9 @@ class StepLogging:
     def add_request(self, request) -> None:
         super().add_request(request)
         if self.step_log is not None:
-            self.step_log.add(request.request_id, request.num_prompt_tokens, request.priority)
+            self.step_log.add(
+                request.request_id, request.num_prompt_tokens, request.priority, request.arrival_time
+            )
 
     def schedule(self, *args, **kwargs):
         if self.step_log is None:
