@@ -50,6 +50,11 @@ from preempt.bench.vllm_http import (
 from preempt.obs.stats import t_interval
 
 STEP_LOG_CLS = "preempt.integrations.vllm.steplog.StepLogScheduler"
+# One core for the model, the others for the engine core, the API server and the client,
+# in every arm: vLLM's CPU backend reserves one core for its own processes, two with a KV
+# connector, and with two cores in all it then reserves none and gives the model both (the
+# connector's arms ran steps twice as fast as the plain ones until this was set).
+SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 POLICIES = ("fcfs", "priority")
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
 STATS = ("mean", "p50", "p90", "p99")
@@ -61,9 +66,11 @@ class FidelitySetup:
 
     trace: str = "azure-conv"
     window_s: float = 16.0  # trace seconds per window (before rate scaling)
-    # window starts, trace seconds: the profile is fitted on `fit_starts` only
+    # window starts, trace seconds: the profile is fitted on `fit_starts` only; the windows
+    # run in the trace's order, fit and judge interleaved, so that a machine whose speed
+    # drifts over the run (a shared host) drifts under both alike
     fit_starts: tuple[float, ...] = (300.0, 1500.0)
-    judge_starts: tuple[float, ...] = (600.0, 1200.0, 1800.0, 2400.0)
+    judge_starts: tuple[float, ...] = (600.0, 1200.0, 1800.0, 2400.0, 3000.0)
     rate_scale: float = 0.4
     length_scale: float = 0.25
     seed: int = 0
@@ -73,8 +80,8 @@ class FidelitySetup:
         default_factory=lambda: {
             "dtype": "float32",
             "block_size": 32,  # vLLM's CPU attention: multiples of 32
-            "num_gpu_blocks": 64,  # its null block included: 63 usable, 2,016 tokens
-            "max_model_len": 2016,  # vLLM: at most the usable blocks
+            "num_gpu_blocks": 48,  # its null block included: 47 usable, 1,504 tokens
+            "max_model_len": 1504,  # vLLM: at most the usable blocks
             "max_num_seqs": 16,
             "max_num_batched_tokens": 512,
         }
@@ -177,7 +184,7 @@ def serve_windows(
     ]
     command = serve_command(vllm_bin, model_dir, _free_port(), arm, setup.engine, args)
     runs: dict[str, Any] = {}
-    with vllm_server(command, work_dir / f"server-{name}.log") as server:
+    with vllm_server(command, work_dir / f"server-{name}.log", env=SERVER_ENV) as server:
         warm = [HttpRequest(-1 - i, 0, 0.05 * i, [65 + i] * 64, 8) for i in range(4)]
         asyncio.run(drive(server.url, warm))  # one-time costs, not measured
         for window, requests in windows.items():
@@ -306,10 +313,11 @@ def judge_trade(
     setup: FidelitySetup, real: dict[str, Any], trade: dict[str, Any], target: Path
 ) -> dict[str, Any]:
     """Per codec: the e2e latency and TTFT of the requests plain vLLM preempted (FCFS,
-    recompute), each against its own under recompute, paired by request; the mean over
-    windows with a 95% interval; throughput; the connector's save and load seconds; and
-    the simulator's prediction of the same differences (the engine's swap mode against
-    recompute on the calibrated clock, the same requests)."""
+    recompute), each against its own under recompute, paired by request; the mean with a
+    95% interval over those requests and over windows (a window's mean); throughput; the
+    connector's save and load seconds; and the simulator's prediction of the same
+    differences (the engine's swap mode against recompute on the calibrated clock, the same
+    requests)."""
     from preempt.calibrate.vllm_steps import read_step_log
 
     windows = all_windows(setup)
@@ -334,6 +342,8 @@ def judge_trade(
             real_diff = [_paired(records[n], base_real[n], victims[n], key) for n in judged]
             sim_diff = [_paired(swapped[n], base_sim[n], victims[n], key) for n in judged]
             row[key] = {
+                "real_by_request": t_interval([v for d in real_diff for v in d])._asdict(),
+                "sim_by_request": t_interval([v for d in sim_diff for v in d])._asdict(),
                 "real_by_window": t_interval([float(np.mean(d)) for d in real_diff if d])._asdict(),
                 "real_pooled": _mean([v for d in real_diff for v in d]),
                 "sim_by_window": t_interval([float(np.mean(d)) for d in sim_diff if d])._asdict(),
@@ -520,10 +530,11 @@ def bench_fidelity(
 
 
 def all_windows(setup: FidelitySetup) -> dict[str, list[WindowRequest]]:
-    """`fit<k>` and `judge<k>` windows, by name, in the order they run."""
+    """`fit<k>` and `judge<k>` windows, by name, in the order they run (the trace's)."""
     names = {f"fit{k}": s for k, s in enumerate(setup.fit_starts)}
     names.update({f"judge{k}": s for k, s in enumerate(setup.judge_starts)})
-    return {name: window_requests(setup, start) for name, start in names.items()}
+    ordered = sorted(names.items(), key=lambda kv: kv[1])
+    return {name: window_requests(setup, start) for name, start in ordered}
 
 
 def rejudge(work_dir: Path) -> dict[str, Any]:
@@ -707,9 +718,10 @@ def render_trade(trade: dict[str, Any]) -> list[str]:
         f"### The seed's trade: preempt's KV connector against recompute (vLLM FCFS; "
         f"{sum(trade['preempted'].values())} requests preempted under recompute)",
         "",
-        "| codec | e2e, recompute | e2e change, real (95%) | e2e change, sim | TTFT change, real | "
-        "TTFT change, sim | save / load ms | throughput tok/s (recompute) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| codec | e2e, recompute | e2e change, real (95%, over requests) | e2e change, sim | "
+        "TTFT change, real | TTFT change, sim | e2e change over windows, real | save / load ms | "
+        "throughput tok/s (recompute) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for codec in TRADE:
         if codec not in trade:
@@ -719,9 +731,9 @@ def render_trade(trade: dict[str, Any]) -> list[str]:
         save = "n/a" if row["save_ms"] is None else f"{row['save_ms']:.1f} / {row['load_ms'] or 0:.1f}"
         base = "n/a" if e2e["base_real_mean"] is None else f"{e2e['base_real_mean']:.2f} s"
         lines.append(
-            f"| {codec} | {base} | {_interval(e2e['real_by_window'])} "
-            f"| {_interval(e2e['sim_by_window'])} | {_interval(ttft['real_by_window'])} "
-            f"| {_interval(ttft['sim_by_window'])} | {save} "
+            f"| {codec} | {base} | {_interval(e2e['real_by_request'])} "
+            f"| {_interval(e2e['sim_by_request'])} | {_interval(ttft['real_by_request'])} "
+            f"| {_interval(ttft['sim_by_request'])} | {_interval(e2e['real_by_window'])} | {save} "
             f"| {sum(tput['real']):.0f} ({sum(tput['recompute']):.0f}) |"
         )
     return lines

@@ -182,14 +182,22 @@ class Server:
 
 @contextlib.contextmanager
 def vllm_server(
-    command: Sequence[str], log_path: Path, timeout_s: float = START_TIMEOUT_S
+    command: Sequence[str],
+    log_path: Path,
+    timeout_s: float = START_TIMEOUT_S,
+    env: dict[str, str] | None = None,
 ) -> Iterator[Server]:
-    """Start `command`, wait for GET /health, yield the server; SIGTERM on exit (vLLM's
-    graceful shutdown), SIGKILL after 60 s. Raises ServerError with the log's tail."""
+    """Start `command` (`server_env()` and `env`), wait for GET /health, yield the server;
+    SIGTERM on exit (vLLM's graceful shutdown), SIGKILL after 60 s. Raises ServerError
+    with the log's tail."""
     port = command[command.index("--port") + 1]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            list(command), stdout=log, stderr=subprocess.STDOUT, env=server_env(), start_new_session=True
+            list(command),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**server_env(), **(env or {})},
+            start_new_session=True,
         )
     server = Server(f"http://127.0.0.1:{port}", proc, log_path)
     try:
