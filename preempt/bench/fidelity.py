@@ -538,8 +538,15 @@ def all_windows(setup: FidelitySetup) -> dict[str, list[WindowRequest]]:
 
 
 def rejudge(work_dir: Path) -> dict[str, Any]:
-    """`judge_fidelity` again on the real runs a bench left in `work_dir` (real.json)."""
+    """`judge_fidelity` again on the real runs a bench left in `work_dir` (real.json and
+    the step logs beside it, plain or gzipped: the folder may have moved)."""
     data = json.loads((work_dir / "real.json").read_text())
+    for arms in (data["real"], data.get("trade") or {}):
+        for arm in arms.values():
+            if isinstance(arm, dict) and "step_log" in arm:
+                name = Path(arm["step_log"]).name
+                here = [work_dir / name, work_dir / f"{name}.gz"]
+                arm["step_log"] = str(next((p for p in here if p.is_file()), here[0]))
     setup = data["setup"]
     setup = FidelitySetup(**{**setup, **{k: tuple(v) for k, v in setup.items() if isinstance(v, list)}})
     return judge_fidelity(setup, data["real"], work_dir, data.get("trade"), data.get("real_s"))
@@ -599,11 +606,11 @@ def judge_fidelity(
             sim_client_w.append(simulate(setup, policy, target, windows[name], sent, frontend)["records"])
             sim_runs.append(sim)
             engine_w.append(side)
-        judge_steps = [
-            (shape_of(step), s)
+        by_window = [
+            [(shape_of(step), s) for step, s in timed_steps(log, runs[name]["started"], runs[name]["ended"])]
             for name in judged
-            for step, s in timed_steps(log, runs[name]["started"], runs[name]["ended"])
         ]
+        judge_steps = [pair for pairs in by_window for pair in pairs]
         tokens = [sum(r["tokens"] for r in w) for w in server_w]
         span_real = [
             max(r["arrival_s"] + r["e2e_s"] for r in w) - min(r["arrival_s"] for r in w) for w in server_w
@@ -625,6 +632,8 @@ def judge_fidelity(
             ),
             "sources": {
                 "step_formula_on_judge_steps": errors(cost, judge_steps),
+                # the clock's drift window by window: how far the machine's speed moved
+                "sum_ratio_by_window": [errors(cost, pairs).get("sum_ratio") for pairs in by_window],
                 "api_in_s": [e["api_in_s"] for e in engine_w],
                 "api_out_s": [e["api_out_s"] for e in engine_w],
             },
@@ -696,7 +705,9 @@ def render_fidelity(result: dict[str, Any]) -> str:
             + ".",
             "",
             f"The step formula on the judge windows' own {formula['steps']} steps: RMS log error "
-            f"{formula['rms_log']}, predicted / measured sum {formula['sum_ratio']}.",
+            f"{formula['rms_log']}, predicted / measured sum {formula['sum_ratio']} (window by window: "
+            + ", ".join(f"{r:.3f}" for r in row["sources"]["sum_ratio_by_window"])
+            + ").",
         ]
     if "trade" in result:
         lines += render_trade(result["trade"])

@@ -49,6 +49,7 @@ from preempt.calibrate.fit import (
 from preempt.core.cost_model import CostModel, StepShape, step_shape
 from preempt.core.profiles import ELEMENTWISE_OPS, DeviceProfile, ModelShape, ProfileError, TargetProfile
 
+UNBOUNDED_RATE = 1e18  # per second: a term at this rate costs nothing measurable
 ROBUST_SCALE = 0.1  # log-time residuals past ~10% count linearly, not squared
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Attention's masked pairs inside a chunk: whole steps cannot separate them from the
@@ -69,12 +70,17 @@ class StepLog:
 
 
 def read_step_log(path: str | Path) -> StepLog:
-    """A step log file; a missing header or an unreadable line raises ProfileError naming
+    """A step log file (`.gz`: gzipped); a missing header or an unreadable line raises ProfileError naming
     the file and line (a server killed mid-write leaves at most a partial last line, which
     is skipped)."""
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        if path.suffix == ".gz":
+            import gzip
+
+            lines = gzip.decompress(path.read_bytes()).decode().splitlines()
+        else:
+            lines = path.read_text().splitlines()
     except OSError as err:
         raise ProfileError(f"cannot read step log {path}: {err.strerror}") from None
     header: dict[str, Any] | None = None
@@ -211,6 +217,10 @@ def fit_steps(model: ModelShape, shapes: Sequence[StepShape], seconds: Sequence[
         fitted[name] /= k
     for name in ("attn_per_row_head_s", "cpu_step_overhead_s"):
         fitted[name] *= k
+    # a rate the steps do not bound from above (its term is below their noise; on a CPU,
+    # decode attention's KV reads next to the weights') is written as UNBOUNDED_RATE
+    for name in ("linear_flops_per_s", "linear_bytes_per_s", "attn_kv_bytes_per_s", "attn_flops_per_s"):
+        fitted[name] = min(fitted[name], UNBOUNDED_RATE)
     fitted["linear_exponent"] = _exponent(x[2])
     return fitted
 

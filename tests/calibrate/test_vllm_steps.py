@@ -139,3 +139,12 @@ def test_a_file_that_is_not_a_step_log_is_refused_by_name(tmp_path):
     path.write_text(json.dumps({**HEADER, "dtype": "int8"}) + "\n")
     with pytest.raises(ProfileError, match="dtype 'int8' unknown"):
         calibrate_vllm([path])
+
+
+def test_a_gzipped_log_reads_as_the_plain_one(tmp_path):
+    import gzip
+
+    _write_log(tmp_path / "steps.jsonl", _truth(), num_steps=60)
+    (tmp_path / "steps.jsonl.gz").write_bytes(gzip.compress((tmp_path / "steps.jsonl").read_bytes()))
+    plain, packed = read_step_log(tmp_path / "steps.jsonl"), read_step_log(tmp_path / "steps.jsonl.gz")
+    assert (packed.header, packed.steps) == (plain.header, plain.steps)
