@@ -47,6 +47,7 @@ from preempt.bench.vllm_http import (
     vllm_server,
     write_model,
 )
+from preempt.calibrate.vllm_steps import host_copy_rate
 from preempt.obs.stats import t_interval
 
 STEP_LOG_CLS = "preempt.integrations.vllm.steplog.StepLogScheduler"
@@ -55,6 +56,7 @@ STEP_LOG_CLS = "preempt.integrations.vllm.steplog.StepLogScheduler"
 # connector, and with two cores in all it then reserves none and gives the model both (the
 # connector's arms ran steps twice as fast as the plain ones until this was set).
 SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+COPY_SOURCE = "measured: a 64 MiB host memory copy on this machine (best of 5), with the runs"
 POLICIES = ("fcfs", "priority")
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
 STATS = ("mean", "p50", "p90", "p99")
@@ -524,9 +526,17 @@ def bench_fidelity(
     real = run_real(peer_python, work_dir, setup, windows)
     trade = run_trade(peer_python, work_dir, setup, windows) if connector else None
     elapsed = round(time.perf_counter() - started, 1)
-    kept = {"setup": asdict(setup), "real": real, "trade": trade, "real_s": elapsed}
+    # the swap modes' copy rate, measured once with the runs: judging again is deterministic
+    copy_rate = host_copy_rate()
+    kept = {
+        "setup": asdict(setup),
+        "real": real,
+        "trade": trade,
+        "real_s": elapsed,
+        "host_copy_bytes_per_s": copy_rate,
+    }
     (work_dir / "real.json").write_text(json.dumps(kept) + "\n")
-    return judge_fidelity(setup, real, work_dir, trade, elapsed)
+    return judge_fidelity(setup, real, work_dir, trade, elapsed, copy_rate)
 
 
 def all_windows(setup: FidelitySetup) -> dict[str, list[WindowRequest]]:
@@ -540,7 +550,13 @@ def all_windows(setup: FidelitySetup) -> dict[str, list[WindowRequest]]:
 def rejudge(work_dir: Path) -> dict[str, Any]:
     """`judge_fidelity` again on the real runs a bench left in `work_dir` (real.json and
     the step logs beside it, plain or gzipped: the folder may have moved)."""
-    data = json.loads((work_dir / "real.json").read_text())
+    packed = work_dir / "real.json.gz"
+    if packed.is_file() and not (work_dir / "real.json").is_file():
+        import gzip
+
+        data = json.loads(gzip.decompress(packed.read_bytes()))
+    else:
+        data = json.loads((work_dir / "real.json").read_text())
     for arms in (data["real"], data.get("trade") or {}):
         for arm in arms.values():
             if isinstance(arm, dict) and "step_log" in arm:
@@ -549,7 +565,8 @@ def rejudge(work_dir: Path) -> dict[str, Any]:
                 arm["step_log"] = str(next((p for p in here if p.is_file()), here[0]))
     setup = data["setup"]
     setup = FidelitySetup(**{**setup, **{k: tuple(v) for k, v in setup.items() if isinstance(v, list)}})
-    return judge_fidelity(setup, data["real"], work_dir, data.get("trade"), data.get("real_s"))
+    copy_rate = data.get("host_copy_bytes_per_s") or host_copy_rate()  # older runs did not keep it
+    return judge_fidelity(setup, data["real"], work_dir, data.get("trade"), data.get("real_s"), copy_rate)
 
 
 def judge_fidelity(
@@ -558,6 +575,7 @@ def judge_fidelity(
     work_dir: Path,
     trade: dict[str, Any] | None = None,
     real_s: float | None = None,
+    copy_rate: float | None = None,
 ) -> dict[str, Any]:
     """Calibration on the fit windows, simulated runs of the judge windows, the
     comparison per policy (and the connector's trade, `judge_trade`, when it ran)."""
@@ -576,7 +594,8 @@ def judge_fidelity(
         if n.startswith("fit")
     ]
     logs = [real[p]["step_log"] for p in setup.policies]
-    profile = calibrate_vllm(logs, name=f"vllm-cpu-{setup.preset}", windows=fit_spans)
+    copy = None if copy_rate is None else (copy_rate, COPY_SOURCE)
+    profile = calibrate_vllm(logs, name=f"vllm-cpu-{setup.preset}", windows=fit_spans, copy=copy)
     target = work_dir / "target.json"
     target.write_text(json.dumps(profile, indent=1) + "\n")
     cost = CostModel(load_target(target))

@@ -207,7 +207,7 @@ def _bench_fidelity(args: argparse.Namespace, options: dict[str, Any]) -> int:
                     "preempt: error: --real judges what the kept run holds: drop --connector", file=sys.stderr
                 )
                 return 2
-            if not (args.real / "real.json").is_file():
+            if not any((args.real / name).is_file() for name in ("real.json", "real.json.gz")):
                 print(f"preempt: error: --real: no real.json in {args.real}", file=sys.stderr)
                 return 2
             result = rejudge(args.real)
