@@ -13,14 +13,16 @@
    profile to the steps vLLM took during them.
 4. The simulated side: preempt's engine with the matching policy (`vllm_fcfs`,
    `vllm_priority`: vLLM 0.32's scheduler, step-identical to it, docs/parity.md) on the
-   calibrated clock, replaying each judge window's requests at the times the client sent
-   them, with the engine shape the server had.
-5. The comparison on the judge windows: TTFT, TPOT and e2e per request (mean, p50, p90,
+   calibrated clock, replaying each judge window's requests at vLLM's own arrival stamps,
+   with the engine shape the server had.
+5. The comparison on the judge windows: TTFT, TPOT and e2e per request as vLLM counts them
+   (from its arrival stamp to the end of the step that made the token; mean, p50, p90,
    p99 over the windows' requests pooled, and the mean relative error over windows with a
-   95% interval), steps, preemptions, recomputed tokens and throughput; and where the
-   error comes from (`sources`): the calibrated step formula on the judge windows' own
-   steps, the time between the client's send and the scheduler's `add_request`, and the
-   time between the scheduler's first token and the client's.
+   95% interval), steps, preemptions, recomputed tokens and throughput; the client's view
+   over HTTP beside it (the simulator then adds the API server's mean delays, measured on
+   the fit windows); and where the error comes from (`sources`): the calibrated step
+   formula on the judge windows' own steps, window by window, and the API server's delays.
+6. With `connector`, the seed's trade (`run_trade`, `judge_trade`).
 
 This module never imports vLLM; the servers are subprocesses.
 """
@@ -141,6 +143,15 @@ def window_requests(setup: FidelitySetup, start_s: float) -> list[WindowRequest]
 
 def request_id(window: str, index: int) -> str:
     return f"{window}-{index:05d}"
+
+
+def window_index(engine_id: str, window: str) -> int | None:
+    """The index of `request_id(window, index)` inside vLLM's own id for it (its
+    completions route names a request cmpl-<its id>-<n>[-<suffix>]); None: another
+    window's, or the warm-up's."""
+    prefix = f"{window}-"
+    at = engine_id.find(prefix)
+    return None if at < 0 else int(engine_id[at + len(prefix) : at + len(prefix) + 5])
 
 
 # ----------------------------------------------------------------------- the real side
@@ -290,14 +301,13 @@ def run_trade(
 
 def _preempted(log, run: dict[str, Any], window: str) -> set[int]:
     """The window's requests vLLM preempted at least once (from its step log)."""
-    prefix = f"{window}-"
     out = set()
     for step in log.steps:
         if run["started"] <= step["t"] < run["ended"]:
             for engine_id, _ in step["preempted"]:
-                at = engine_id.find(prefix)
-                if at >= 0:
-                    out.add(int(engine_id[at + len(prefix) : at + len(prefix) + 5]))
+                index = window_index(engine_id, window)
+                if index is not None:
+                    out.add(index)
     return out
 
 
@@ -424,12 +434,9 @@ def engine_side(log, run: dict[str, Any], window: str) -> dict[str, Any]:
     the scheduler's first token to the client's)."""
     since, until = run["started"], run["ended"]
     steps = [s for s in log.steps if since <= s["t"] < until and s["chunks"]]
-    prefix = f"{window}-"
 
     def index(engine_id: str) -> int | None:
-        # vLLM's completions route names a request cmpl-<its id>-<n>[-<suffix>]
-        start = engine_id.find(prefix)
-        return None if start < 0 else int(engine_id[start + len(prefix) : start + len(prefix) + 5])
+        return window_index(engine_id, window)
 
     added = {index(a["id"]): a for a in log.adds if index(a["id"]) is not None}
     finished = {index(f["id"]): f for f in log.finishes if index(f["id"]) is not None}
