@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -53,11 +54,23 @@ from preempt.calibrate.vllm_steps import host_copy_rate
 from preempt.obs.stats import t_interval
 
 STEP_LOG_CLS = "preempt.integrations.vllm.steplog.StepLogScheduler"
-# One core for the model, the others for the engine core, the API server and the client,
-# in every arm: vLLM's CPU backend reserves one core for its own processes, two with a KV
-# connector, and with two cores in all it then reserves none and gives the model both (the
-# connector's arms ran steps twice as fast as the plain ones until this was set).
-SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+# The model on core 0 alone, everything else (vLLM's engine core and API server, the
+# client) on the other cores, in every arm. Left to itself vLLM's CPU backend binds only
+# its model worker and reserves one core for the rest, two with a KV connector: with two
+# cores in all it then gave the connector's model both (its steps ran twice as fast as
+# plain vLLM's), and nothing kept the API server and the client off the model's core (the
+# same step shapes ran up to 14% slower in one window than the next; pinned, the
+# calibrated clock's error per window fell from 0.87-1.06 to 0.97-1.08: docs/fidelity.md).
+MODEL_CPU = 0
+SERVER_ENV = {"VLLM_CPU_OMP_THREADS_BIND": str(MODEL_CPU)}
+
+
+def _other_cpus() -> set[int] | None:
+    """Every core this process may use but the model's (None on a single core)."""
+    others = os.sched_getaffinity(0) - {MODEL_CPU}
+    return others or None
+
+
 COPY_SOURCE = "measured: a 64 MiB host memory copy on this machine (best of 5), with the runs"
 POLICIES = ("fcfs", "priority")
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
@@ -197,21 +210,27 @@ def serve_windows(
     ]
     command = serve_command(vllm_bin, model_dir, _free_port(), arm, setup.engine, args)
     runs: dict[str, Any] = {}
-    with vllm_server(command, work_dir / f"server-{name}.log", env=SERVER_ENV) as server:
-        warm = [HttpRequest(-1 - i, 0, 0.05 * i, [65 + i] * 64, 8) for i in range(4)]
-        asyncio.run(drive(server.url, warm))  # one-time costs, not measured
-        for window, requests in windows.items():
-            http = [
-                HttpRequest(
-                    r.index, r.priority if policy == "priority" else 0, r.arrival_s, r.prompt,
-                    r.output_tokens, request_id(window, r.index),
-                )
-                for r in requests
-            ]  # fmt: skip
-            started = time.time()
-            records = asyncio.run(drive(server.url, http))
-            runs[window] = {"started": started, "ended": time.time(), "records": records}
-        metrics = scrape(server.url)
+    cpus, mine = _other_cpus(), os.sched_getaffinity(0)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)  # the client too
+    try:
+        with vllm_server(command, work_dir / f"server-{name}.log", env=SERVER_ENV, cpus=cpus) as server:
+            warm = [HttpRequest(-1 - i, 0, 0.05 * i, [65 + i] * 64, 8) for i in range(4)]
+            asyncio.run(drive(server.url, warm))  # one-time costs, not measured
+            for window, requests in windows.items():
+                http = [
+                    HttpRequest(
+                        r.index, r.priority if policy == "priority" else 0, r.arrival_s, r.prompt,
+                        r.output_tokens, request_id(window, r.index),
+                    )
+                    for r in requests
+                ]  # fmt: skip
+                started = time.time()
+                records = asyncio.run(drive(server.url, http))
+                runs[window] = {"started": started, "ended": time.time(), "records": records}
+            metrics = scrape(server.url)
+    finally:
+        os.sched_setaffinity(0, mine)
     return {"step_log": str(log), "command": command, "windows": runs, "metrics": metrics}
 
 

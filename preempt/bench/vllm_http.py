@@ -186,10 +186,11 @@ def vllm_server(
     log_path: Path,
     timeout_s: float = START_TIMEOUT_S,
     env: dict[str, str] | None = None,
+    cpus: set[int] | None = None,
 ) -> Iterator[Server]:
-    """Start `command` (`server_env()` and `env`), wait for GET /health, yield the server;
-    SIGTERM on exit (vLLM's graceful shutdown), SIGKILL after 60 s. Raises ServerError
-    with the log's tail."""
+    """Start `command` (`server_env()` and `env`; on `cpus` only, if given), wait for GET
+    /health, yield the server; SIGTERM on exit (vLLM's graceful shutdown), SIGKILL after
+    60 s. Raises ServerError with the log's tail."""
     port = command[command.index("--port") + 1]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
@@ -198,6 +199,7 @@ def vllm_server(
             stderr=subprocess.STDOUT,
             env={**server_env(), **(env or {})},
             start_new_session=True,
+            preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)),
         )
     server = Server(f"http://127.0.0.1:{port}", proc, log_path)
     try:
