@@ -33,6 +33,7 @@ import asyncio
 import json
 import math
 import os
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -340,6 +341,37 @@ def _paired(ours: Sequence[dict], base: Sequence[dict], ids: set[int], key: str)
     return [a[i] - b[i] for i in sorted(ids) if i in a and i in b]
 
 
+def _decode_steps(log, runs: Sequence[dict[str, Any]]) -> dict[int, list[float]]:
+    """The seconds of the plain decode steps (every request one token, nobody preempted)
+    within `runs`' spans, by batch size."""
+    out: dict[int, list[float]] = {}
+    for step in log.steps:
+        chunks = step["chunks"]
+        if (
+            chunks
+            and not step["preempted"]
+            and all(new == 1 for _, new in chunks)
+            and any(run["started"] <= step["t"] < run["ended"] for run in runs)
+        ):
+            out.setdefault(len(chunks), []).append(step["end"] - step["t"])
+    return out
+
+
+def decode_step_ratio(ours: dict[int, list[float]], base: dict[int, list[float]]) -> float | None:
+    """How much slower `ours`' plain decode steps ran than `base`'s at the same batch size:
+    the ratio of medians per batch size, weighted by the fewer steps of the two. Under
+    the connector the same shapes run slower by its per-step work (and by the machine's
+    drift between the runs), which the simulator's swap modes do not model."""
+    pairs = [
+        (float(np.median(ours[n]) / np.median(base[n])), min(len(ours[n]), len(base[n])))
+        for n in ours
+        if n in base and len(ours[n]) >= 10 and len(base[n]) >= 10
+    ]
+    if not pairs:
+        return None
+    return round(sum(r * w for r, w in pairs) / sum(w for _, w in pairs), 4)
+
+
 def judge_trade(
     setup: FidelitySetup, real: dict[str, Any], trade: dict[str, Any], target: Path
 ) -> dict[str, Any]:
@@ -348,8 +380,9 @@ def judge_trade(
     95% interval over those requests and over windows (a window's mean); throughput; the
     connector's save and load seconds; and the simulator's prediction of the same
     differences (the engine's swap mode against recompute on the calibrated clock, the same
-    requests)."""
-    from preempt.calibrate.vllm_steps import read_step_log
+    requests), also with the swap mode's clock slowed as the connector's decode steps
+    were against plain vLLM's."""
+    from preempt.calibrate.vllm_steps import read_step_log, slowed_target
 
     windows = all_windows(setup)
     judged = [n for n in windows if n.startswith("judge")]
@@ -359,6 +392,7 @@ def judge_trade(
     base_real = {n: engine_side(base_log, base_runs[n], n)["records"] for n in judged}
     sent = {n: {r["id"]: r["arrival_s"] for r in base_real[n]} for n in judged}
     base_sim = {n: simulate(setup, "fcfs", target, windows[n], sent[n])["records"] for n in judged}
+    base_decode = _decode_steps(base_log, [base_runs[n] for n in judged])
     out: dict[str, Any] = {"preempted": {n: len(v) for n, v in victims.items()}}
     for codec, (_, overrides) in TRADE.items():
         log = read_step_log(trade[codec]["step_log"])
@@ -368,10 +402,21 @@ def judge_trade(
             n: simulate(setup, "fcfs", target, windows[n], sent[n], overrides=overrides)["records"]
             for n in judged
         }
-        row: dict[str, Any] = {}
+        # The connector's server ran minutes after plain vLLM's, its steps at their own
+        # speed (the connector's per-step work, the machine's drift): the prediction again
+        # with the swap mode's clock slowed by the ratio measured on same-size decode steps.
+        ratio = decode_step_ratio(_decode_steps(log, [runs[n] for n in judged]), base_decode)
+        with tempfile.TemporaryDirectory() as scratch:
+            slow = slowed_target(target, ratio or 1.0, Path(scratch) / "target.json")
+            swapped_at_speed = {
+                n: simulate(setup, "fcfs", slow, windows[n], sent[n], overrides=overrides)["records"]
+                for n in judged
+            }
+        row: dict[str, Any] = {"decode_step_ratio": ratio}
         for key in ("e2e_s", "ttft_s"):
             real_diff = [_paired(records[n], base_real[n], victims[n], key) for n in judged]
             sim_diff = [_paired(swapped[n], base_sim[n], victims[n], key) for n in judged]
+            at_speed = [_paired(swapped_at_speed[n], base_sim[n], victims[n], key) for n in judged]
             row[key] = {
                 "real_by_request": t_interval([v for d in real_diff for v in d])._asdict(),
                 "sim_by_request": t_interval([v for d in sim_diff for v in d])._asdict(),
@@ -379,8 +424,12 @@ def judge_trade(
                 "real_pooled": _mean([v for d in real_diff for v in d]),
                 "sim_by_window": t_interval([float(np.mean(d)) for d in sim_diff if d])._asdict(),
                 "sim_pooled": _mean([v for d in sim_diff for v in d]),
+                "sim_at_arm_speed_by_request": t_interval([v for d in at_speed for v in d])._asdict(),
                 "base_real_mean": _mean(
                     [r[key] for n in judged for r in base_real[n] if r["id"] in victims[n]]
+                ),
+                "base_sim_mean": _mean(
+                    [r[key] for n in judged for r in base_sim[n] if r["id"] in victims[n]]
                 ),
             }
         tokens = [sum(r["tokens"] for r in records[n]) for n in judged]
@@ -767,6 +816,10 @@ def _interval(cell: dict[str, Any]) -> str:
     return f"{cell['mean']:+.3f} [{cell['lo']:+.3f}, {cell['hi']:+.3f}] s"
 
 
+def _ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"x{value:.3f}"
+
+
 def render_trade(trade: dict[str, Any]) -> list[str]:
     """The connector against recompute, on the requests plain vLLM preempted."""
     lines = [
@@ -774,10 +827,11 @@ def render_trade(trade: dict[str, Any]) -> list[str]:
         f"### The seed's trade: preempt's KV connector against recompute (vLLM FCFS; "
         f"{sum(trade['preempted'].values())} requests preempted under recompute)",
         "",
-        "| codec | e2e, recompute | e2e change, real (95%, over requests) | e2e change, sim | "
-        "TTFT change, real | TTFT change, sim | e2e change over windows, real | save / load ms | "
-        "throughput tok/s (recompute) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| codec | e2e under recompute, real / sim | e2e change, real (95%, over requests) | "
+        "e2e change, sim | TTFT change, real | TTFT change, sim | e2e change over windows, real | "
+        "save / load ms | throughput tok/s (recompute) | decode step vs recompute's | "
+        "e2e change, sim at that speed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for codec in TRADE:
         if codec not in trade:
@@ -785,11 +839,16 @@ def render_trade(trade: dict[str, Any]) -> list[str]:
         row = trade[codec]
         e2e, ttft, tput = row["e2e_s"], row["ttft_s"], row["throughput_tok_s"]
         save = "n/a" if row["save_ms"] is None else f"{row['save_ms']:.1f} / {row['load_ms'] or 0:.1f}"
-        base = "n/a" if e2e["base_real_mean"] is None else f"{e2e['base_real_mean']:.2f} s"
+        base = (
+            "n/a"
+            if e2e["base_real_mean"] is None
+            else f"{e2e['base_real_mean']:.2f} / {e2e.get('base_sim_mean') or 0:.2f} s"
+        )
         lines.append(
             f"| {codec} | {base} | {_interval(e2e['real_by_request'])} "
             f"| {_interval(e2e['sim_by_request'])} | {_interval(ttft['real_by_request'])} "
             f"| {_interval(ttft['sim_by_request'])} | {_interval(e2e['real_by_window'])} | {save} "
-            f"| {sum(tput['real']):.0f} ({sum(tput['recompute']):.0f}) |"
+            f"| {sum(tput['real']):.0f} ({sum(tput['recompute']):.0f}) "
+            f"| {_ratio(row.get('decode_step_ratio'))} | {_interval(e2e['sim_at_arm_speed_by_request'])} |"
         )
     return lines

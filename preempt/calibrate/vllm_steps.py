@@ -192,6 +192,34 @@ def _pseudo_huber(r: np.ndarray) -> np.ndarray:
     return np.sign(r) * np.sqrt(2.0 * c * c * (np.sqrt(1.0 + (r / c) ** 2) - 1.0))
 
 
+_RATES = ("linear_flops_per_s", "linear_bytes_per_s", "attn_kv_bytes_per_s", "attn_flops_per_s")
+_SECONDS = ("attn_per_row_head_s", "cpu_step_overhead_s")
+
+
+def slowed(fitted: dict[str, float], k: float) -> dict[str, float]:
+    """The fitted constants with every step k times as long: the formula is homogeneous in
+    time with its floors at 0 (rates / k, seconds x k)."""
+    out = dict(fitted)
+    for name in _RATES:
+        out[name] /= k
+    for name in _SECONDS:
+        out[name] *= k
+    return out
+
+
+def slowed_target(target: str | Path, k: float, out: str | Path) -> Path:
+    """A copy of the calibrated target file `target` whose steps take k times as long
+    (the host copy rate kept: it is measured apart), written to `out`."""
+    data = json.loads(Path(target).read_text())
+    device = data["device"]
+    device.update(slowed({name: device[name] for name in (*_RATES, *_SECONDS)}, k))
+    for op, (floor_s, bytes_per_s, row_s_per_byte, p) in device["elementwise"].items():
+        device["elementwise"][op] = [floor_s * k, bytes_per_s / k, row_s_per_byte * k, p]
+    data["name"] = f"{data['name']}-x{k:.3f}"
+    Path(out).write_text(json.dumps(data, indent=1) + "\n")
+    return Path(out)
+
+
 def fit_steps(model: ModelShape, shapes: Sequence[StepShape], seconds: Sequence[float]) -> dict[str, float]:
     """The fitted constants (see the module's docstring for which, and why)."""
     if len(shapes) < len(_PARAMS) * 4:
@@ -209,17 +237,11 @@ def fit_steps(model: ModelShape, shapes: Sequence[StepShape], seconds: Sequence[
     # formula is homogeneous in time with its floors at 0: rates / k, seconds x k).
     k = float(measured.sum() / features.predict(x).sum())
     # a constant the steps do not bound from below (its term never matters) is written as 0
-    fitted = {
-        name: float(np.exp(value)) if value > -40 else 0.0
-        for (name, _), value in zip(_PARAMS, x, strict=True)
-    }
-    for name in ("linear_flops_per_s", "linear_bytes_per_s", "attn_kv_bytes_per_s", "attn_flops_per_s"):
-        fitted[name] /= k
-    for name in ("attn_per_row_head_s", "cpu_step_overhead_s"):
-        fitted[name] *= k
+    logs = dict(zip((name for name, _ in _PARAMS), x, strict=True))
+    fitted = slowed({name: float(np.exp(value)) if value > -40 else 0.0 for name, value in logs.items()}, k)
     # a rate the steps do not bound from above (its term is below their noise; on a CPU,
     # decode attention's KV reads next to the weights') is written as UNBOUNDED_RATE
-    for name in ("linear_flops_per_s", "linear_bytes_per_s", "attn_kv_bytes_per_s", "attn_flops_per_s"):
+    for name in _RATES:
         fitted[name] = min(fitted[name], UNBOUNDED_RATE)
     fitted["linear_exponent"] = _exponent(x[2])
     return fitted

@@ -17,6 +17,7 @@ from preempt.bench.fidelity import (
     QUICK,
     STATS,
     bench_fidelity,
+    decode_step_ratio,
     rejudge,
     render_fidelity,
     window_requests,
@@ -109,6 +110,15 @@ def test_the_connectors_trade_is_measured_beside_its_prediction(bench):
         assert (row["e2e_s"]["base_real_mean"] is None) == (trade["preempted"]["judge0"] == 0)
         assert len(row["throughput_tok_s"]["real"]) == len(QUICK.judge_starts)
         assert "--kv-transfer-config" in result["commands"][f"fcfs_{codec}"]
+        assert "decode_step_ratio" in row and "base_sim_mean" in row["e2e_s"]
     log = read_step_log(work / "steps-fcfs_raw.jsonl")
     assert len(log.finishes) == 4 + result["windows"]["judge0"]  # warm-up and the judge window
     assert "seed's trade" in render_fidelity(result)
+
+
+def test_the_connectors_decode_steps_are_compared_at_the_same_batch_size():
+    base = {1: [0.010] * 20, 4: [0.020] * 30, 8: [0.030] * 5}
+    ours = {1: [0.011] * 40, 4: [0.022] * 10, 8: [0.090] * 5}
+    # batch 8 has too few steps; 1 and 4 are each 10% slower, weighted 20 and 10
+    assert decode_step_ratio(ours, base) == pytest.approx(1.1)
+    assert decode_step_ratio({2: [0.01] * 20}, base) is None
