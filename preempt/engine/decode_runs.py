@@ -41,8 +41,8 @@ class DecodeRuns:
         keeps no per-step state (`on_step` is the base no-op), and nothing else happens:
         nobody is admitted and nobody preempted for priority. That holds with an empty
         queue, and with a waiting head that stays out: the policy never preempts for
-        priority (`priority_victim` is the base one), the backoff and the rate cap do not
-        hold it (so the gate changes nothing), nobody is paused or prefetched (so blocks
+        priority (`priority_victim` is the base one, so the gate's rate cap has nothing to
+        refuse), the backoff does not hold it, nobody is paused or prefetched (so blocks
         come back to nobody), and it finds no seat, or no token budget, or fewer free
         blocks than it needs once the first step's decodes took theirs (blocks only get
         fewer during a run). Such steps repeat as long as nothing arrives, nobody finishes
@@ -74,8 +74,8 @@ class DecodeRuns:
         if self.waiting:
             if type(self.policy).priority_victim is not SchedulingPolicy.priority_victim:
                 return None
-            if self.gate.backoff.holds(now) or not self.gate.rate_allows(now):
-                return None  # the one might end during the run, the other counts refusals
+            if self.gate.backoff.holds(now):
+                return None  # it might end during the run
             budget = self.config.max_num_batched_tokens - len(running)
             if budget > 0 and len(running) < self.config.max_num_seqs:
                 need = self._admission_blocks(self.waiting.peek(), budget)
@@ -83,6 +83,19 @@ class DecodeRuns:
                     return None  # the first step admits it
         max_steps = min(min(r.max_tokens, r.target_output_tokens) - len(r.output_token_ids) for r in running)
         return DecodeRun(list(running), max_steps)
+
+    def queues_behind_head(self, request: Request) -> bool:
+        """Whether `request`, arriving during a decode run, changes nothing before the run
+        ends: the run found the waiting head out (`decode_run`: no seat, no token budget or
+        too few blocks, none of which comes back before a finish or a preemption ends the
+        run), admission never skips the head, and `request` queues behind it (its
+        admission key not before the head's; equal keys first in, first out), with no
+        enqueue hook of the policy's to run."""
+        return (
+            bool(self.waiting)
+            and type(self.policy).on_enqueue is SchedulingPolicy.on_enqueue
+            and not self.waiting.would_lead(request)
+        )
 
     def _admission_blocks(self, request: Request, budget: int) -> int:
         """Free blocks `_admit_waiting` needs to admit `request` with `budget` tokens

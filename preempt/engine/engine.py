@@ -279,10 +279,9 @@ class Engine:
                     self.clock.wait_until(pending[next_index].arrival_s)
                 continue
             if on_step is None:
-                finished = self._decode_run(
-                    pending[next_index].arrival_s if next_index < len(pending) else None
-                )
+                finished = self._decode_run()
                 if finished is not None:
+                    next_index = self._next_pending  # arrivals the run queued behind the head
                     if finished and on_finished is not None:
                         on_finished(finished)
                     continue
@@ -301,14 +300,17 @@ class Engine:
                 raise RuntimeError("scheduler made no progress with requests queued")
         return list(pending)
 
-    def _decode_run(self, next_arrival_s: float | None) -> list[Request] | None:
+    def _decode_run(self) -> list[Request] | None:
         """Run the next steps at once if they are plain decodes (`Scheduler.decode_run`) up
-        to the step the next arrival lands in: their clock, tokens and block allocations
-        exactly as single steps would make them, without a schedule and a step output per
-        step. Returns the requests that finished; None (nothing run) where the next step
-        must be decided on its own, and always with step hooks, on the wall clock, with a
-        runner that computes real tokens, or while a restore is still running.
-        `decode_runs = False` turns it off (tests compare the two)."""
+        to the step the next arrival lands in that could change them (one that queues
+        behind a waiting head that stays out cannot: `Scheduler.queues_behind_head`; it is
+        queued and the run goes on): their clock, tokens and block allocations exactly as
+        single steps would make them, without a schedule and a step output per step.
+        Returns the requests that finished; None (nothing run) where the next step must be
+        decided on its own, and always with step hooks, on the wall clock, with a runner
+        that computes real tokens, or while a restore is still running. Arrivals it queued
+        move `_next_pending` on. `decode_runs = False` turns it off (tests compare the
+        two)."""
         if not self.decode_runs or self.prefetcher is not None or self.early_saver is not None:
             return None
         if self.config.clock.kind != "virtual" or not hasattr(self.runner, "decode_tokens"):
@@ -326,14 +328,21 @@ class Engine:
         step_s: list[float] = []
         ends_s: list[float] = []
         step_time_s = self.cost_model.decode_step_time_s
+        pending, index = self._pending, self._next_pending
         for _ in range(run.max_steps):
             context += num_seqs  # one more token in each sequence's context
             seconds = step_time_s(num_seqs, context)
             now += seconds
             step_s.append(seconds)
             ends_s.append(now)
-            if next_arrival_s is not None and next_arrival_s <= now:
-                break  # the arrival is added before the next step
+            # arrivals are added before the next step: the run goes on past those that
+            # queue behind the head, and ends with this step at any other
+            landed = index < len(pending) and pending[index].arrival_s <= now
+            while landed and self._queues_behind(pending[index]):
+                index += 1
+                landed = index < len(pending) and pending[index].arrival_s <= now
+            if landed:
+                break
         num_steps, allocations = self.scheduler.fit_decode_run(run, len(step_s))
         if num_steps == 0:
             return None
@@ -343,7 +352,22 @@ class Engine:
             self.clock.advance(seconds)
         self.num_steps += num_steps
         self.num_decode_run_steps += num_steps
-        return self.scheduler.apply_decode_run(requests, start_s, step_s, ends_s, tokens, allocations)
+        finished = self.scheduler.apply_decode_run(requests, start_s, step_s, ends_s, tokens, allocations)
+        # the arrivals of the steps that ran (the run may end before the blocks run out
+        # of them: `fit_decode_run`); those of its last step the loop would queue anyway
+        while self._next_pending < index and pending[self._next_pending].arrival_s <= ends_s[-1]:
+            self.add_request(pending[self._next_pending])
+            self._next_pending += 1
+        return finished
+
+    def _queues_behind(self, request: Request) -> bool:
+        """`request` would join the waiting queue behind its head during a decode run
+        (`Scheduler.queues_behind_head`), not end ABORTED at once (`add_request`)."""
+        return (
+            request.num_prompt_tokens + request.max_tokens <= self.config.model.max_model_len
+            and self.scheduler.never_fits(request) is None
+            and self.scheduler.queues_behind_head(request)
+        )
 
     def generate(
         self,

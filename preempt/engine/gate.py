@@ -78,6 +78,8 @@ class PreemptionGate:
         among the eligible requests and `take(victim)` preempts it, or returns False when
         the victim took the fallback instead (it is then PREEMPTION_FAILED, so no longer
         eligible, and the policy is asked again)."""
+        if type(self.policy).priority_victim is SchedulingPolicy.priority_victim:
+            return None  # a policy that never displaces anyone: nothing for the cap to refuse
         if self.holds(now, fresh):
             return None
         if not self.rate_allows(now):

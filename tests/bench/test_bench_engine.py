@@ -74,3 +74,15 @@ def test_decode_runs_are_a_phase_of_their_own():
     assert (phases["num_steps"], phases["sim_time_s"]) == (plain["num_steps"], plain["sim_time_s"])
     hooked = replay_phases(NULL_MINUTE, on_step=lambda output: None)
     assert hooked["s"]["decode_runs"] == 0  # a step hook sees every step: no runs
+
+
+def test_every_standard_policy_replays_the_pressured_window():
+    from preempt.bench.engine import STANDARD_POLICIES, pressured_replays
+
+    result = pressured_replays(1)
+    assert list(result) == list(STANDARD_POLICIES)
+    for row in result.values():
+        assert row["num_requests"] > 0 and row["num_steps"] > 0
+        assert row["real_time_factor"] == pytest.approx(60 / row["wall_s"], rel=0.01)
+    # the pool runs out: every policy preempts
+    assert all(row["num_preemptions"] > 0 for row in result.values())

@@ -215,3 +215,24 @@ def test_a_run_cut_by_the_pool_matches_stepping(mode):
     assert fast == stepped
     assert stepped[1]  # it preempted
     assert any(0 < fitted < asked for asked, fitted in runs)  # some run was cut by the pool
+
+
+def test_a_run_goes_on_past_arrivals_that_queue_behind_a_head_that_stays_out(monkeypatch):
+    """Under pressure the queue's head waits for blocks through most decode steps, and
+    requests keep arriving behind it: runs go on past them (the comparison above checks
+    that this changes nothing); an arrival that would lead the queue ends the run."""
+    config = _config("vllm_fcfs")
+    joined, led = [], []  # arrivals a run found behind the head, and in front of it
+    original = Scheduler.queues_behind_head
+
+    def counted(self, request):
+        behind = original(self, request)
+        (joined if behind else led).append(request.request_id)
+        return behind
+
+    monkeypatch.setattr(Scheduler, "queues_behind_head", counted)
+    engine = Engine(config)
+    engine.run(build_workload(config.workload, seed=config.seed))
+    assert joined  # runs went on past arrivals
+    # each request queued once: by the run it landed in or by the loop, never by both
+    assert engine.num_added == len(build_workload(config.workload, seed=config.seed))
