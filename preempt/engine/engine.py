@@ -364,9 +364,9 @@ class Engine:
         """`request` would join the waiting queue behind its head during a decode run
         (`Scheduler.queues_behind_head`), not end ABORTED at once (`add_request`)."""
         return (
-            request.num_prompt_tokens + request.max_tokens <= self.config.model.max_model_len
+            self.scheduler.queues_behind_head(request)
+            and request.num_prompt_tokens + request.max_tokens <= self.config.model.max_model_len
             and self.scheduler.never_fits(request) is None
-            and self.scheduler.queues_behind_head(request)
         )
 
     def generate(
