@@ -6,7 +6,8 @@
 2. The real side: the peer's `vllm serve` (`make peer`) on a random-weight Llama where
    recomputing costs (`preempt.model.random_llama`, preset `fidelity`), one server per
    vLLM policy (FCFS and priority) with vLLM's own scheduler logging every step
-   (`preempt.integrations.vllm.steplog.StepLogScheduler`); the requests are sent at their
+   (`preempt.integrations.vllm.steplog.StepLogScheduler`), all up at once and each window
+   sent to one after the other (`serve_interleaved`); the requests are sent at their
    arrival times with the openai client (streamed, greedy, EOS ignored: every request
    generates exactly its trace's output length).
 3. Calibration on the fit windows only: `preempt.calibrate.vllm_steps` fits a target
@@ -22,7 +23,8 @@
    over HTTP beside it (the simulator then adds the API server's mean delays, measured on
    the fit windows); and where the error comes from (`sources`): the calibrated step
    formula on the judge windows' own steps, window by window, and the API server's delays.
-6. With `connector`, the seed's trade (`run_trade`, `judge_trade`).
+6. With `connector`, the seed's trade (`judge_trade`): the judge windows also through
+   vLLM FCFS with preempt's KV connector, one server per codec, interleaved with the rest.
 
 This module never imports vLLM; the servers are subprocesses.
 """
@@ -30,6 +32,7 @@ This module never imports vLLM; the servers are subprocesses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -169,70 +172,100 @@ def window_index(engine_id: str, window: str) -> int | None:
 
 
 # ----------------------------------------------------------------------- the real side
-def run_real(
-    peer_python: Path, work_dir: Path, setup: FidelitySetup, windows: dict[str, list[WindowRequest]]
-) -> dict[str, Any]:
-    """Per policy: one `vllm serve` with every step logged (`serve_windows`)."""
-    model_dir = write_model(peer_python, work_dir / f"model-{setup.preset}", setup.preset)
-    return {
-        policy: serve_windows(
-            peer_python.parent / "vllm", model_dir, work_dir, setup, policy, policy, windows
-        )
-        for policy in setup.policies
-    }
+@dataclass(frozen=True)
+class RealArm:
+    """One `vllm serve` of the real side."""
+
+    name: str  # its files: steps-<name>.jsonl, server-<name>.log
+    policy: str  # vLLM's --scheduling-policy
+    extra: tuple[str, ...] = ()  # more `vllm serve` arguments (the KV connector's)
+    judge_only: bool = False  # the trade's arms: the judge windows only
 
 
-def serve_windows(
-    vllm_bin: Path,
-    model_dir: Path,
+def real_arms(setup: FidelitySetup, connector: bool) -> list[RealArm]:
+    """One server per vLLM policy; with `connector`, one per codec of the trade (vLLM FCFS
+    with preempt's KV connector)."""
+    from preempt.integrations.vllm.kv_store import kv_transfer_config
+
+    arms = [RealArm(policy, policy) for policy in setup.policies]
+    if connector:
+        for codec, (connector_codec, _) in TRADE.items():
+            config = json.dumps(kv_transfer_config({"codec": connector_codec}))
+            arms.append(RealArm(f"fcfs_{codec}", "fcfs", ("--kv-transfer-config", config), judge_only=True))
+    return arms
+
+
+def serve_interleaved(
+    peer_python: Path,
     work_dir: Path,
     setup: FidelitySetup,
-    name: str,
-    policy: str,
+    arms: Sequence[RealArm],
     windows: dict[str, list[WindowRequest]],
-    extra: Sequence[str] = (),
-) -> dict[str, Any]:
-    """One `vllm serve` (vLLM's `policy`, vLLM's own scheduler logging every step to
-    steps-<name>.jsonl, `extra` arguments), warmed up, then each window in turn (each
-    drains before the next). Returns the step log's path, the command, the `/metrics`
-    scrape at the end and per window the client's records and when it started and ended
-    (wall clock)."""
+) -> dict[str, dict[str, Any]]:
+    """Every arm's `vllm serve` up at once (vLLM's own scheduler logging every step,
+    warmed up), then the windows in the trace's order, each through every arm that takes
+    it, one arm at a time (each drains before the next), the arms' order reversed every
+    other window. So the arms meet the machine's drift alike, window by window, instead of
+    minutes apart (the first runs served arm after arm: the connector's servers ran up to
+    13% faster or 12% slower per step than plain vLLM's, docs/fidelity.md). Returns per arm
+    the step log's path, the command, the `/metrics` scrape at the end and per window the
+    client's records and when it started and ended (wall clock)."""
     from preempt.bench.vllm_http import scrape
 
-    log = work_dir / f"steps-{name}.jsonl"
-    log.unlink(missing_ok=True)
-    arm = ServeArm(f"vllm_{name}", policy)
-    args = [
-        "--scheduler-cls",
-        STEP_LOG_CLS,
-        "--additional-config",
-        json.dumps({"step_log": str(log)}),
-        *extra,
-    ]
-    command = serve_command(vllm_bin, model_dir, _free_port(), arm, setup.engine, args)
-    runs: dict[str, Any] = {}
+    model_dir = write_model(peer_python, work_dir / f"model-{setup.preset}", setup.preset)
+    out: dict[str, dict[str, Any]] = {}
     cpus, mine = _other_cpus(), os.sched_getaffinity(0)
     if cpus is not None:
         os.sched_setaffinity(0, cpus)  # the client too
     try:
-        with vllm_server(command, work_dir / f"server-{name}.log", env=SERVER_ENV, cpus=cpus) as server:
-            warm = [HttpRequest(-1 - i, 0, 0.05 * i, [65 + i] * 64, 8) for i in range(4)]
-            asyncio.run(drive(server.url, warm))  # one-time costs, not measured
-            for window, requests in windows.items():
-                http = [
-                    HttpRequest(
-                        r.index, r.priority if policy == "priority" else 0, r.arrival_s, r.prompt,
-                        r.output_tokens, request_id(window, r.index),
-                    )
-                    for r in requests
-                ]  # fmt: skip
-                started = time.time()
-                records = asyncio.run(drive(server.url, http))
-                runs[window] = {"started": started, "ended": time.time(), "records": records}
-            metrics = scrape(server.url)
+        with contextlib.ExitStack() as stack:
+            servers = {}
+            for arm in arms:
+                log = work_dir / f"steps-{arm.name}.jsonl"
+                log.unlink(missing_ok=True)
+                args = [
+                    "--scheduler-cls",
+                    STEP_LOG_CLS,
+                    "--additional-config",
+                    json.dumps({"step_log": str(log)}),
+                ]
+                serve = ServeArm(f"vllm_{arm.name}", arm.policy)
+                command = serve_command(
+                    peer_python.parent / "vllm",
+                    model_dir,
+                    _free_port(),
+                    serve,
+                    setup.engine,
+                    [*args, *arm.extra],
+                )
+                servers[arm.name] = stack.enter_context(
+                    vllm_server(command, work_dir / f"server-{arm.name}.log", env=SERVER_ENV, cpus=cpus)
+                )
+                warm = [HttpRequest(-1 - i, 0, 0.05 * i, [65 + i] * 64, 8) for i in range(4)]
+                asyncio.run(drive(servers[arm.name].url, warm))  # one-time costs, not measured
+                out[arm.name] = {"step_log": str(log), "command": command, "windows": {}}
+            for turn, (window, requests) in enumerate(windows.items()):
+                taking = [arm for arm in arms if window.startswith("judge") or not arm.judge_only]
+                for arm in reversed(taking) if turn % 2 else taking:
+                    http = [
+                        HttpRequest(
+                            r.index, r.priority if arm.policy == "priority" else 0, r.arrival_s, r.prompt,
+                            r.output_tokens, request_id(window, r.index),
+                        )
+                        for r in requests
+                    ]  # fmt: skip
+                    started = time.time()
+                    records = asyncio.run(drive(servers[arm.name].url, http))
+                    out[arm.name]["windows"][window] = {
+                        "started": started,
+                        "ended": time.time(),
+                        "records": records,
+                    }
+            for arm in arms:
+                out[arm.name]["metrics"] = scrape(servers[arm.name].url)
     finally:
         os.sched_setaffinity(0, mine)
-    return {"step_log": str(log), "command": command, "windows": runs, "metrics": metrics}
+    return out
 
 
 # ------------------------------------------------------------------ the simulated side
@@ -299,24 +332,6 @@ TRADE = {
     "raw": ("raw", ["preemption.mode=swap"]),
     "mixed": ("mixed", ["preemption.mode=swap_mixed", "preemption.head_plan_drop_share=0.0"]),
 }
-
-
-def run_trade(
-    peer_python: Path, work_dir: Path, setup: FidelitySetup, windows: dict[str, list[WindowRequest]]
-) -> dict[str, Any]:
-    """The judge windows again through vLLM FCFS with preempt's KV connector, one server
-    per codec: preempted requests resume from the host pool instead of recomputing."""
-    from preempt.integrations.vllm.kv_store import kv_transfer_config
-
-    model_dir = write_model(peer_python, work_dir / f"model-{setup.preset}", setup.preset)
-    judged = {name: w for name, w in windows.items() if name.startswith("judge")}
-    out = {}
-    for codec, (connector_codec, _) in TRADE.items():
-        extra = ["--kv-transfer-config", json.dumps(kv_transfer_config({"codec": connector_codec}))]
-        out[codec] = serve_windows(
-            peer_python.parent / "vllm", model_dir, work_dir, setup, f"fcfs_{codec}", "fcfs", judged, extra
-        )
-    return out
 
 
 def _preempted(log, run: dict[str, Any], window: str) -> set[int]:
@@ -590,16 +605,18 @@ def bench_fidelity(
     setup: FidelitySetup | None = None,
     connector: bool = False,
 ) -> dict[str, Any]:
-    """The whole loop (module docstring): the real runs (kept in `work_dir`: the step
-    logs, the client's records in real.json, the servers' logs), with `connector` also
-    the judge windows through preempt's KV connector (`run_trade`), then
+    """The whole loop (module docstring): the real runs (`serve_interleaved`; kept in
+    `work_dir`: the step logs, the client's records in real.json, the servers' logs), with
+    `connector` also the judge windows through preempt's KV connector, then
     `judge_fidelity`."""
     setup = setup or (QUICK if quick else FidelitySetup())
     work_dir.mkdir(parents=True, exist_ok=True)
     windows = all_windows(setup)
     started = time.perf_counter()
-    real = run_real(peer_python, work_dir, setup, windows)
-    trade = run_trade(peer_python, work_dir, setup, windows) if connector else None
+    arms = real_arms(setup, connector)
+    served = serve_interleaved(peer_python, work_dir, setup, arms, windows)
+    real = {arm.name: served[arm.name] for arm in arms if not arm.judge_only}
+    trade = {codec: served[f"fcfs_{codec}"] for codec in TRADE} if connector else None
     elapsed = round(time.perf_counter() - started, 1)
     # the swap modes' copy rate, measured once with the runs: judging again is deterministic
     copy_rate = host_copy_rate()
