@@ -86,3 +86,20 @@ def test_every_standard_policy_replays_the_pressured_window():
         assert row["real_time_factor"] == pytest.approx(60 / row["wall_s"], rel=0.01)
     # the pool runs out: every policy preempts
     assert all(row["num_preemptions"] > 0 for row in result.values())
+
+
+def test_the_readme_quotes_the_kept_pressured_bench():
+    """The README's replay speeds are benchmarks/engine_2026-12-07.json's."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    kept = json.loads((root / "benchmarks/engine_2026-12-07.json").read_text())
+    row = next(line for line in (root / "README.md").read_text().splitlines() if "bench engine" in line)
+    pressured = kept["pressured_azure_conv_10min_4x"]
+    for policy in ("vllm_fcfs", "vllm_priority"):
+        assert f"{pressured[policy]['real_time_factor']:.0f}x" in row
+        assert f"{pressured[policy]['wall_s']:.2f}" in row
+    for policy in ("priority_score", "fastserve_mlfq", "srpt"):
+        assert f"{pressured[policy]['real_time_factor']:.0f}x" in row
+    assert f"{kept['replay_azure_conv_full_hour_null']['wall_s']:.1f} s" in row
