@@ -14,11 +14,10 @@ was nearly all of its time.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import NamedTuple
 
 from preempt.core.block_pool import blocks_needed
-from preempt.core.request import Request
+from preempt.core.request import Request, RequestState
 from preempt.engine.policies import SchedulingPolicy
 
 
@@ -27,6 +26,19 @@ class DecodeRun(NamedTuple):
 
     requests: list[Request]  # the batch, running order
     max_steps: int  # its first finish is in this step
+    # The waiting head, which stays out, when a step of the run may still displace someone
+    # for it (the policy preempts for priority): `apply_decode_run` asks before each step.
+    challenger: Request | None
+
+
+class RunSteps(NamedTuple):
+    """The steps a decode run may take (`Engine._decode_run` plans them)."""
+
+    start_s: float  # the clock before the first
+    step_s: list[float]  # each step's seconds
+    ends_s: list[float]  # the clock after each
+    tokens: list[list[int]]  # tokens[i]: request i's new tokens, one per step
+    allocations: list[tuple[int, int]]  # `fit_decode_run`'s (step, request index)
 
 
 class DecodeRuns:
@@ -37,25 +49,18 @@ class DecodeRuns:
         next step may decide anything.
 
         A plain decode step: every running request computes its one next token (within
-        the token budget; no sampling params whose stop tokens need checking), the policy
-        keeps no per-step state (`on_step` is the base no-op), and nothing else happens:
-        nobody is admitted and nobody preempted for priority. That holds with an empty
-        queue, and with a waiting head that stays out: the policy never preempts for
-        priority (`priority_victim` is the base one, so the gate's rate cap has nothing to
-        refuse), the backoff does not hold it, nobody is paused or prefetched (so blocks
-        come back to nobody), and it finds no seat, or no token budget, or fewer free
-        blocks than it needs once the first step's decodes took theirs (blocks only get
-        fewer during a run). Such steps repeat as long as nothing arrives, nobody finishes
-        and blocks do not run out: `max_steps` is the first finish (the step that makes it
-        included); `fit_decode_run` cuts it at the blocks, the engine at the next arrival."""
+        the token budget; no sampling params whose stop tokens need checking), and nobody
+        is admitted. That holds with an empty queue, and with a waiting head that stays
+        out: the backoff does not hold it, nobody is paused or prefetched (so blocks come
+        back to nobody), and it finds no seat, or no token budget, or fewer free blocks
+        than it needs once the first step's decodes took theirs (blocks only get fewer
+        during a run). Such steps repeat as long as nothing arrives, nobody finishes and
+        blocks do not run out: `max_steps` is the first finish (the step that makes it
+        included); `fit_decode_run` cuts it at the blocks, the engine at the next arrival,
+        and `apply_decode_run` at the policy: before a step in which it would displace
+        someone for the head, and where its per-step state says (`quiet_steps`)."""
         running = self.running
-        if (
-            not running
-            or self.restores
-            or self.paused
-            or len(running) > self.config.max_num_batched_tokens
-            or type(self.policy).on_step is not SchedulingPolicy.on_step
-        ):
+        if not running or self.restores or self.paused or len(running) > self.config.max_num_batched_tokens:
             return None
         block_size = self.block_size
         first_step_blocks = 0  # blocks the first step's decodes take
@@ -71,9 +76,8 @@ class DecodeRuns:
                 if room < 0:
                     return None  # not a state a step leaves (blocks cover what is computed)
                 first_step_blocks += 1
+        challenger = None
         if self.waiting:
-            if type(self.policy).priority_victim is not SchedulingPolicy.priority_victim:
-                return None
             if self.gate.backoff.holds(now):
                 return None  # it might end during the run
             budget = self.config.max_num_batched_tokens - len(running)
@@ -81,8 +85,10 @@ class DecodeRuns:
                 need = self._admission_blocks(self.waiting.peek(), budget)
                 if need <= self.block_pool.num_free - first_step_blocks:
                     return None  # the first step admits it
+            if self.policy.preempts_for_priority:
+                challenger = self.waiting.peek()
         max_steps = min(min(r.max_tokens, r.target_output_tokens) - len(r.output_token_ids) for r in running)
-        return DecodeRun(list(running), max_steps)
+        return DecodeRun(list(running), max_steps, challenger)
 
     def queues_behind_head(self, request: Request) -> bool:
         """Whether `request`, arriving during a decode run, changes nothing before the run
@@ -91,11 +97,13 @@ class DecodeRuns:
         run), admission never skips the head, and `request` queues behind it (its
         admission key not before the head's; equal keys first in, first out), with no
         enqueue hook of the policy's to run."""
-        return (
-            bool(self.waiting)
-            and type(self.policy).on_enqueue is SchedulingPolicy.on_enqueue
-            and not self.waiting.would_lead(request)
-        )
+        if not self.waiting or type(self.policy).on_enqueue is not SchedulingPolicy.on_enqueue:
+            return False
+        if self.remaining is not None:
+            # its key reads the estimate `add_request` sets (the same then: nothing it
+            # reads changes before the request joins)
+            self.remaining.update(request)
+        return not self.waiting.would_lead(request)
 
     def _admission_blocks(self, request: Request, budget: int) -> int:
         """Free blocks `_admit_waiting` needs to admit `request` with `budget` tokens
@@ -108,12 +116,11 @@ class DecodeRuns:
             need = max(need, blocks_needed(num_tokens, self.block_size) - len(request.block_ids))
         return need
 
-    def fit_decode_run(self, run: DecodeRun, num_steps: int) -> tuple[int, list[int]]:
-        """How many of `num_steps` decode steps of `run` the free blocks allow, and the
-        order of their block allocations (indices into `run.requests`): the order the
-        steps would allocate in, step by step and running order within a step. A step
-        whose allocation would find the pool empty needs a memory preemption: the run
-        ends before it."""
+    def fit_decode_run(self, run: DecodeRun, num_steps: int) -> tuple[int, list[tuple[int, int]]]:
+        """How many of `num_steps` decode steps of `run` the free blocks allow, and their
+        block allocations as (step, index into `run.requests`), in the order the steps would
+        allocate: step by step, running order within a step. A step whose allocation would
+        find the pool empty needs a memory preemption: the run ends before it."""
         block_size = self.block_size
         events: list[tuple[int, int]] = []  # (step, index): that step's token needs a new block
         for index, request in enumerate(run.requests):
@@ -124,49 +131,94 @@ class DecodeRuns:
         if len(events) > num_free:
             num_steps = events[num_free][0] - 1
             events = [event for event in events[:num_free] if event[0] <= num_steps]
-        return num_steps, [index for _, index in events]
+        return num_steps, events
 
-    def apply_decode_run(
-        self,
-        requests: list[Request],
-        start_s: float,
-        step_s: Sequence[float],
-        ends_s: Sequence[float],
-        tokens: Sequence[Sequence[int]],
-        allocations: Sequence[int],
-    ) -> list[Request]:
-        """Apply `len(step_s)` decode steps of `requests` at once, as that many `schedule`
-        and `update_from_output` calls would have (`start_s`: the clock before the first,
-        `step_s`: each step's seconds, `ends_s`: the clock after each, `tokens[i]`: request
-        i's new tokens, `allocations`: `fit_decode_run`'s order). Each request's times are
-        summed step by step, as the single steps would (floating-point sums depend on
-        their order). Returns the requests that finished in the last step, running order."""
+    def apply_decode_run(self, run: DecodeRun, steps: RunSteps) -> tuple[int, list[Request]]:
+        """Apply up to `len(steps.step_s)` decode steps of `run` at once, as that many
+        `schedule` and `update_from_output` calls would have. The policy may end the run
+        sooner: where its per-step state says (`quiet_steps`), and before the first step
+        whose priority check would displace someone (that step is decided on its own).
+        Returns how many steps ran, and the requests that finished in the last of them
+        (running order)."""
         self.settle_saves()
         self.copy_out.new_step()
         self._batch_reuses_copy_out = False
-        self._now = ends_s[-2] if len(ends_s) > 1 else start_s  # when the last step was scheduled
-        for index, block_id in zip(allocations, self.block_pool.allocate(len(allocations)), strict=True):
+        num_steps = min(len(steps.step_s), self.policy.quiet_steps(run.requests, steps.ends_s))
+        done = 0  # steps applied
+        if run.challenger is not None:
+            num_steps, done = self._steps_before_a_displacement(run, steps, num_steps)
+        if done == num_steps:  # none to run, or all applied before a displacement
+            return num_steps, []
+        finished = self._apply_steps(run.requests, steps, done, num_steps)
+        self._remove_finished(finished)
+        return num_steps, finished
+
+    def _steps_before_a_displacement(
+        self, run: DecodeRun, steps: RunSteps, num_steps: int
+    ) -> tuple[int, int]:
+        """The priority check of each of the first `num_steps` steps, as `schedule` makes it
+        (`_priority_preemption`) but dry: the head admissible (`_can_admit` at that step's
+        free blocks), the gate not asking the policy (`asks_policy`, which counts a refusal
+        of the rate cap as the step would), or the policy naming nobody lets the step run.
+        Where the policy must be asked, the steps before are applied first, so it reads
+        the state that step's schedule would. Returns the steps before the first one that
+        would displace someone (all of them if none would), and those already applied."""
+        challenger = run.challenger
+        fresh = challenger.state is RequestState.WAITING
+        num_missing = self._admission_missing_blocks(challenger)
+        num_free = self.block_pool.num_free
+        seated = self.num_seated < self.config.max_num_seqs
+        allocations = steps.allocations
+        allocated = 0  # allocations of the steps before this one
+        done = 0
+        for step in range(1, num_steps + 1):
+            while allocated < len(allocations) and allocations[allocated][0] < step:
+                allocated += 1
+            now = steps.start_s if step == 1 else steps.ends_s[step - 2]
+            if seated and num_missing <= num_free - allocated:
+                continue  # `_can_admit`: the check is not made
+            if not self.gate.asks_policy(now, fresh):
+                continue
+            if done < step - 1:
+                self._apply_steps(run.requests, steps, done, step - 1)
+                done = step - 1
+            if self.policy.priority_victim(challenger, self.gate.eligible(self.running), now) is not None:
+                return step - 1, done
+        return num_steps, done
+
+    def _apply_steps(self, requests: list[Request], steps: RunSteps, first: int, last: int) -> list[Request]:
+        """Steps `first`+1 .. `last` of a run (1-based), `first` of them applied already.
+        Each request's times are summed step by step, as the single steps would
+        (floating-point sums depend on their order). Returns the requests that finished in
+        step `last` (the run's first finish is in its last step, so only there)."""
+        ends_s = steps.ends_s
+        self._now = ends_s[last - 2] if last > 1 else steps.start_s  # when the last step was scheduled
+        step_s = steps.step_s[first:last]
+        new_blocks = [index for step, index in steps.allocations if first < step <= last]
+        for index, block_id in zip(new_blocks, self.block_pool.allocate(len(new_blocks)), strict=True):
             requests[index].block_ids.append(block_id)
-        num_steps = len(step_s)
-        now = ends_s[-1]
+        num_steps = last - first
+        now = ends_s[last - 1]
         finished: list[Request] = []
-        for request, new_tokens in zip(requests, tokens, strict=True):
+        for request, new_tokens in zip(requests, steps.tokens, strict=True):
             slice_used_s, executed_s = request.slice_used_s, request.executed_s
             for seconds in step_s:
                 slice_used_s += seconds
                 executed_s += seconds
             request.slice_used_s, request.executed_s = slice_used_s, executed_s
             request.num_computed_tokens += num_steps
-            request.output_token_ids.extend(new_tokens[:-1])
+            request.output_token_ids.extend(new_tokens[first : last - 1])
             if self.remaining is not None and num_steps > 1:
                 # the estimate as the last step but one left it (a request that finishes
                 # keeps that one, as after a single step)
                 self.remaining.update(request)
-            request.output_token_ids.append(new_tokens[-1])
+            request.output_token_ids.append(new_tokens[last - 1])
             if request.is_finished_generating:
                 request.finish_s = now
                 finished.append(request)
             elif self.remaining is not None:
                 self.remaining.update(request)
-        self._remove_finished(finished)
+        moved = self.policy.on_decode_run(requests, step_s, ends_s[first:last])
+        if moved:  # by the last step (`quiet_steps` allows no other)
+            self.waiting.rekey(moved)
         return finished

@@ -23,6 +23,7 @@ from preempt.core.cost_model import CostModel, StepShape, step_shape
 from preempt.core.profiles import get_target
 from preempt.core.registry import STEP_HOOKS
 from preempt.core.request import Request, RequestState
+from preempt.engine.decode_runs import RunSteps
 from preempt.engine.policies import get_policy
 from preempt.engine.remaining import make_estimator
 from preempt.engine.scheduler import Scheduler, SchedulerOutput
@@ -348,13 +349,19 @@ class Engine:
             return None
         del step_s[num_steps:], ends_s[num_steps:]
         tokens = self.runner.decode_tokens(requests, num_steps)
+        num_steps, finished = self.scheduler.apply_decode_run(
+            run, RunSteps(start_s, step_s, ends_s, tokens, allocations)
+        )
+        if num_steps == 0:
+            return None  # the policy decides in the first step
+        del step_s[num_steps:], ends_s[num_steps:]
         for seconds in step_s:
             self.clock.advance(seconds)
         self.num_steps += num_steps
         self.num_decode_run_steps += num_steps
-        finished = self.scheduler.apply_decode_run(requests, start_s, step_s, ends_s, tokens, allocations)
         # the arrivals of the steps that ran (the run may end before the blocks run out
-        # of them: `fit_decode_run`); those of its last step the loop would queue anyway
+        # of them, `fit_decode_run`, or before a decision, `apply_decode_run`); those of
+        # its last step the loop would queue anyway
         while self._next_pending < index and pending[self._next_pending].arrival_s <= ends_s[-1]:
             self.add_request(pending[self._next_pending])
             self._next_pending += 1

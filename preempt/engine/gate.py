@@ -78,12 +78,7 @@ class PreemptionGate:
         among the eligible requests and `take(victim)` preempts it, or returns False when
         the victim took the fallback instead (it is then PREEMPTION_FAILED, so no longer
         eligible, and the policy is asked again)."""
-        if type(self.policy).priority_victim is SchedulingPolicy.priority_victim:
-            return None  # a policy that never displaces anyone: nothing for the cap to refuse
-        if self.holds(now, fresh):
-            return None
-        if not self.rate_allows(now):
-            self.num_rate_limited += 1
+        if not self.asks_policy(now, fresh):
             return None
         for _ in range(len(running)):
             victim = self.policy.priority_victim(challenger, self.eligible(running), now)
@@ -92,6 +87,18 @@ class PreemptionGate:
             if take(victim):
                 return victim
         return None
+
+    def asks_policy(self, now: float, fresh: bool) -> bool:
+        """Whether the trigger asks the policy for a victim at `now` (`priority_victim`'s
+        first half, which decode runs also apply to each of their steps): never for a
+        policy that displaces nobody (nothing for the cap to refuse), nor while the
+        backoff holds the challenger; a refusal of the rate cap is counted."""
+        if not self.policy.preempts_for_priority or self.holds(now, fresh):
+            return False
+        if not self.rate_allows(now):
+            self.num_rate_limited += 1
+            return False
+        return True
 
     # ------------------------------------------------------------- bookkeeping
     def on_preempted(self, now: float, forced: bool) -> None:

@@ -10,10 +10,11 @@ what a real server knows (arrival, SLA level, max_tokens, progress); they never 
 
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from preempt.core.config import PreemptionConfig
 from preempt.core.registry import SCHEDULING_POLICIES
@@ -63,10 +64,33 @@ class SchedulingPolicy(ABC):
         where a request joins its queue records that here."""
         return None
 
-    def on_step(self, ran: Sequence[Request], step_s: float, now: float) -> bool:
-        """The step that ran `ran` (their time already charged) ended at `now`. Returns True
-        when waiting requests' admission keys changed, so the scheduler re-sorts its queue."""
-        return False
+    def on_step(self, ran: Sequence[Request], step_s: float, now: float) -> Collection[Request]:
+        """The step that ran `ran` (their time already charged) ended at `now`. Returns the
+        waiting requests whose admission keys it changed (the scheduler re-sorts them)."""
+        return ()
+
+    @property
+    def preempts_for_priority(self) -> bool:
+        """Whether it ever displaces a running request for a waiting one (it overrides
+        `priority_victim`); one that does not leaves the rate cap nothing to refuse."""
+        return type(self).priority_victim is not SchedulingPolicy.priority_victim
+
+    # Decode runs (preempt.engine.decode_runs): consecutive steps of one batch that only
+    # decodes, applied at once. A policy with per-step state takes part by giving the
+    # batch form of its `on_step`; the base one keeps none, so any run suits it.
+    def quiet_steps(self, ran: Sequence[Request], ends_s: Sequence[float]) -> int:
+        """How many of the next steps of the batch `ran` (ending at `ends_s`, nobody joining
+        or leaving it) one `on_decode_run` call can stand for: none of them but the last
+        re-keys the waiting queue. 0: the policy takes no part in decode runs."""
+        return len(ends_s) if type(self).on_step is SchedulingPolicy.on_step else 0
+
+    def on_decode_run(
+        self, ran: Sequence[Request], step_s: Sequence[float], ends_s: Sequence[float]
+    ) -> Collection[Request]:
+        """`on_step` for each of these steps of `ran` at once (`quiet_steps` of them at
+        most; those that finish, `finish_s` set, finished in the last). Returns the
+        waiting requests whose keys the last step changed."""
+        return ()
 
 
 class VllmFcfsPolicy(SchedulingPolicy):
@@ -234,8 +258,19 @@ class FastServeMlfqPolicy(SchedulingPolicy):
             self._place[request] = next(self._front)
         self._waiting.add(request)
 
-    def on_step(self, ran: Sequence[Request], step_s: float, now: float) -> bool:
-        self._steps += 1
+    def on_step(self, ran: Sequence[Request], step_s: float, now: float) -> Collection[Request]:
+        return self.on_decode_run(ran, (step_s,), (now,))
+
+    def quiet_steps(self, ran: Sequence[Request], ends_s: Sequence[float]) -> int:
+        # up to the next starvation check, which may move waiting requests
+        every = self.config.mlfq.starvation_every_steps
+        return min(len(ends_s), every - self._steps % every)
+
+    def on_decode_run(
+        self, ran: Sequence[Request], step_s: Sequence[float], ends_s: Sequence[float]
+    ) -> Collection[Request]:
+        self._steps += len(step_s)
+        now = ends_s[-1]
         for request in ran:
             self._waiting.discard(request)
             self._last_step_s[request] = now
@@ -243,13 +278,20 @@ class FastServeMlfqPolicy(SchedulingPolicy):
                 for state in (self._level, self._level_s, self._place, self._last_step_s):
                     state.pop(request, None)
                 continue
+            # time at its level, step by step (its sums in step order), demoted past a quantum
             level = self.level(request)
-            self._level_s[request] = self._level_s.get(request, 0.0) + step_s
-            if self._level_s[request] > self.quantum_s(level):
-                self._level[request] = self._bottom(level + 1)
-                self._level_s[request] = 0.0
+            quantum_s = self.quantum_s(level)
+            level_s = self._level_s.get(request, 0.0)
+            for seconds in step_s:
+                level_s += seconds
+                if level_s > quantum_s:
+                    level = self._bottom(level + 1)
+                    self._level[request] = level
+                    quantum_s = self.quantum_s(level)
+                    level_s = 0.0
+            self._level_s[request] = level_s
         if self._steps % self.config.mlfq.starvation_every_steps:
-            return False
+            return ()
         # FS:595-617: collected from the top queue down, each pushed to the front of the
         # top queue in turn (so the last collected ends first).
         starving = sorted(
@@ -264,7 +306,7 @@ class FastServeMlfqPolicy(SchedulingPolicy):
         for request in starving:
             self._level[request] = 0
             self._place[request] = next(self._front)
-        return bool(starving)
+        return starving
 
     def admission_key(self, request: Request) -> tuple:
         return (self.level(request), self._place_of(request), request.request_id)
@@ -314,19 +356,33 @@ class SrptPolicy(SchedulingPolicy):
         self._joined.append((since, request))
         self._starving.discard(request)
 
-    def on_step(self, ran: Sequence[Request], step_s: float, now: float) -> bool:
+    def on_step(self, ran: Sequence[Request], step_s: float, now: float) -> Collection[Request]:
         self._now = now
         for request in ran:
             self._since.pop(request, None)
             self._starving.discard(request)
         threshold = self.config.srpt_starvation_s
-        changed = False
+        starving = []
         while self._joined and self._joined[0][0] + threshold <= now:
             since, request = self._joined.popleft()
             if self._since.get(request) == since and request.finish_s is None:
                 self._starving.add(request)
-                changed = True
-        return changed
+                starving.append(request)
+        return starving
+
+    def quiet_steps(self, ran: Sequence[Request], ends_s: Sequence[float]) -> int:
+        # up to the step that ends when the longest waiter may start to starve
+        if not self._joined:
+            return len(ends_s)
+        due_s = self._joined[0][0] + self.config.srpt_starvation_s
+        return min(len(ends_s), bisect.bisect_left(ends_s, due_s) + 1)
+
+    def on_decode_run(
+        self, ran: Sequence[Request], step_s: Sequence[float], ends_s: Sequence[float]
+    ) -> Collection[Request]:
+        # Before the last step nothing is due (`quiet_steps`) and the batch's requests left
+        # the queue's books when they first ran: only the last step's `on_step` acts.
+        return self.on_step(ran, step_s[-1], ends_s[-1])
 
     def admission_key(self, request: Request) -> tuple:
         if request in self._starving:

@@ -289,9 +289,9 @@ class Scheduler(DecodeRuns):
                 finished.append(request)
             elif self.remaining is not None:
                 self.remaining.update(request)
-        if self.policy.on_step([chunk.request for chunk in output.chunks], step_s, now):
-            # The policy moved waiting requests (FastServe's starvation promotion).
-            self.waiting.rekey()
+        moved = self.policy.on_step([chunk.request for chunk in output.chunks], step_s, now)
+        if moved:  # the policy moved waiting requests (starvation guards)
+            self.waiting.rekey(moved)
         self._remove_finished(finished)
         return finished
 

@@ -10,16 +10,17 @@ policies for everyone's priority score), and an engine fork copies it.
 A binary heap of `(key, sequence number, request)` entries: the sequence number, unique
 and increasing, keeps equal keys FIFO and stops heapq from ever comparing requests. A
 key is computed when a request enters and changes only through `rekey` (a policy that
-moves waiting requests, FastServe's starvation promotion). Beside the heap, each request's
-score part that does not move while it waits is cached, so that scoring the whole
-queue at a time `now` is one numpy expression (`scores`) rather than one score each.
+moves waiting requests: FastServe's starvation promotion, SRPT's starvation guard).
+Beside the heap, each request's score part that does not move while it waits is cached,
+so that scoring the whole queue at a time `now` is one numpy expression (`scores`) rather
+than one score each.
 """
 
 from __future__ import annotations
 
 import copy
 import heapq
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import numpy as np
 
@@ -86,11 +87,22 @@ class WaitingQueue:
         self._score_parts.pop(request, None)
         heapq.heapify(self._heap)
 
-    def rekey(self) -> None:
-        """Recompute every key (the policy moved waiting requests); sequence numbers stay,
-        so equal keys keep their first-in order."""
-        self._heap = [(self._key(request), seq, request) for _, seq, request in self._heap]
-        heapq.heapify(self._heap)
+    def rekey(self, requests: Collection[Request]) -> None:
+        """Recompute the keys of these queued requests (the policy moved them: FastServe's
+        starvation promotion, SRPT's starvation guard); sequence numbers stay, so equal
+        keys keep their first-in order. Each moved entry is sifted into place (O(n) to
+        find it, O(log n) to place it), not the whole queue re-keyed and heapified."""
+        heap = self._heap
+        if len(requests) > 16:  # many: one pass
+            moved = set(requests)
+            self._heap = [(self._key(r), seq, r) if r in moved else (key, seq, r) for key, seq, r in heap]
+            heapq.heapify(self._heap)
+            return
+        for request in requests:
+            index = next((i for i, entry in enumerate(heap) if entry[2] is request), None)
+            if index is not None:
+                heap[index] = (self._key(request), heap[index][1], request)
+                _resift(heap, index)
 
     def rescore(self, request: Request) -> None:
         """Recompute a queued request's cached score part (its remaining work changed:
@@ -148,3 +160,24 @@ class WaitingQueue:
         forked._score_parts = {copy.deepcopy(r, memo): part for r, part in self._score_parts.items()}
         forked._next_seq = self._next_seq
         return forked
+
+
+def _resift(heap: list, index: int) -> None:
+    """Restore the heap order around `index`, whose entry changed either way: toward the
+    root while smaller than its parent, else away from it while larger than a child.
+    Entries never tie (the sequence number), so `<` decides every comparison."""
+    entry = heap[index]
+    while index > 0 and entry < heap[(index - 1) >> 1]:
+        heap[index] = heap[(index - 1) >> 1]
+        index = (index - 1) >> 1
+    size = len(heap)
+    child = 2 * index + 1
+    while child < size:
+        if child + 1 < size and heap[child + 1] < heap[child]:
+            child += 1
+        if not heap[child] < entry:
+            break
+        heap[index] = heap[child]
+        index = child
+        child = 2 * index + 1
+    heap[index] = entry

@@ -44,6 +44,29 @@ CASES = {
         "workload": {"max_tokens_mode": "trace"},
     },
     "srpt": {"scheduler": {"policy": "srpt"}, "preemption": {"remaining": "learned"}},
+    # Policies that decide inside what would be runs: priority preemptions with no rate
+    # cap, time sharing, MLFQ demotions and starvation checks, SRPT's starvation clock.
+    "score_uncapped": {
+        "scheduler": {"policy": "priority_score"},
+        "preemption": {
+            "max_preemption_per_min": None,
+            "mode": "swap",
+            "priority_weights": {"age": 0.05, "sla": 2.0, "tokens": 0.5},
+        },
+        "workload": {"sla_mix": {0: 0.6, 1: 0.3, 2: 0.1}},
+    },
+    "score_quantum_oracle": {
+        "scheduler": {"policy": "priority_score"},
+        "preemption": {"slice_mode": "quantum", "max_preemption_per_min": None, "remaining": "oracle"},
+    },
+    "fastserve_mlfq": {
+        "scheduler": {"policy": "fastserve_mlfq"},
+        "preemption": {"mlfq": {"starvation_every_steps": 40, "starvation_s": 0.5}},
+    },
+    "srpt_starving": {
+        "scheduler": {"policy": "srpt"},
+        "preemption": {"srpt_starvation_s": 0.5, "remaining": "oracle"},
+    },
     "sglang_fcfs": {"scheduler": {"policy": "sglang_fcfs"}},
     "azure_code_tight": {
         "cache": {"num_blocks": 250},
@@ -114,12 +137,14 @@ def test_decode_runs_change_nothing(name):
     fast, in_runs = _outcome(config, decode_runs=True)
     assert none == 0
     assert fast == stepped
-    if name in ("sglang_fcfs", "srpt") or "fastserve" in config.scheduler.policy:
-        assert in_runs == 0  # their loops decide every step (SGLang's ratio, SRPT's and MLFQ's clocks)
+    if name == "sglang_fcfs":
+        assert in_runs == 0  # its loop decides every step (SGLang's new-token ratio)
     elif not name.startswith("drawn"):
         assert in_runs > 0
     if name not in ("vllm_fcfs_light", "azure_code_tight", "sglang_fcfs") and not name.startswith("drawn"):
         assert fast["records"]  # under pressure: preemptions between the runs
+    if name in ("score_uncapped", "score_quantum_oracle", "fastserve_mlfq", "srpt_starving"):
+        assert "'priority'" in "".join(fast["records"])  # displacements where a run would go on
 
 
 def _decoding_scheduler(num_blocks: int, contexts: list[int], policy: str = "vllm_fcfs") -> Scheduler:
@@ -144,10 +169,10 @@ def test_fit_decode_run_stops_before_the_pool_runs_out():
     scheduler = _decoding_scheduler(num_blocks=5 + 2, contexts=[4, 6, 8])
     run = scheduler.decode_run(0.0)
     assert (run.requests, run.max_steps) == (scheduler.running, 99)  # 100 tokens, 1 made
-    assert scheduler.fit_decode_run(run, 10) == (2, [0, 2])  # step 3's block is missing
-    assert scheduler.fit_decode_run(run, 1) == (1, [0, 2])
+    assert scheduler.fit_decode_run(run, 10) == (2, [(1, 0), (1, 2)])  # step 3's block is missing
+    assert scheduler.fit_decode_run(run, 1) == (1, [(1, 0), (1, 2)])
     scheduler.block_pool.free(run.requests[2].block_ids[-1:])
-    assert scheduler.fit_decode_run(run, 4) == (4, [0, 2, 1])
+    assert scheduler.fit_decode_run(run, 4) == (4, [(1, 0), (1, 2), (3, 1)])
 
 
 def test_a_waiting_head_stays_out_only_when_it_cannot_get_in():
@@ -157,7 +182,7 @@ def test_a_waiting_head_stays_out_only_when_it_cannot_get_in():
     scheduler.add_request(make_request(10, 2, 5))  # behind the head: never looked at
     taken = scheduler.block_pool.allocate(1)
     run = scheduler.decode_run(0.0)  # 2 left after step 1, and only fewer later
-    assert scheduler.fit_decode_run(run, 5) == (5, [0, 1, 0])
+    assert scheduler.fit_decode_run(run, 5) == (5, [(1, 0), (3, 1), (5, 0)])
     scheduler.block_pool.free(taken)
     assert scheduler.decode_run(0.0) is None
     scheduler.config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64)
@@ -173,11 +198,12 @@ def test_no_decode_run_when_the_next_step_decides_something():
     scheduler.gate.backoff.until_s = 1.0  # a backoff would end during the run
     scheduler.add_request(make_request(9, 200, 5))  # 50 blocks: it never fits
     assert scheduler.decode_run(0.5) is None
-    assert scheduler.decode_run(1.0) is not None
+    assert scheduler.decode_run(1.0).challenger is None  # vLLM's policy displaces nobody
     priority = _decoding_scheduler(num_blocks=20, contexts=[4, 6], policy="priority_score")
-    assert priority.decode_run(0.0) is not None
+    assert priority.decode_run(0.0).challenger is None
     priority.add_request(make_request(9, 200, 5))
-    assert priority.decode_run(0.0) is None  # it may preempt for the head
+    # it may displace someone for the head: each step of the run asks (apply_decode_run)
+    assert priority.decode_run(0.0).challenger is priority.waiting.peek()
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

@@ -80,9 +80,9 @@ def test_starvation_moves_long_waiters_to_the_front_of_the_top_queue():  # FS:56
     for request in (runner, starved, fresh):
         policy.on_enqueue(request)
     assert policy.level(starved) == 4
-    assert policy.on_step([runner], 0.001, 0.4) is False
-    assert policy.on_step([runner], 0.001, 1.0) is False  # not a check step
-    assert policy.on_step([runner], 0.001, 1.0) is True  # third step: the check
+    assert not policy.on_step([runner], 0.001, 0.4)
+    assert not policy.on_step([runner], 0.001, 1.0)  # not a check step
+    assert policy.on_step([runner], 0.001, 1.0) == [starved]  # third step: the check
     assert policy.level(starved) == 0 and policy.level(fresh) == 4  # 1.0 s vs 0.1 s waited
     assert policy.admission_key(starved) < policy.admission_key(runner)
 

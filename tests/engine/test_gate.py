@@ -39,6 +39,7 @@ def test_priority_victim_asks_again_after_a_fallback_and_stops_at_the_cap():
     class Lowest:
         uses_time_slices = False
         uses_failure_fallback = True
+        preempts_for_priority = True
 
         def priority_victim(self, challenger, candidates, now):
             return candidates[0] if candidates else None

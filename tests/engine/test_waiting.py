@@ -7,6 +7,7 @@ import copy
 import random
 
 import numpy as np
+import pytest
 
 from preempt.core.config import PriorityWeights
 from preempt.engine.priority import priority_scores
@@ -83,12 +84,26 @@ def test_rekey_follows_the_new_keys_and_keeps_ties_first_in():
     def key(request):
         return (-boost.get(request.request_id, 0),)
 
-    queue, _ = queue_of([0, 0, 0, 0], key=key)
+    queue, requests = queue_of([0, 0, 0, 0], key=key)
     assert ids(queue) == [0, 1, 2, 3]
     boost.update({3: 1, 2: 1})
     assert ids(queue) == [0, 1, 2, 3]  # keys are read when a request enters
-    queue.rekey()
+    queue.rekey([requests[3], requests[2]])
     assert ids(queue) == [2, 3, 0, 1]
+
+
+@pytest.mark.parametrize("num_moved", [1, 3, 40])  # sifted one by one, or many in one pass
+def test_rekey_of_some_keeps_the_order_a_fresh_sort_gives(num_moved):
+    rng = random.Random(num_moved)
+    keys = {index: rng.randrange(10) for index in range(100)}
+    queue, requests = queue_of([0] * 100, key=lambda request: (keys[request.request_id],))
+    for _ in range(20):
+        moved = rng.sample(requests, num_moved)
+        for request in moved:  # up or down
+            keys[request.request_id] = rng.randrange(10)
+        queue.rekey(moved + [make_request(999, 4, 3)])  # one not queued: ignored
+        # FIFO among equal keys: by queue order of entry (sequence number = request id here)
+        assert ids(queue) == sorted(range(100), key=lambda index: (keys[index], index))
 
 
 def test_scores_track_the_queue():
@@ -128,8 +143,8 @@ def test_a_fork_is_independent_and_keys_by_its_own_policy():
     assert ids(fork) == [1, 3, 9] and len(fork.scores(0.0)) == 3
 
     forked_policy.level[3] = -1  # re-keying the fork reads the fork's policy only
-    fork.rekey()
-    queue.rekey()
+    fork.rekey(list(fork))
+    queue.rekey(list(queue))
     assert ids(fork) == [3, 1, 9]
     assert ids(queue) == [0, 1, 2, 3]
 
