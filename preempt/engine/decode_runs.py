@@ -14,6 +14,7 @@ was nearly all of its time.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from preempt.core.block_pool import blocks_needed
@@ -29,6 +30,8 @@ class DecodeRun(NamedTuple):
     # The waiting head, which stays out, when a step of the run may still displace someone
     # for it (the policy preempts for priority): `apply_decode_run` asks before each step.
     challenger: Request | None
+    # The backoff holds the head out till then: the run takes no step scheduled later.
+    until_s: float
 
 
 class RunSteps(NamedTuple):
@@ -51,14 +54,15 @@ class DecodeRuns:
         A plain decode step: every running request computes its one next token (within
         the token budget; no sampling params whose stop tokens need checking), and nobody
         is admitted. That holds with an empty queue, and with a waiting head that stays
-        out: the backoff does not hold it, nobody is paused or prefetched (so blocks come
-        back to nobody), and it finds no seat, or no token budget, or fewer free blocks
-        than it needs once the first step's decodes took theirs (blocks only get fewer
-        during a run). Such steps repeat as long as nothing arrives, nobody finishes and
-        blocks do not run out: `max_steps` is the first finish (the step that makes it
-        included); `fit_decode_run` cuts it at the blocks, the engine at the next arrival,
-        and `apply_decode_run` at the policy: before a step in which it would displace
-        someone for the head, and where its per-step state says (`quiet_steps`)."""
+        out: nobody is paused or prefetched (so blocks come back to nobody), and the
+        backoff holds it (until `until_s`, where the run ends), or it finds no seat, or no
+        token budget, or fewer free blocks than it needs once the first step's decodes
+        took theirs (blocks only get fewer during a run). Such steps repeat as long as
+        nothing arrives, nobody finishes and blocks do not run out: `max_steps` is the
+        first finish (the step that makes it included); `fit_decode_run` cuts it at the
+        blocks, the engine at the next arrival, and `apply_decode_run` at the policy:
+        before a step in which it would displace someone for the head, and where its
+        per-step state says (`quiet_steps`)."""
         running = self.running
         if not running or self.restores or self.paused or len(running) > self.config.max_num_batched_tokens:
             return None
@@ -77,18 +81,20 @@ class DecodeRuns:
                     return None  # not a state a step leaves (blocks cover what is computed)
                 first_step_blocks += 1
         challenger = None
+        until_s = math.inf
         if self.waiting:
-            if self.gate.backoff.holds(now):
-                return None  # it might end during the run
+            head = self.waiting.peek()
             budget = self.config.max_num_batched_tokens - len(running)
-            if budget > 0 and len(running) < self.config.max_num_seqs:
-                need = self._admission_blocks(self.waiting.peek(), budget)
+            if self._held_by_backoff(head, now):
+                until_s = self.gate.backoff.until_s
+            elif budget > 0 and len(running) < self.config.max_num_seqs:
+                need = self._admission_blocks(head, budget)
                 if need <= self.block_pool.num_free - first_step_blocks:
                     return None  # the first step admits it
             if self.policy.preempts_for_priority:
-                challenger = self.waiting.peek()
+                challenger = head
         max_steps = min(min(r.max_tokens, r.target_output_tokens) - len(r.output_token_ids) for r in running)
-        return DecodeRun(list(running), max_steps, challenger)
+        return DecodeRun(list(running), max_steps, challenger, until_s)
 
     def queues_behind_head(self, request: Request) -> bool:
         """Whether `request`, arriving during a decode run, changes nothing before the run

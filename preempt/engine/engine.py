@@ -336,6 +336,8 @@ class Engine:
             now += seconds
             step_s.append(seconds)
             ends_s.append(now)
+            if now >= run.until_s:
+                break  # the backoff ends: the next step may admit the head
             # arrivals are added before the next step: the run goes on past those that
             # queue behind the head, and ends with this step at any other
             landed = index < len(pending) and pending[index].arrival_s <= now

@@ -195,9 +195,12 @@ def test_no_decode_run_when_the_next_step_decides_something():
     scheduler.running[1].num_computed_tokens -= 1  # its last chunk has two tokens
     assert scheduler.decode_run(0.0) is None
     scheduler.running[1].num_computed_tokens += 1
-    scheduler.gate.backoff.until_s = 1.0  # a backoff would end during the run
-    scheduler.add_request(make_request(9, 200, 5))  # 50 blocks: it never fits
-    assert scheduler.decode_run(0.5) is None
+    scheduler.gate.backoff.until_s = 1.0  # a backoff holds the new head out till then
+    scheduler.add_request(make_request(9, 2, 5))  # it fits: admitted once the backoff ends
+    assert scheduler.decode_run(0.5).until_s == 1.0  # the run ends there (Engine._decode_run)
+    assert scheduler.decode_run(1.0) is None
+    scheduler.waiting.pop()
+    scheduler.add_request(make_request(10, 200, 5))  # 50 blocks: it never fits
     assert scheduler.decode_run(1.0).challenger is None  # vLLM's policy displaces nobody
     priority = _decoding_scheduler(num_blocks=20, contexts=[4, 6], policy="priority_score")
     assert priority.decode_run(0.0).challenger is None
@@ -262,3 +265,22 @@ def test_a_run_goes_on_past_arrivals_that_queue_behind_a_head_that_stays_out(mon
     assert joined  # runs went on past arrivals
     # each request queued once: by the run it landed in or by the loop, never by both
     assert engine.num_added == len(build_workload(config.workload, seed=config.seed))
+
+
+def test_runs_go_on_while_the_backoff_holds_a_new_head_out(monkeypatch):
+    """After a preemption failure the backoff keeps new requests out: runs go on through
+    it and end where it ends (the comparison above checks that this changes nothing)."""
+    config = _config("score_quantum_oracle")
+    held = []
+    original = Scheduler.decode_run
+
+    def noted(self, now):
+        run = original(self, now)
+        if run is not None and run.until_s != float("inf"):
+            held.append(run.until_s)
+        return run
+
+    monkeypatch.setattr(Scheduler, "decode_run", noted)
+    engine = Engine(config)
+    engine.run(build_workload(config.workload, seed=config.seed))
+    assert held and engine.scheduler.num_preemption_failed
