@@ -2,7 +2,7 @@
 go (`Engine.run`'s fast path).
 
 Owns: when the next steps are plain decodes (`decode_run`), how many the free blocks
-allow and in which order they allocate (`fit_decode_run`), and their effect on the
+allow and in which order they allocate (`decode_run_allocations`), and their effect on the
 requests (`apply_decode_run`), each exactly what that many `schedule` +
 `update_from_output` calls would do: the replay's every request field, record, counter
 and clock reading stay the same bit for bit (tests/engine/test_decode_runs.py compares
@@ -41,7 +41,10 @@ class RunSteps(NamedTuple):
     step_s: list[float]  # each step's seconds
     ends_s: list[float]  # the clock after each
     tokens: list[list[int]]  # tokens[i]: request i's new tokens, one per step
-    allocations: list[tuple[int, int]]  # `fit_decode_run`'s (step, request index)
+    allocations: list[tuple[int, int]]  # `decode_run_allocations`: (step, request index)
+    # Arrivals that queue behind the head (`queues_behind_head`), with the step they land
+    # in: each joins the queue before the next step's schedule, as the engine's loop would.
+    joins: list[tuple[int, Request]]
 
 
 class DecodeRuns:
@@ -59,15 +62,16 @@ class DecodeRuns:
         token budget, or fewer free blocks than it needs once the first step's decodes
         took theirs (blocks only get fewer during a run). Such steps repeat as long as
         nothing arrives, nobody finishes and blocks do not run out: `max_steps` is the
-        first finish (the step that makes it included); `fit_decode_run` cuts it at the
-        blocks, the engine at the next arrival, and `apply_decode_run` at the policy:
+        first finish (the step that makes it included) or the last step before one whose
+        allocation would find the pool empty (that one needs a memory preemption); the
+        engine ends the run at the next arrival, and `apply_decode_run` at the policy:
         before a step in which it would displace someone for the head, and where its
         per-step state says (`quiet_steps`)."""
         running = self.running
         if not running or self.restores or self.paused or len(running) > self.config.max_num_batched_tokens:
             return None
         block_size = self.block_size
-        first_step_blocks = 0  # blocks the first step's decodes take
+        rooms = []  # tokens each request's blocks still hold
         for request in running:
             if (
                 request.num_computed_tokens + 1 != request.num_tokens
@@ -76,10 +80,10 @@ class DecodeRuns:
             ):
                 return None
             room = len(request.block_ids) * block_size - request.num_computed_tokens
-            if room <= 0:
-                if room < 0:
-                    return None  # not a state a step leaves (blocks cover what is computed)
-                first_step_blocks += 1
+            if room < 0:
+                return None  # not a state a step leaves (blocks cover what is computed)
+            rooms.append(room)
+        first_step_blocks = rooms.count(0)  # blocks the first step's decodes take
         challenger = None
         until_s = math.inf
         if self.waiting:
@@ -94,22 +98,46 @@ class DecodeRuns:
             if self.policy.preempts_for_priority:
                 challenger = head
         max_steps = min(min(r.max_tokens, r.target_output_tokens) - len(r.output_token_ids) for r in running)
+        max_steps = self._steps_the_pool_allows(rooms, max_steps)
+        if max_steps == 0:
+            return None  # the first step needs a memory preemption
         return DecodeRun(list(running), max_steps, challenger, until_s)
 
+    def _steps_the_pool_allows(self, rooms: list[int], max_steps: int) -> int:
+        """The most of `max_steps` decode steps the free blocks allow, given the tokens
+        each request's blocks still hold (`rooms`): the step count at which the blocks
+        taken so far first exceed the free ones, less one (a binary search over a count
+        that only grows; each request takes a block every `block_size` steps)."""
+        block_size, num_free = self.block_size, self.block_pool.num_free
+
+        def taken(num_steps: int) -> int:
+            return sum((num_steps - room - 1) // block_size + 1 for room in rooms if num_steps > room)
+
+        if taken(max_steps) <= num_free:
+            return max_steps
+        fits, runs_out = 0, max_steps
+        while runs_out - fits > 1:
+            middle = (fits + runs_out) // 2
+            if taken(middle) <= num_free:
+                fits = middle
+            else:
+                runs_out = middle
+        return fits
+
     def queues_behind_head(self, request: Request) -> bool:
-        """Whether `request`, arriving during a decode run, changes nothing before the run
-        ends: the run found the waiting head out (`decode_run`: no seat, no token budget or
-        too few blocks, none of which comes back before a finish or a preemption ends the
-        run), admission never skips the head, and `request` queues behind it (its
-        admission key not before the head's; equal keys first in, first out), with no
-        enqueue hook of the policy's to run."""
-        if not self.waiting or type(self.policy).on_enqueue is not SchedulingPolicy.on_enqueue:
+        """Whether `request`, arriving during a decode run, changes nothing in it: the run
+        found the waiting head out (`decode_run`: held by the backoff, or no seat, no
+        token budget or too few blocks, none of which comes back before a finish or a
+        preemption ends the run), admission never skips the head, and `request` queues
+        behind it (`arrival_key` not before the head's key; equal keys first in, first
+        out). The run then queues it where it landed (`RunSteps.joins`)."""
+        if not self.waiting:
             return False
         if self.remaining is not None:
             # its key reads the estimate `add_request` sets (the same then: nothing it
             # reads changes before the request joins)
             self.remaining.update(request)
-        return not self.waiting.would_lead(request)
+        return not self.waiting.would_lead(self.policy.arrival_key(request))
 
     def _admission_blocks(self, request: Request, budget: int) -> int:
         """Free blocks `_admit_waiting` needs to admit `request` with `budget` tokens
@@ -122,62 +150,73 @@ class DecodeRuns:
             need = max(need, blocks_needed(num_tokens, self.block_size) - len(request.block_ids))
         return need
 
-    def fit_decode_run(self, run: DecodeRun, num_steps: int) -> tuple[int, list[tuple[int, int]]]:
-        """How many of `num_steps` decode steps of `run` the free blocks allow, and their
-        block allocations as (step, index into `run.requests`), in the order the steps would
-        allocate: step by step, running order within a step. A step whose allocation would
-        find the pool empty needs a memory preemption: the run ends before it."""
+    def decode_run_allocations(self, run: DecodeRun, num_steps: int) -> list[tuple[int, int]]:
+        """The block allocations of the first `num_steps` steps of `run` (at most
+        `max_steps`, which the free blocks allow), as (step, index into `run.requests`), in
+        the order the steps would allocate: step by step, running order within a step."""
         block_size = self.block_size
         events: list[tuple[int, int]] = []  # (step, index): that step's token needs a new block
         for index, request in enumerate(run.requests):
             room = len(request.block_ids) * block_size - request.num_computed_tokens
             events.extend((step, index) for step in range(room + 1, num_steps + 1, block_size))
         events.sort()
-        num_free = self.block_pool.num_free
-        if len(events) > num_free:
-            num_steps = events[num_free][0] - 1
-            events = [event for event in events[:num_free] if event[0] <= num_steps]
-        return num_steps, events
+        return events
 
-    def apply_decode_run(self, run: DecodeRun, steps: RunSteps) -> tuple[int, list[Request]]:
+    def apply_decode_run(self, run: DecodeRun, steps: RunSteps) -> tuple[int, int, list[Request]]:
         """Apply up to `len(steps.step_s)` decode steps of `run` at once, as that many
-        `schedule` and `update_from_output` calls would have. The policy may end the run
+        `schedule` and `update_from_output` calls would have, queueing the arrivals that
+        land in them (`steps.joins`) where those calls would. The policy may end the run
         sooner: where its per-step state says (`quiet_steps`), and before the first step
         whose priority check would displace someone (that step is decided on its own).
-        Returns how many steps ran, and the requests that finished in the last of them
-        (running order)."""
+        Returns how many steps ran, how many arrivals joined (the first of `joins`), and
+        the requests that finished in the last step (running order)."""
         self.settle_saves()
         self.copy_out.new_step()
         self._batch_reuses_copy_out = False
         num_steps = min(len(steps.step_s), self.policy.quiet_steps(run.requests, steps.ends_s))
-        done = 0  # steps applied
-        if run.challenger is not None:
-            num_steps, done = self._steps_before_a_displacement(run, steps, num_steps)
+        num_steps, done, joined = self._between_steps(run, steps, num_steps)
         if done == num_steps:  # none to run, or all applied before a displacement
-            return num_steps, []
+            return num_steps, joined, []
         finished = self._apply_steps(run.requests, steps, done, num_steps)
         self._remove_finished(finished)
-        return num_steps, finished
+        return num_steps, joined, finished
 
-    def _steps_before_a_displacement(
-        self, run: DecodeRun, steps: RunSteps, num_steps: int
-    ) -> tuple[int, int]:
-        """The priority check of each of the first `num_steps` steps, as `schedule` makes it
-        (`_priority_preemption`) but dry: the head admissible (`_can_admit` at that step's
-        free blocks), the gate not asking the policy (`asks_policy`, which counts a refusal
-        of the rate cap as the step would), or the policy naming nobody lets the step run.
-        Where the policy must be asked, the steps before are applied first, so it reads
-        the state that step's schedule would. Returns the steps before the first one that
-        would displace someone (all of them if none would), and those already applied."""
+    def _between_steps(self, run: DecodeRun, steps: RunSteps, num_steps: int) -> tuple[int, int, int]:
+        """What each of the first `num_steps` steps' `schedule` meets before it decodes:
+
+        - the arrivals that landed in the step before join the queue (behind its head);
+          with an enqueue hook of the policy's, once the steps before are applied, so the
+          hook sees the state and clock it would;
+        - the priority check (`_priority_preemption`), dry: the head admissible
+          (`_can_admit` at that step's free blocks), the gate not asking the policy
+          (`asks_policy`, which counts a refusal of the rate cap as the step would), or the
+          policy naming nobody lets the step run. Where the policy must be asked, the
+          steps before are applied first, so it reads the state that step would.
+
+        Returns the steps before the first one that would displace someone (`num_steps`
+        if none would), how many steps it applied, and how many arrivals joined."""
+        joins = steps.joins
         challenger = run.challenger
-        fresh = challenger.state is RequestState.WAITING
-        num_missing = self._admission_missing_blocks(challenger)
+        if challenger is None and not joins:
+            return num_steps, 0, 0
+        hooked = type(self.policy).on_enqueue is not SchedulingPolicy.on_enqueue
+        if challenger is not None:
+            fresh = challenger.state is RequestState.WAITING
+            num_missing = self._admission_missing_blocks(challenger)
+            seated = self.num_seated < self.config.max_num_seqs
         num_free = self.block_pool.num_free
-        seated = self.num_seated < self.config.max_num_seqs
         allocations = steps.allocations
         allocated = 0  # allocations of the steps before this one
-        done = 0
+        done = joined = 0
         for step in range(1, num_steps + 1):
+            while joined < len(joins) and joins[joined][0] < step:
+                if hooked and done < step - 1:
+                    self._apply_steps(run.requests, steps, done, step - 1)
+                    done = step - 1
+                self.add_request(joins[joined][1])
+                joined += 1
+            if challenger is None:
+                continue
             while allocated < len(allocations) and allocations[allocated][0] < step:
                 allocated += 1
             now = steps.start_s if step == 1 else steps.ends_s[step - 2]
@@ -189,8 +228,8 @@ class DecodeRuns:
                 self._apply_steps(run.requests, steps, done, step - 1)
                 done = step - 1
             if self.policy.priority_victim(challenger, self.gate.eligible(self.running), now) is not None:
-                return step - 1, done
-        return num_steps, done
+                return step - 1, done, joined
+        return num_steps, done, joined
 
     def _apply_steps(self, requests: list[Request], steps: RunSteps, first: int, last: int) -> list[Request]:
         """Steps `first`+1 .. `last` of a run (1-based), `first` of them applied already.

@@ -304,14 +304,14 @@ class Engine:
     def _decode_run(self) -> list[Request] | None:
         """Run the next steps at once if they are plain decodes (`Scheduler.decode_run`) up
         to the step the next arrival lands in that could change them (one that queues
-        behind a waiting head that stays out cannot: `Scheduler.queues_behind_head`; it is
-        queued and the run goes on): their clock, tokens and block allocations exactly as
-        single steps would make them, without a schedule and a step output per step.
-        Returns the requests that finished; None (nothing run) where the next step must be
-        decided on its own, and always with step hooks, on the wall clock, with a runner
-        that computes real tokens, or while a restore is still running. Arrivals it queued
-        move `_next_pending` on. `decode_runs = False` turns it off (tests compare the
-        two)."""
+        behind a waiting head that stays out cannot: `Scheduler.queues_behind_head`; the
+        run queues it where it landed and goes on): their clock, tokens and block
+        allocations exactly as single steps would make them, without a schedule and a step
+        output per step. Returns the requests that finished; None (nothing run) where the
+        next step must be decided on its own, and always with step hooks, on the wall
+        clock, with a runner that computes real tokens, or while a restore is still
+        running. Arrivals it queued move `_next_pending` on. `decode_runs = False` turns it
+        off (tests compare the two)."""
         if not self.decode_runs or self.prefetcher is not None or self.early_saver is not None:
             return None
         if self.config.clock.kind != "virtual" or not hasattr(self.runner, "decode_tokens"):
@@ -328,9 +328,10 @@ class Engine:
         now = start_s
         step_s: list[float] = []
         ends_s: list[float] = []
+        joins: list[tuple[int, Request]] = []
         step_time_s = self.cost_model.decode_step_time_s
         pending, index = self._pending, self._next_pending
-        for _ in range(run.max_steps):
+        for step in range(1, run.max_steps + 1):
             context += num_seqs  # one more token in each sequence's context
             seconds = step_time_s(num_seqs, context)
             now += seconds
@@ -338,35 +339,30 @@ class Engine:
             ends_s.append(now)
             if now >= run.until_s:
                 break  # the backoff ends: the next step may admit the head
-            # arrivals are added before the next step: the run goes on past those that
-            # queue behind the head, and ends with this step at any other
+            # arrivals join before the next step: the run goes on past those that queue
+            # behind the head, and ends with this step at any other
             landed = index < len(pending) and pending[index].arrival_s <= now
             while landed and self._queues_behind(pending[index]):
+                joins.append((step, pending[index]))
                 index += 1
                 landed = index < len(pending) and pending[index].arrival_s <= now
             if landed:
                 break
-        num_steps, allocations = self.scheduler.fit_decode_run(run, len(step_s))
-        if num_steps == 0:
-            return None
-        del step_s[num_steps:], ends_s[num_steps:]
-        tokens = self.runner.decode_tokens(requests, num_steps)
-        num_steps, finished = self.scheduler.apply_decode_run(
-            run, RunSteps(start_s, step_s, ends_s, tokens, allocations)
+        allocations = self.scheduler.decode_run_allocations(run, len(step_s))
+        tokens = self.runner.decode_tokens(requests, len(step_s))
+        num_steps, joined, finished = self.scheduler.apply_decode_run(
+            run, RunSteps(start_s, step_s, ends_s, tokens, allocations, joins)
         )
+        # the run queued the arrivals before its last step (`add_request`'s checks were
+        # `_queues_behind`'s); the loop queues the rest
+        self.num_added += joined
+        self._next_pending += joined
         if num_steps == 0:
             return None  # the policy decides in the first step
-        del step_s[num_steps:], ends_s[num_steps:]
-        for seconds in step_s:
+        for seconds in step_s[:num_steps]:
             self.clock.advance(seconds)
         self.num_steps += num_steps
         self.num_decode_run_steps += num_steps
-        # the arrivals of the steps that ran (the run may end before the blocks run out
-        # of them, `fit_decode_run`, or before a decision, `apply_decode_run`); those of
-        # its last step the loop would queue anyway
-        while self._next_pending < index and pending[self._next_pending].arrival_s <= ends_s[-1]:
-            self.add_request(pending[self._next_pending])
-            self._next_pending += 1
         return finished
 
     def _queues_behind(self, request: Request) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
 
@@ -63,6 +64,12 @@ class SchedulingPolicy(ABC):
         PREEMPTED). Called just before its `admission_key`; a policy whose order depends on
         where a request joins its queue records that here."""
         return None
+
+    def arrival_key(self, request: Request) -> tuple:
+        """A key that orders a new arrival against the queued requests as the key it gets
+        on joining (`on_enqueue`, then `admission_key`) will, read before it joins (a
+        decode run asks whether an arrival would lead the queue)."""
+        return self.admission_key(request)
 
     def on_step(self, ran: Sequence[Request], step_s: float, now: float) -> Collection[Request]:
         """The step that ran `ran` (their time already charged) ended at `now`. Returns the
@@ -257,6 +264,10 @@ class FastServeMlfqPolicy(SchedulingPolicy):
         else:  # out of the batch: front of its queue
             self._place[request] = next(self._front)
         self._waiting.add(request)
+
+    def arrival_key(self, request: Request) -> tuple:
+        # the back of its join queue: behind every queued request of that queue
+        return (self.join_level(request), math.inf, request.request_id)
 
     def on_step(self, ran: Sequence[Request], step_s: float, now: float) -> Collection[Request]:
         return self.on_decode_run(ran, (step_s,), (now,))

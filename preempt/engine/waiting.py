@@ -66,10 +66,10 @@ class WaitingQueue:
         self._next_seq += 1
         self._score_parts[request] = self._score_part(request)
 
-    def would_lead(self, request: Request) -> bool:
-        """Whether `request`, pushed now, would be the head (a key before the head's; an
-        empty queue)."""
-        return not self._heap or self._key(request) < self._heap[0][0]
+    def would_lead(self, key: tuple) -> bool:
+        """Whether a request with admission key `key`, pushed now, would be the head (a key
+        before the head's; an empty queue)."""
+        return not self._heap or key < self._heap[0][0]
 
     def peek(self) -> Request:
         """The head: the next request to admit (IndexError when empty)."""

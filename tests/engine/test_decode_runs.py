@@ -163,16 +163,22 @@ def _decoding_scheduler(num_blocks: int, contexts: list[int], policy: str = "vll
     return scheduler
 
 
-def test_fit_decode_run_stops_before_the_pool_runs_out():
+def test_a_run_stops_before_the_pool_runs_out():
     # Contexts 4, 6, 8 computed tokens in blocks of 4 (rooms 0, 2, 0): requests 0 and 2
     # need a block in step 1, request 1 in step 3, then 0 and 2 again in step 5.
     scheduler = _decoding_scheduler(num_blocks=5 + 2, contexts=[4, 6, 8])
     run = scheduler.decode_run(0.0)
-    assert (run.requests, run.max_steps) == (scheduler.running, 99)  # 100 tokens, 1 made
-    assert scheduler.fit_decode_run(run, 10) == (2, [(1, 0), (1, 2)])  # step 3's block is missing
-    assert scheduler.fit_decode_run(run, 1) == (1, [(1, 0), (1, 2)])
+    assert (run.requests, run.max_steps) == (scheduler.running, 2)  # step 3's block is missing
+    assert scheduler.decode_run_allocations(run, 2) == [(1, 0), (1, 2)]
+    assert scheduler.decode_run_allocations(run, 1) == [(1, 0), (1, 2)]
     scheduler.block_pool.free(run.requests[2].block_ids[-1:])
-    assert scheduler.fit_decode_run(run, 4) == (4, [(1, 0), (1, 2), (3, 1)])
+    run = scheduler.decode_run(0.0)
+    assert run.max_steps == 4  # 3 free: step 5 needs two more
+    assert scheduler.decode_run_allocations(run, 4) == [(1, 0), (1, 2), (3, 1)]
+    scheduler.block_pool.allocate(2)  # 1 free: step 1 needs 2
+    assert scheduler.decode_run(0.0) is None  # a memory preemption first
+    bigger = _decoding_scheduler(num_blocks=100, contexts=[4, 6, 8])
+    assert bigger.decode_run(0.0).max_steps == 99  # 100 tokens, 1 made: the first finish
 
 
 def test_a_waiting_head_stays_out_only_when_it_cannot_get_in():
@@ -182,7 +188,7 @@ def test_a_waiting_head_stays_out_only_when_it_cannot_get_in():
     scheduler.add_request(make_request(10, 2, 5))  # behind the head: never looked at
     taken = scheduler.block_pool.allocate(1)
     run = scheduler.decode_run(0.0)  # 2 left after step 1, and only fewer later
-    assert scheduler.fit_decode_run(run, 5) == (5, [(1, 0), (3, 1), (5, 0)])
+    assert scheduler.decode_run_allocations(run, 5) == [(1, 0), (3, 1), (5, 0)]
     scheduler.block_pool.free(taken)
     assert scheduler.decode_run(0.0) is None
     scheduler.config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64)
@@ -224,26 +230,30 @@ def test_a_run_cut_by_the_pool_matches_stepping(mode):
         engine = Engine(config)
         engine.decode_runs = decode_runs
         requests = [make_request(i, 5 + 3 * i, 60 + 7 * i, arrival_s=0.001 * i) for i in range(6)]
-        cut = []
-        fit = engine.scheduler.fit_decode_run
-        engine.scheduler.fit_decode_run = lambda batch, n: cut.append(n) or _note(cut, fit(batch, n))
+        runs = []  # (first finish, steps the pool allows)
+        original = engine.scheduler.decode_run
+
+        def noted(now):
+            run = original(now)
+            if run is not None:
+                first_finish = min(r.output_limit - r.num_output_tokens for r in run.requests)
+                runs.append((first_finish, run.max_steps))
+            return run
+
+        engine.scheduler.decode_run = noted
         engine.run(requests)
         return (
             [(r.output_token_ids, r.finish_s, r.num_preemptions, r.executed_s) for r in requests],
             [dataclasses.astuple(record) for record in engine.scheduler.records],
             engine.clock.now(),
             engine.num_steps,
-        ), cut
-
-    def _note(cut, result):
-        cut[-1] = (cut[-1], result[0])
-        return result
+        ), runs
 
     stepped, _ = outcome(False)
     fast, runs = outcome(True)
     assert fast == stepped
     assert stepped[1]  # it preempted
-    assert any(0 < fitted < asked for asked, fitted in runs)  # some run was cut by the pool
+    assert any(allowed < finish for finish, allowed in runs)  # some run was cut by the pool
 
 
 def test_a_run_goes_on_past_arrivals_that_queue_behind_a_head_that_stays_out(monkeypatch):
