@@ -165,25 +165,28 @@ class DecodeRuns:
     def apply_decode_run(self, run: DecodeRun, steps: RunSteps) -> tuple[int, int, list[Request]]:
         """Apply up to `len(steps.step_s)` decode steps of `run` at once, as that many
         `schedule` and `update_from_output` calls would have, queueing the arrivals that
-        land in them (`steps.joins`) where those calls would. The policy may end the run
-        sooner: where its per-step state says (`quiet_steps`), and before the first step
-        whose priority check would displace someone (that step is decided on its own).
-        Returns how many steps ran, how many arrivals joined (the first of `joins`), and
-        the requests that finished in the last step (running order)."""
+        land in them (`steps.joins`) where those calls would. The run ends sooner where the
+        policy decides: after a step whose per-step state moves a new request to the head
+        of the queue, and before one whose priority check would displace someone (that
+        step is decided on its own). Returns how many steps ran, how many arrivals joined
+        (the first of `joins`), and the requests that finished in the last step (running
+        order)."""
         self.settle_saves()
         self.copy_out.new_step()
         self._batch_reuses_copy_out = False
-        num_steps = min(len(steps.step_s), self.policy.quiet_steps(run.requests, steps.ends_s))
-        num_steps, done, joined = self._between_steps(run, steps, num_steps)
-        if done == num_steps:  # none to run, or all applied before a displacement
+        num_steps, done, joined = self._between_steps(run, steps)
+        if done == num_steps:  # none to run, or all applied already
             return num_steps, joined, []
         finished = self._apply_steps(run.requests, steps, done, num_steps)
         self._remove_finished(finished)
         return num_steps, joined, finished
 
-    def _between_steps(self, run: DecodeRun, steps: RunSteps, num_steps: int) -> tuple[int, int, int]:
-        """What each of the first `num_steps` steps' `schedule` meets before it decodes:
+    def _between_steps(self, run: DecodeRun, steps: RunSteps) -> tuple[int, int, int]:
+        """What each step's `schedule` meets before it decodes, in the order it would:
 
+        - the policy's per-step state: where a step may move waiting requests (`quiet_steps`
+          says which), the steps up to it are applied (their `on_decode_run` re-keys
+          those); the run ends there if the head of the queue changed;
         - the arrivals that landed in the step before join the queue (behind its head);
           with an enqueue hook of the policy's, once the steps before are applied, so the
           hook sees the state and clock it would;
@@ -191,14 +194,18 @@ class DecodeRuns:
           (`_can_admit` at that step's free blocks), the gate not asking the policy
           (`asks_policy`, which counts a refusal of the rate cap as the step would), or the
           policy naming nobody lets the step run. Where the policy must be asked, the
-          steps before are applied first, so it reads the state that step would.
+          steps before are applied first, so it reads the state that step would; the run
+          ends before a step in which it names a victim.
 
-        Returns the steps before the first one that would displace someone (`num_steps`
-        if none would), how many steps it applied, and how many arrivals joined."""
-        joins = steps.joins
-        challenger = run.challenger
-        if challenger is None and not joins:
+        Returns how many steps the run takes, how many of them it applied, and how many
+        arrivals joined."""
+        requests, ends_s = run.requests, steps.ends_s
+        num_steps = len(ends_s)
+        quiet = self.policy.quiet_steps(requests, ends_s)  # the policy may move someone after this step
+        joins, challenger = steps.joins, run.challenger
+        if quiet >= num_steps and challenger is None and not joins:
             return num_steps, 0, 0
+        head = self.waiting.peek() if self.waiting else None
         hooked = type(self.policy).on_enqueue is not SchedulingPolicy.on_enqueue
         if challenger is not None:
             fresh = challenger.state is RequestState.WAITING
@@ -207,28 +214,39 @@ class DecodeRuns:
         num_free = self.block_pool.num_free
         allocations = steps.allocations
         allocated = 0  # allocations of the steps before this one
-        done = joined = 0
+        done = joined = 0  # steps applied, arrivals queued
         for step in range(1, num_steps + 1):
+            before = step - 1
+            if before == quiet:
+                if done < before:
+                    self._apply_steps(requests, steps, done, before)
+                    done = before
+                if (self.waiting.peek() if self.waiting else None) is not head:
+                    return before, done, joined
+                more = self.policy.quiet_steps(requests, ends_s[before:])
+                if more == 0:
+                    return before, done, joined
+                quiet = before + more
             while joined < len(joins) and joins[joined][0] < step:
-                if hooked and done < step - 1:
-                    self._apply_steps(run.requests, steps, done, step - 1)
-                    done = step - 1
+                if hooked and done < before:
+                    self._apply_steps(requests, steps, done, before)
+                    done = before
                 self.add_request(joins[joined][1])
                 joined += 1
             if challenger is None:
                 continue
             while allocated < len(allocations) and allocations[allocated][0] < step:
                 allocated += 1
-            now = steps.start_s if step == 1 else steps.ends_s[step - 2]
+            now = steps.start_s if step == 1 else ends_s[step - 2]
             if seated and num_missing <= num_free - allocated:
                 continue  # `_can_admit`: the check is not made
             if not self.gate.asks_policy(now, fresh):
                 continue
-            if done < step - 1:
-                self._apply_steps(run.requests, steps, done, step - 1)
-                done = step - 1
+            if done < before:
+                self._apply_steps(requests, steps, done, before)
+                done = before
             if self.policy.priority_victim(challenger, self.gate.eligible(self.running), now) is not None:
-                return step - 1, done, joined
+                return before, done, joined
         return num_steps, done, joined
 
     def _apply_steps(self, requests: list[Request], steps: RunSteps, first: int, last: int) -> list[Request]:
@@ -264,6 +282,6 @@ class DecodeRuns:
             elif self.remaining is not None:
                 self.remaining.update(request)
         moved = self.policy.on_decode_run(requests, step_s, ends_s[first:last])
-        if moved:  # by the last step (`quiet_steps` allows no other)
+        if moved:  # by the last step (`_between_steps` applies no further than `quiet_steps`)
             self.waiting.rekey(moved)
         return finished

@@ -86,9 +86,10 @@ class SchedulingPolicy(ABC):
     # decodes, applied at once. A policy with per-step state takes part by giving the
     # batch form of its `on_step`; the base one keeps none, so any run suits it.
     def quiet_steps(self, ran: Sequence[Request], ends_s: Sequence[float]) -> int:
-        """How many of the next steps of the batch `ran` (ending at `ends_s`, nobody joining
-        or leaving it) one `on_decode_run` call can stand for: none of them but the last
-        re-keys the waiting queue. 0: the policy takes no part in decode runs."""
+        """How many of the next steps of the batch `ran` (ending at `ends_s`, nobody leaving
+        it) pass before its state may move a waiting request: none of them but the last
+        does (one `on_decode_run` call may stand for any of them). 0: the policy takes no
+        part in decode runs."""
         return len(ends_s) if type(self).on_step is SchedulingPolicy.on_step else 0
 
     def on_decode_run(
