@@ -70,33 +70,33 @@ class DecodeRuns:
         running = self.running
         if not running or self.restores or self.paused or len(running) > self.config.max_num_batched_tokens:
             return None
+        head = self.waiting.peek() if self.waiting else None
+        held = head is not None and self._held_by_backoff(head, now)
+        need = None  # blocks the head needs, where a seat and token budget would admit it
+        budget = self.config.max_num_batched_tokens - len(running)
+        if head is not None and not held and budget > 0 and len(running) < self.config.max_num_seqs:
+            need = self._admission_blocks(head, budget)
+            if need <= self.block_pool.num_free - len(running):
+                return None  # the first step admits it, whatever its decodes take
         block_size = self.block_size
         rooms = []  # tokens each request's blocks still hold
         for request in running:
+            output = request.output_token_ids
+            computed = request.num_computed_tokens
             if (
-                request.num_computed_tokens + 1 != request.num_tokens
+                computed + 1 != request.num_prompt_tokens + len(output)
                 or request.sampling is not None
-                or not request.output_token_ids
+                or not output
             ):
                 return None
-            room = len(request.block_ids) * block_size - request.num_computed_tokens
+            room = len(request.block_ids) * block_size - computed
             if room < 0:
                 return None  # not a state a step leaves (blocks cover what is computed)
             rooms.append(room)
-        first_step_blocks = rooms.count(0)  # blocks the first step's decodes take
-        challenger = None
-        until_s = math.inf
-        if self.waiting:
-            head = self.waiting.peek()
-            budget = self.config.max_num_batched_tokens - len(running)
-            if self._held_by_backoff(head, now):
-                until_s = self.gate.backoff.until_s
-            elif budget > 0 and len(running) < self.config.max_num_seqs:
-                need = self._admission_blocks(head, budget)
-                if need <= self.block_pool.num_free - first_step_blocks:
-                    return None  # the first step admits it
-            if self.policy.preempts_for_priority:
-                challenger = head
+        if need is not None and need <= self.block_pool.num_free - rooms.count(0):
+            return None  # the first step admits it once its decodes took their blocks
+        challenger = head if head is not None and self.policy.preempts_for_priority else None
+        until_s = self.gate.backoff.until_s if held else math.inf
         max_steps = min(min(r.max_tokens, r.target_output_tokens) - len(r.output_token_ids) for r in running)
         max_steps = self._steps_the_pool_allows(rooms, max_steps)
         if max_steps == 0:
@@ -188,8 +188,9 @@ class DecodeRuns:
           says which), the steps up to it are applied (their `on_decode_run` re-keys
           those); the run ends there if the head of the queue changed;
         - the arrivals that landed in the step before join the queue (behind its head);
-          with an enqueue hook of the policy's, once the steps before are applied, so the
-          hook sees the state and clock it would;
+          with an enqueue hook of the policy's that reads its per-step state
+          (`enqueue_reads_steps`), once the steps before are applied, so the hook sees
+          the state and clock it would;
         - the priority check (`_priority_preemption`), dry: the head admissible
           (`_can_admit` at that step's free blocks), the gate not asking the policy
           (`asks_policy`, which counts a refusal of the rate cap as the step would), or the
@@ -206,7 +207,10 @@ class DecodeRuns:
         if quiet >= num_steps and challenger is None and not joins:
             return num_steps, 0, 0
         head = self.waiting.peek() if self.waiting else None
-        hooked = type(self.policy).on_enqueue is not SchedulingPolicy.on_enqueue
+        hooked = (
+            type(self.policy).on_enqueue is not SchedulingPolicy.on_enqueue
+            and self.policy.enqueue_reads_steps
+        )
         if challenger is not None:
             fresh = challenger.state is RequestState.WAITING
             num_missing = self._admission_missing_blocks(challenger)

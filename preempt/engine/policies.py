@@ -65,6 +65,10 @@ class SchedulingPolicy(ABC):
         where a request joins its queue records that here."""
         return None
 
+    # Whether `on_enqueue` reads state that `on_step` changes (SRPT's clock): an arrival
+    # inside a decode run then joins only once the steps before it are applied.
+    enqueue_reads_steps = True
+
     def arrival_key(self, request: Request) -> tuple:
         """A key that orders a new arrival against the queued requests as the key it gets
         on joining (`on_enqueue`, then `admission_key`) will, read before it joins (a
@@ -232,10 +236,14 @@ class FastServeMlfqPolicy(SchedulingPolicy):
         self._back = itertools.count(0)
         self._front = itertools.count(-1, -1)
         self._steps = 0
+        self._quanta: dict[int, float] = {}
 
     def quantum_s(self, level: int) -> float:
-        mlfq = self.config.mlfq
-        return mlfq.base_quantum_ms * mlfq.quantum_ratio**level / 1000.0
+        quantum_s = self._quanta.get(level)
+        if quantum_s is None:  # read for every running request after every step
+            mlfq = self.config.mlfq
+            quantum_s = self._quanta[level] = mlfq.base_quantum_ms * mlfq.quantum_ratio**level / 1000.0
+        return quantum_s
 
     def _bottom(self, level: int) -> int:
         num_levels = self.config.mlfq.num_levels
@@ -266,6 +274,8 @@ class FastServeMlfqPolicy(SchedulingPolicy):
             self._place[request] = next(self._front)
         self._waiting.add(request)
 
+    enqueue_reads_steps = False  # levels, places and counters of its own, never the clock
+
     def arrival_key(self, request: Request) -> tuple:
         # the back of its join queue: behind every queued request of that queue
         return (self.join_level(request), math.inf, request.request_id)
@@ -283,25 +293,28 @@ class FastServeMlfqPolicy(SchedulingPolicy):
     ) -> Collection[Request]:
         self._steps += len(step_s)
         now = ends_s[-1]
+        levels, level_times, last_step_s = self._level, self._level_s, self._last_step_s
+        self._waiting.difference_update(ran)
         for request in ran:
-            self._waiting.discard(request)
-            self._last_step_s[request] = now
+            last_step_s[request] = now
             if request.finish_s is not None:
-                for state in (self._level, self._level_s, self._place, self._last_step_s):
+                for state in (levels, level_times, self._place, last_step_s):
                     state.pop(request, None)
                 continue
             # time at its level, step by step (its sums in step order), demoted past a quantum
-            level = self.level(request)
+            level = levels.get(request)
+            if level is None:
+                level = self.join_level(request)
             quantum_s = self.quantum_s(level)
-            level_s = self._level_s.get(request, 0.0)
+            level_s = level_times.get(request, 0.0)
             for seconds in step_s:
                 level_s += seconds
                 if level_s > quantum_s:
                     level = self._bottom(level + 1)
-                    self._level[request] = level
+                    levels[request] = level
                     quantum_s = self.quantum_s(level)
                     level_s = 0.0
-            self._level_s[request] = level_s
+            level_times[request] = level_s
         if self._steps % self.config.mlfq.starvation_every_steps:
             return ()
         # FS:595-617: collected from the top queue down, each pushed to the front of the
