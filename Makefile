@@ -109,9 +109,14 @@ $(CHROMIUM):
 # The whole suite: the vLLM peer (for parity and the plugin's tests), Vidur (the peers
 # bench's test), guidellm (the `load` extra) and Chromium (the docs' browser check) are
 # installed first, so nothing skips but the GPU tests; REQUIRE turns a missing one into a
-# failure. The root conftest.py sets TRITON_INTERPRET=1 without CUDA.
+# failure. The root conftest.py sets TRITON_INTERPRET=1 without CUDA. The files run on
+# TEST_JOBS pytest-xdist workers (a file's tests stay on one worker, so a module's
+# fixtures are built once); much of the suite waits on servers it starts, so 2 workers
+# halve it even on 2 cores. TEST_JOBS=0 runs it in this process.
+TEST_JOBS ?= 2
 test: $(STAMP) $(PEER_PREEMPT) $(VIDUR_STAMP) $(CHROMIUM)
-	PREEMPT_REQUIRE_PEER=1 PREEMPT_REQUIRE_VIDUR=1 PREEMPT_REQUIRE_LOADGEN=1 PREEMPT_REQUIRE_BROWSER=1 $(BIN)/python -m pytest
+	PREEMPT_REQUIRE_PEER=1 PREEMPT_REQUIRE_VIDUR=1 PREEMPT_REQUIRE_LOADGEN=1 PREEMPT_REQUIRE_BROWSER=1 \
+	  $(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check preempt predictor experiments tests

@@ -4,8 +4,9 @@ Owns: `run_arm` (replay one run's config into its directory and return its metri
 `execute` (every non-skipped run of a plan, references before the runs that replay them,
 `--resume` reuse), and starting and stopping Ray. With `jobs > 1` or a `ray_address` each
 run is one Ray task (`num_cpus=1`, one torch thread); Ray schedules them on this machine
-(`ray.init(num_cpus=jobs)`, no dashboard) or on the cluster at `ray_address`. There is no
-process pool of ours.
+(`ray.init(address="local", num_cpus=jobs)`: a Ray instance of its own, never one that
+happens to run here, such as a user's sweep; no dashboard; stopped after) or on the
+cluster at `ray_address`. There is no process pool of ours.
 
 Must never: change a run's config, or let one failed run lose the others (errors come back
 as values). Results do not depend on where a run ran: same config + seed give the same
@@ -103,7 +104,10 @@ class RayRunner:
             if address:
                 kwargs["address"] = address
             else:
-                kwargs["num_cpus"] = jobs
+                # "local": start an instance of our own; without it ray.init attaches to the
+                # cluster last started on this machine, if any (and shutting down would
+                # then leave it to whoever started it, with our tasks on it)
+                kwargs.update(address="local", num_cpus=jobs)
             ray.init(**kwargs)
         self.task = ray.remote(num_cpus=1, max_retries=0)(_ray_task)
 

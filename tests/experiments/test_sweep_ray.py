@@ -74,7 +74,9 @@ def test_ray_gives_the_same_numbers_as_a_local_run(sweeps):
 
 def test_a_ray_cluster_at_an_address_gives_the_same_numbers(sweeps, tmp_path):
     """`--ray-address`: a real two-node cluster (Ray's own `cluster_utils`, separate
-    raylets and workers, as Ray's tests use), joined by address like a remote one."""
+    raylets and workers, as Ray's tests use), joined by address like a remote one. A sweep
+    given no address meanwhile starts a Ray of its own: it neither joins that cluster (a
+    user's, running here) nor stops it."""
     from ray.cluster_utils import Cluster
 
     tmp, local, _ = sweeps
@@ -89,12 +91,15 @@ def test_a_ray_cluster_at_an_address_gives_the_same_numbers(sweeps, tmp_path):
             ray_address=address,
             log=lambda _: None,
         )
+        alone = ablate(_sweep_config(tmp_path), tmp_path / "alone", wandb="disabled", jobs=2, log=lambda _: None)
+        assert cluster.remaining_processes_alive()  # its nodes still up
     finally:
         cluster.shutdown()
-    assert result.info["ray_address"] == address
-    for name in ("results.csv", "summary.csv"):
-        for a, b in zip(read_csv(tmp / "local" / name), read_csv(tmp_path / "cluster" / name), strict=True):
-            _same(a, b)
+    assert result.info["ray_address"] == address and alone.info["ray_address"] is None
+    for out in ("cluster", "alone"):
+        for name in ("results.csv", "summary.csv"):
+            for a, b in zip(read_csv(tmp / "local" / name), read_csv(tmp_path / out / name), strict=True):
+                _same(a, b)
 
 
 def test_summary_rows_hold_t_intervals_over_the_seeds(sweeps):
