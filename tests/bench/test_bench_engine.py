@@ -89,17 +89,19 @@ def test_every_standard_policy_replays_the_pressured_window():
 
 
 def test_the_readme_quotes_the_kept_pressured_bench():
-    """The README's replay speeds are benchmarks/engine_2026-12-07.json's."""
+    """The README's replay speeds are benchmarks/engine_2026-12-07b.json's."""
     import json
     from pathlib import Path
 
+    from preempt.bench.engine import STANDARD_POLICIES
+
     root = Path(__file__).resolve().parents[2]
-    kept = json.loads((root / "benchmarks/engine_2026-12-07.json").read_text())
+    kept = json.loads((root / "benchmarks/engine_2026-12-07b.json").read_text())
     row = next(line for line in (root / "README.md").read_text().splitlines() if "bench engine" in line)
     pressured = kept["pressured_azure_conv_10min_4x"]
-    for policy in ("vllm_fcfs", "vllm_priority"):
+    for policy in STANDARD_POLICIES:
+        assert f"`{policy}`" in row
         assert f"{pressured[policy]['real_time_factor']:.0f}x" in row
         assert f"{pressured[policy]['wall_s']:.2f}" in row
-    for policy in ("priority_score", "fastserve_mlfq", "srpt"):
-        assert f"{pressured[policy]['real_time_factor']:.0f}x" in row
-    assert f"{kept['replay_azure_conv_full_hour_null']['wall_s']:.1f} s" in row
+        assert pressured[policy]["real_time_factor"] >= 500  # the row says "held"
+    assert f"{kept['replay_azure_conv_full_hour_null']['wall_s']:.2f} s" in row
