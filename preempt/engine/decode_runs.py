@@ -70,6 +70,8 @@ class DecodeRuns:
         running = self.running
         if not running or self.restores or self.paused or len(running) > self.config.max_num_batched_tokens:
             return None
+        if not self.policy.takes_decode_runs:
+            return None
         head = self.waiting.peek() if self.waiting else None
         held = head is not None and self._held_by_backoff(head, now)
         need = None  # blocks the head needs, where a seat and token budget would admit it

@@ -89,12 +89,21 @@ class SchedulingPolicy(ABC):
     # Decode runs (preempt.engine.decode_runs): consecutive steps of one batch that only
     # decodes, applied at once. A policy with per-step state takes part by giving the
     # batch form of its `on_step`; the base one keeps none, so any run suits it.
+    @property
+    def takes_decode_runs(self) -> bool:
+        """Whether its steps may be applied many at a time: it keeps no per-step state, or
+        it gives the batch form of `on_step` (both `quiet_steps` and `on_decode_run`)."""
+        cls = type(self)
+        return cls.on_step is SchedulingPolicy.on_step or (
+            cls.quiet_steps is not SchedulingPolicy.quiet_steps
+            and cls.on_decode_run is not SchedulingPolicy.on_decode_run
+        )
+
     def quiet_steps(self, ran: Sequence[Request], ends_s: Sequence[float]) -> int:
         """How many of the next steps of the batch `ran` (ending at `ends_s`, nobody leaving
         it) pass before its state may move a waiting request: none of them but the last
-        does (one `on_decode_run` call may stand for any of them). 0: the policy takes no
-        part in decode runs."""
-        return len(ends_s) if type(self).on_step is SchedulingPolicy.on_step else 0
+        does (one `on_decode_run` call may stand for any of them). 0: none may be run."""
+        return len(ends_s)
 
     def on_decode_run(
         self, ran: Sequence[Request], step_s: Sequence[float], ends_s: Sequence[float]

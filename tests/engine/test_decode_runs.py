@@ -14,7 +14,7 @@ from preempt.core.block_pool import BlockPool
 from preempt.core.config import PreemptionConfig, SchedulerConfig, build_config
 from preempt.core.workload import build_workload
 from preempt.engine.engine import Engine
-from preempt.engine.policies import get_policy
+from preempt.engine.policies import FastServeMlfqPolicy, SchedulingPolicy, get_policy
 from preempt.engine.scheduler import Scheduler
 from tests.conftest import make_request, small_config
 
@@ -294,3 +294,27 @@ def test_runs_go_on_while_the_backoff_holds_a_new_head_out(monkeypatch):
     engine = Engine(config)
     engine.run(build_workload(config.workload, seed=config.seed))
     assert held and engine.scheduler.num_preemption_failed
+
+
+class StepwiseMlfq(FastServeMlfqPolicy):
+    """FastServe's policy with its per-step state but without the batch form."""
+
+    quiet_steps = SchedulingPolicy.quiet_steps
+    on_decode_run = SchedulingPolicy.on_decode_run
+
+    def on_step(self, ran, step_s, now):
+        return FastServeMlfqPolicy.on_decode_run(self, ran, (step_s,), (now,))
+
+
+def test_a_policy_with_per_step_state_and_no_batch_form_steps_every_step():
+    """A policy that overrides `on_step` alone is stepped (runs would skip its state):
+    the same outcome as FastServe's, and no runs; with the batch form it takes runs."""
+    config = _config("fastserve_mlfq")
+    assert get_policy("fastserve_mlfq", config.preemption).takes_decode_runs
+    assert not StepwiseMlfq(config.preemption).takes_decode_runs
+    stepwise = config.model_copy(
+        update={"scheduler": config.scheduler.model_copy(update={"policy": f"{__name__}:StepwiseMlfq"})}
+    )
+    outcome, in_runs = _outcome(stepwise, decode_runs=True)
+    assert in_runs == 0
+    assert outcome == _outcome(config, decode_runs=False)[0]
