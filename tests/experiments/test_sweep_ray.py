@@ -91,7 +91,8 @@ def test_a_ray_cluster_at_an_address_gives_the_same_numbers(sweeps, tmp_path):
             ray_address=address,
             log=lambda _: None,
         )
-        alone = ablate(_sweep_config(tmp_path), tmp_path / "alone", wandb="disabled", jobs=2, log=lambda _: None)
+        config = _sweep_config(tmp_path)
+        alone = ablate(config, tmp_path / "alone", wandb="disabled", jobs=2, log=lambda _: None)
         assert cluster.remaining_processes_alive()  # its nodes still up
     finally:
         cluster.shutdown()
