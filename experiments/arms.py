@@ -55,6 +55,13 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
         "vLLM V1 priority scheduling: victim = worst (priority, arrival), recompute",
     ),
     Arm(
+        "vllm_lcf",
+        "vllm_fcfs",
+        {"scheduler.policy": "vllm_lcf"},
+        "vLLM 0.32's FCFS with RFC #54644's victim: the running request with the least computed "
+        "tokens (least work thrown away), recompute; the RFC's rule, not in a vLLM release",
+    ),
+    Arm(
         "fcfs_swap",
         "vllm_fcfs",
         {"preemption.mode": "swap"},
@@ -74,6 +81,13 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
         "sglang_priority",
         {"scheduler.policy": "sglang_fcfs"},
         "SGLang 0.5.23's default fcfs: no priority scheduling, no priority preemption",
+    ),
+    Arm(
+        "uniboost",
+        "sglang_fcfs",
+        {"scheduler.policy": "uniboost"},
+        "UniBoost (ICML 2026, its public SGLang fork): SGLang's loop with the waiting queue by "
+        "entry time less a gamma-Boost of the uncached tokens (gamma 10/s, 64 µs a token)",
     ),
     # -- the design (docs/design.md), one piece at a time
     Arm(

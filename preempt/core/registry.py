@@ -94,8 +94,10 @@ SCHEDULING_POLICIES = Registry(
     {
         "vllm_fcfs": "preempt.engine.policies:VllmFcfsPolicy",
         "vllm_priority": "preempt.engine.policies:VllmPriorityPolicy",
+        "vllm_lcf": "preempt.engine.policies:VllmLcfPolicy",
         "sglang_fcfs": "preempt.engine.policies:SglangFcfsPolicy",
         "sglang_priority": "preempt.engine.policies:SglangPriorityPolicy",
+        "uniboost": "preempt.engine.policies:UniBoostPolicy",
         "priority_score": "preempt.engine.policies:PriorityScorePolicy",
         "fastserve_mlfq": "preempt.engine.policies:FastServeMlfqPolicy",
         "srpt": "preempt.engine.policies:SrptPolicy",

@@ -142,6 +142,22 @@ class VllmPriorityPolicy(SchedulingPolicy):
         return max(running, key=lambda r: (-r.sla_level, r.arrival_s))
 
 
+class VllmLcfPolicy(VllmFcfsPolicy):
+    """vLLM 0.32 V1 FCFS with the victim rule of RFC vllm-project/vllm#54644 ("least
+    computed first"; `--preemption-victim lcf` in the open PR #53723, not in any
+    release): when KV blocks run out, the victim is `min(running,
+    key=num_computed_tokens)`, the request whose KV cost least to compute, so the least
+    work is thrown away; ties go to the last admitted (the PR walks the running queue in
+    reverse). Admission stays vLLM's FCFS. The RFC measures recomputation at 10-23% of
+    token compute online, about half of it due to the victim choice. The PR's author also
+    describes leaving out the request being scheduled (falling back to FCFS's tail); the
+    PR's code is not public in a release, so this follows the rule as the RFC states it:
+    the requester is a candidate like any other, as in vLLM's FCFS."""
+
+    def select_victim(self, running: Sequence[Request], now: float) -> Request:
+        return min(reversed(running), key=lambda r: r.num_computed_tokens)
+
+
 class SglangFcfsPolicy(SchedulingPolicy):
     """SGLang 0.5.23, `--schedule-policy fcfs` without priority scheduling: its own loop
     (`preempt.engine.sglang_scheduler.SglangScheduler`: prefill batches first, decode otherwise,
@@ -169,6 +185,63 @@ class SglangPriorityPolicy(SglangFcfsPolicy):
     threshold `scheduler.sglang.priority_preemption_threshold`)."""
 
     priority_scheduling = True
+
+
+class UniBoostPolicy(SglangFcfsPolicy):
+    """UniBoost's waiting order (ICML 2026; its public code, the SGLang fork yl3469/sglang
+    at 9979a9a, `--schedule-policy uniboost`, UB: python/sglang/srt/managers/
+    schedule_policy.py) over SGLang 0.5.23's loop, which it otherwise leaves as is: the
+    waiting queue is sorted by Phi = entry time - boost(w), smaller first (UB:693-703),
+    where boost(w) = -ln(1 - e^(-gamma w)) / gamma (UB:660-680; `1e9` for w <= 0), w =
+    64 µs x the request's uncached tokens (UB:92-94, 398), gamma = 10/s (UB:91): gamma-Boost
+    (Yu & Scully, arXiv 2404.08826), so a short prompt jumps ahead by up to ~0.7 s and a
+    long one by almost nothing. Rule by rule (UB:682-691):
+
+    - the entry time is SGLang's `wait_queue_entry_time`, stamped whenever a request joins
+      the queue, a retracted one included (SCH:3480-3495): here the engine's clock then;
+    - the tokens are the prompt and the output so far (what a retracted request must
+      compute again), none cached: this engine has no prefix cache;
+    - ties keep queue order (Python's sort is stable: here the queue's first in, first
+      out); request priority is not read;
+    - admission, retraction (fewest outputs first) and the memory budget are SGLang's.
+
+    Not here: the adaptive gamma (`SGLANG_UNIBOOST_GAMMA_ADA`, off by default: a thread
+    refits gamma every 5 s from the p99/p95 of measured latencies, UB:116-306), and what
+    only the paper describes (priorities over running requests, its memory guard), which
+    the public code does not implement."""
+
+    GAMMA_PER_S = 10.0  # SGLANG_UNIBOOST_GAMMA
+    WORK_S_PER_TOKEN = 64e-6  # SGLANG_UNIBOOST_ALPHA_US_PER_TOKEN, in seconds
+
+    def __init__(self, config: PreemptionConfig) -> None:
+        super().__init__(config)
+        self._entry_s: dict[Request, float] = {}
+        self._now = 0.0  # the end of the last step: the clock when a request joins
+
+    @classmethod
+    def boost_s(cls, num_tokens: int) -> float:
+        """How far ahead of its entry time a request of `num_tokens` uncached tokens goes."""
+        work_s = cls.WORK_S_PER_TOKEN * max(num_tokens, 0)
+        if work_s <= 0:
+            return 1e9
+        gamma = cls.GAMMA_PER_S
+        return -math.log(-math.expm1(-gamma * work_s)) / gamma
+
+    def on_enqueue(self, request: Request) -> None:
+        # an arrival joins at the step boundary after it arrived; a retracted request at
+        # the step that retracted it (its schedule time, the last step's end)
+        self._entry_s[request] = max(request.arrival_s, self._now)
+
+    def on_step(self, ran: Sequence[Request], step_s: float, now: float) -> Collection[Request]:
+        self._now = now
+        for request in ran:
+            if request.finish_s is not None:
+                self._entry_s.pop(request, None)
+        return ()
+
+    def admission_key(self, request: Request) -> tuple:
+        entry_s = self._entry_s.get(request, request.arrival_s)
+        return (entry_s - self.boost_s(request.num_tokens),)
 
 
 class PriorityScorePolicy(SchedulingPolicy):
