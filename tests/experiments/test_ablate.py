@@ -241,6 +241,20 @@ def test_paper_grid_runs_every_arm_at_every_point_with_references_at_the_same_po
     assert plan.run("early_lstm@trace=azure-conv,rate_scale=1.0,seed=0").skip_reason  # no predictor given
 
 
+def test_the_headline_grid_runs_both_traces_in_ten_minute_windows_of_their_own(tmp_path):
+    plan = plan_ablation("preempt/configs/headline.yaml", tmp_path, predictor=None)
+    arms = {run.arm for run in plan.runs}
+    assert {"uniboost", "vllm_lcf", "vllm_priority", "score_learned"} <= arms
+    assert len(plan.runs) == 2 * 3 * 5 * len(arms)  # traces x loads x seeds
+    windows = {
+        (run.config.workload.trace, run.config.workload.start_s, run.config.workload.duration_s)
+        for run in plan.runs
+    }
+    assert windows == {(trace, 600.0 * seed, 600.0) for trace in ("azure-conv", "azure-code") for seed in range(5)}
+    run = plan.run("uniboost@trace=azure-code,rate_scale=4.0,seed=2")
+    assert (run.config.cache.num_blocks, run.config.scheduler.max_num_seqs) == (2000, 128)
+
+
 def test_base_config_file_is_read_relative_to_the_ablation(tmp_path):
     (tmp_path / "serve.json").write_text('{"preemption": {"threshold": 0.3}, "cache": {"num_blocks": 900}}')
     path = _write(tmp_path, base_config="serve.json", arms=["vllm_fcfs", "rate_limit"])
