@@ -250,7 +250,8 @@ def test_the_headline_grid_runs_both_traces_in_ten_minute_windows_of_their_own(t
         (run.config.workload.trace, run.config.workload.start_s, run.config.workload.duration_s)
         for run in plan.runs
     }
-    assert windows == {(trace, 600.0 * seed, 600.0) for trace in ("azure-conv", "azure-code") for seed in range(5)}
+    traces = ("azure-conv", "azure-code")
+    assert windows == {(trace, 600.0 * seed, 600.0) for trace in traces for seed in range(5)}
     run = plan.run("uniboost@trace=azure-code,rate_scale=4.0,seed=2")
     assert (run.config.cache.num_blocks, run.config.scheduler.max_num_seqs) == (2000, 128)
 
