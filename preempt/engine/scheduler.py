@@ -291,7 +291,8 @@ class Scheduler(DecodeRuns):
                 self.remaining.update(request)
         moved = self.policy.on_step([chunk.request for chunk in output.chunks], step_s, now)
         if moved:  # the policy moved waiting requests (starvation guards)
-            self.waiting.rekey(moved)
+            # True: "some", as policies written before it named them said (all re-keyed)
+            self.waiting.rekey(list(self.waiting.unordered()) if moved is True else moved)
         self._remove_finished(finished)
         return finished
 

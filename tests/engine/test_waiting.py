@@ -150,3 +150,31 @@ def test_a_fork_is_independent_and_keys_by_its_own_policy():
 
     queue.push(make_request(8, 4, 3))  # sequence numbers continue apart
     assert ids(queue)[-1] == 8 and 8 not in ids(fork)
+
+
+def test_a_policy_whose_on_step_returns_true_has_the_whole_queue_re_keyed():
+    """A policy written when `on_step` returned a bool still works: True re-keys all."""
+    from preempt.core.block_pool import BlockPool
+    from preempt.core.config import PreemptionConfig, SchedulerConfig
+    from preempt.engine.policies import SchedulingPolicy
+    from preempt.engine.scheduler import Scheduler, SchedulerOutput
+
+    class Flip(SchedulingPolicy):
+        flipped = False
+
+        def admission_key(self, request):
+            return (-request.request_id if self.flipped else request.request_id,)
+
+        def select_victim(self, running, now):
+            return running[-1]
+
+        def on_step(self, ran, step_s, now):
+            self.flipped = True
+            return True
+
+    scheduler = Scheduler(SchedulerConfig(), Flip(PreemptionConfig()), BlockPool(8), block_size=4)
+    for index in range(3):
+        scheduler.add_request(make_request(index, 4, 3))
+    assert ids(scheduler.waiting) == [0, 1, 2]
+    scheduler.update_from_output(SchedulerOutput([], [], [], 0, 0.0), 0.01, [], 0.01)
+    assert ids(scheduler.waiting) == [2, 1, 0]
