@@ -33,6 +33,7 @@ CASES = {
     "vllm_fcfs_light": {"cache": {"num_blocks": None}, "workload": {"rate_scale": 1.0, "duration_s": 120}},
     "vllm_fcfs_first_chunk": {"scheduler": {"policy": "vllm_fcfs", "reserve_full_sequence": False}},
     "vllm_priority": {"scheduler": {"policy": "vllm_priority"}},
+    "vllm_lcf": {"scheduler": {"policy": "vllm_lcf"}},
     "score_swap_zstd_learned": {
         "scheduler": {"policy": "priority_score"},
         "preemption": {"mode": "swap_zstd", "remaining": "learned"},
