@@ -119,6 +119,27 @@ def test_the_shipped_config_is_valid_and_its_windows_avoid_the_judge():
     assert held == {0, 600, 1200, 1800, 2400}
 
 
+def test_the_tuning_never_sees_azure_code_which_the_headline_judges_the_tuned_arms_on(tmp_path):
+    """headline.yaml replays both traces; the tuned arms were tuned on azure-conv minutes
+    (two of them inside its azure-conv windows), so azure-code is their held-out judge."""
+    from experiments.plan import plan_ablation
+
+    plan = plan_tune("preempt/configs/tune.yaml")
+    training = [w for w in plan.windows if w["config"] == "training"]
+    assert training and {w["trace"] for w in training} == {"azure-conv"}
+    headline = plan_ablation("preempt/configs/headline.yaml", tmp_path)
+    judged = {
+        (r.config.workload.trace, r.config.workload.start_s) for r in headline.runs if r.arm == "score_tuned"
+    }
+    inside = {
+        (trace, start)
+        for trace, start in judged
+        for w in training
+        if trace == w["trace"] and w["start_s"] < start + 600 and start < w["end_s"]
+    }
+    assert inside == {("azure-conv", 0.0), ("azure-conv", 600.0)}  # what headline.yaml says
+
+
 def test_a_pause_trial_restores_asynchronously_as_the_pause_arm(tmp_path):
     config = load_tune_config(write(tmp_path))
     assert trial_overrides(config, {"preemption.mode": "pause"})["preemption.async_restore"] is True
