@@ -367,11 +367,13 @@ class Engine:
 
     def _queues_behind(self, request: Request) -> bool:
         """`request` would join the waiting queue behind its head during a decode run
-        (`Scheduler.queues_behind_head`), not end ABORTED at once (`add_request`)."""
+        (`Scheduler.queues_behind_head`), not end ABORTED at once (`add_request`). The
+        abort checks come first: `queues_behind_head` sets the request's estimate, which
+        an aborted request never gets."""
         return (
-            self.scheduler.queues_behind_head(request)
-            and request.num_prompt_tokens + request.max_tokens <= self.config.model.max_model_len
+            request.num_prompt_tokens + request.max_tokens <= self.config.model.max_model_len
             and self.scheduler.never_fits(request) is None
+            and self.scheduler.queues_behind_head(request)
         )
 
     def generate(

@@ -45,6 +45,13 @@ CASES = {
         "workload": {"max_tokens_mode": "trace"},
     },
     "srpt": {"scheduler": {"policy": "srpt"}, "preemption": {"remaining": "learned"}},
+    # arrivals too long for the model end ABORTED at once, some of them inside runs
+    "score_learned_aborts": {
+        "model": {"max_model_len": 2048},
+        "scheduler": {"policy": "priority_score"},
+        "preemption": {"remaining": "learned"},
+        "workload": {"max_tokens_mode": "fixed", "max_tokens_fixed": 1024},
+    },
     # Policies that decide inside what would be runs: priority preemptions with no rate
     # cap, time sharing, MLFQ demotions and starvation checks, SRPT's starvation clock.
     "score_uncapped": {
