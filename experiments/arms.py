@@ -119,6 +119,20 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
         "oracle: the design told each request's true output length (an upper bound on what "
         "length knowledge is worth to it)",
     ),
+    # The design where it can win (docs/results.md): the score kept, the SLA level put first.
+    Arm(
+        "score_class",
+        "score",
+        {"scheduler.policy": "priority_score_class"},
+        "the design's score inside an SLA class, the class first: strict priority's order "
+        "between classes (admission, victim, displacement), the score and its margin within one",
+    ),
+    Arm(
+        "score_class_learned",
+        "score_class",
+        {"preemption.remaining": "learned"},
+        "score_class with the learned estimate of the remaining output",
+    ),
     Arm("threshold_0", "score", {"preemption.threshold": 0.0}, "score with no margin (sensitivity)"),
     Arm("threshold_50", "score", {"preemption.threshold": 0.5}, "score with a 50% margin (sensitivity)"),
     Arm(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from experiments import headline as headline_section
 from experiments.claims import (
     BENCH_CLAIMS,
     CLAIMS,
@@ -33,6 +34,7 @@ from experiments.claims import (
 )
 from experiments.dominance import DESIGN_ARMS, is_baseline
 from experiments.leaderboard import leaderboard_markdown, where_to_run
+from experiments.multiplicity import adjust
 from experiments.tables import (
     MD_COLUMNS,
     interval_table,
@@ -129,13 +131,18 @@ def render(
     claims: list[Claim] = CLAIMS,
     design_arms: tuple[str, ...] = DESIGN_ARMS,
     bench: Sequence[tuple[BenchClaim, Finding]] = (),
+    headline: Source | None = None,
+    multiplicity: str = "bh",
 ) -> str:
     """The report's text. `bench`: claims judged from benchmarks' JSON, with their findings
     (`judge_benchmarks`): one verdict each, beside the ablations' glance table and in a
-    section of their own."""
+    section of their own. `headline`: the headline ablation (preempt/configs/headline.yaml),
+    which opens the page (experiments.headline). `multiplicity`: the correction over the
+    family of the report's verdicts (experiments.multiplicity: "bh", "holm" or "none")."""
     verdicts: dict[str, dict[str, Finding]] = {}
     columns: list[str] = []
     regimes: list[tuple[str, Arms]] = []
+    family = {}
     for source in sources:
         for label, arms, _, _ in source.points():
             column = source.label + (f" ({label})" if label else "")
@@ -144,6 +151,17 @@ def render(
                 regimes.append((column, arms))
             for claim in claims:
                 verdicts.setdefault(claim.key, {})[column] = claim.evaluate(arms)
+                family[(claim.key, column)] = lambda c=claim, a=arms: c.evaluate(a).verdict
+    points = _headline_points(headline) if headline is not None else []
+    family.update(headline_section.judges(points))
+    adjusted = adjust(family, multiplicity)
+    changed = [key for key in adjusted.changed if key[0] in verdicts]
+    for key, column in changed:
+        finding = verdicts[key][column]
+        verdicts[key][column] = Finding(
+            f"{finding.measured} ({finding.verdict} at 95% alone, not after the correction)",
+            adjusted.verdicts[(key, column)],
+        )
     by_source = {
         s.label: [c for c in columns if c == s.label or c.startswith(s.label + " (")] for s in sources
     }
@@ -159,6 +177,17 @@ def render(
         "Every claim of the design and of the field against what was measured, with 95% "
         "intervals over seeds; the method and every number below.",
         "",
+    ]
+    if headline is not None:
+        where = (
+            f"`{headline.info['source']}`: {len(headline.rows)} runs (seeds {headline.info.get('seeds')}) in "
+            f"{headline.info.get('wall_s', 0):.0f} s wall with {headline.info.get('jobs')} jobs, "
+            f"`{headline.path}` (commit `{headline.info.get('git_rev', '?')}`). "
+            + headline.info.get("description", "").strip()
+            + f" Lengths: {length_regime(headline.rows)}."
+        )
+        lines += headline_section.section(points, adjusted.verdicts, adjusted.describe(), where)
+    lines += [
         *_main_figure(links),
         "What each policy was told of a request's length (`workload.max_tokens_mode`; arms "
         "named `*_oracle` are told the true output length, an upper bound): "
@@ -195,7 +224,13 @@ def render(
         "interval lies on one side of its bound, otherwise `inconclusive` with the interval; "
         "`idle` where the mechanism never acted at that point (no priority preemption, a cap never "
         "reached, a slice that never decided: no evidence either way). In the glance table `–` "
-        "marks a sweep without the arms a claim needs.",
+        "marks a sweep without the arms a claim needs. Multiplicity: "
+        + adjusted.describe()
+        + (
+            "; the claims' verdicts it changed are listed in [its own section](#multiplicity)."
+            if changed
+            else "; it changed no claim's verdict."
+        ),
         "",
     ]
     lines += [
@@ -281,8 +316,32 @@ def render(
                 f"Plots: `{source.path}/plots/` (not copied: one per combination of the grid's axes).",
                 "",
             ]
+    if changed:
+        lines += [
+            "## Multiplicity",
+            "",
+            adjusted.describe()[0].upper()
+            + adjusted.describe()[1:]
+            + ". The claims whose verdict it changed "
+            "(decisive at 95% alone, inconclusive in the family):",
+            "",
+        ]
+        lines += [f"- {column}: {_claim_text(claims, key)}" for key, column in changed]
+        lines.append("")
     lines += _main_job_times(sources)
     return "\n".join(lines)
+
+
+def _claim_text(claims: Sequence[Claim], key: str) -> str:
+    return next((claim.text for claim in claims if claim.key == key), key)
+
+
+def _headline_points(source: Source) -> list[headline_section.Point]:
+    docs = {run["arm"]: run.get("doc", "") for run in source.info["runs"]}
+    return [
+        headline_section.Point(label, arms, {row["arm"]: row for row in summary or []}, docs)
+        for label, arms, _, summary in source.points()
+    ]
 
 
 def _main_job_times(sources: list[Source]) -> list[str]:
@@ -390,6 +449,8 @@ def report(
     early: str | Path | None = None,
     compare: Sequence[str] = (),
     codec: str | Path | None = None,
+    headline: str | Path | None = None,
+    multiplicity: str = "bh",
 ) -> list[Path]:
     """Write the report to `out` (plots copied to `out`'s stem directory) and the
     leaderboard beside it (`leaderboard.md`, its Pareto plots under `leaderboard/`);
@@ -400,7 +461,9 @@ def report(
     `compare`: a user's own arms, judged against every named baseline by the design's two
     claims (experiments.claims.design_claims) and shown in "what to run where". `codec`: a
     `preempt bench codec --json` result, which the codec claim is judged from (without it,
-    `not measured by this run`)."""
+    `not measured by this run`). `headline`: the headline ablation's directory
+    (preempt/configs/headline.yaml), which opens the page and joins the leaderboard.
+    `multiplicity`: the correction over the report's verdicts ("bh", "holm", "none")."""
     out = Path(out)
     extra = [arm for arm in compare if arm not in DESIGN_ARMS]
     design_arms = (*DESIGN_ARMS, *extra)
@@ -408,11 +471,13 @@ def report(
     sources = [Source.load("quick", quick)]
     for flag, path in [("paper", paper)] * (paper is not None) + [("sweep", path) for path in sweeps]:
         sources.append(Source.load(flag, path, taken=[source.label for source in sources]))
+    top = Source.load("headline", headline) if headline is not None else None
     out.parent.mkdir(parents=True, exist_ok=True)
     command = command or f"preempt report --quick {quick} --out {out}"
-    text = render(sources, out, command, claims, design_arms, judge_benchmarks({"codec": codec}))
+    bench = judge_benchmarks({"codec": codec})
+    text = render(sources, out, command, claims, design_arms, bench, top, multiplicity)
     leaderboard = out.parent / "leaderboard.md"
-    _write_leaderboard(sources, leaderboard, command, design_arms, out)
+    _write_leaderboard([*([top] if top else []), *sources], leaderboard, command, design_arms, out)
     if paper is None:
         text += (
             "\n## Paper ablation\n\nNot run for this report: `preempt ablate --config "

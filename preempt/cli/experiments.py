@@ -89,11 +89,13 @@ def cmd_parity_vllm(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from experiments.report import report
 
-    paper = f" --paper {args.paper}" if args.paper else ""
+    paper = f" --headline {args.headline}" if args.headline else ""
+    paper += f" --paper {args.paper}" if args.paper else ""
     paper += "".join(f" --sweep {path}" for path in args.sweep)
     paper += f" --early {args.early}" if args.early else ""
     paper += f" --codec {args.codec}" if args.codec else ""
     paper += "".join(f" --compare {arm}" for arm in args.compare)
+    paper += f" --multiplicity {args.multiplicity}" if args.multiplicity != "bh" else ""
     command = f"preempt report --quick {args.quick}{paper} --out {args.out}"
     try:
         paths = report(
@@ -105,6 +107,8 @@ def cmd_report(args: argparse.Namespace) -> int:
             early=args.early,
             compare=args.compare,
             codec=args.codec,
+            headline=args.headline,
+            multiplicity=args.multiplicity,
         )
     except FileNotFoundError as err:
         print(f"preempt: error: {err}", file=sys.stderr)

@@ -434,6 +434,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("--paper", type=Path, help="output directory of the paper ablation")
     report.add_argument(
+        "--headline",
+        type=Path,
+        help="output directory of the headline ablation (preempt/configs/headline.yaml): it opens the "
+        "page (which policy per regime, every class, the design against every baseline)",
+    )
+    report.add_argument(
+        "--multiplicity",
+        choices=("bh", "holm", "none"),
+        default="bh",
+        help="the correction over the family of the report's verdicts: Benjamini-Hochberg (false "
+        "discovery rate 5%%, default), Holm (family-wise error 5%%) or none",
+    )
+    report.add_argument(
         "--sweep", type=Path, action="append", default=[], help="a regime sweep's output dir (repeatable)"
     )
     report.add_argument(

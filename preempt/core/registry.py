@@ -99,6 +99,7 @@ SCHEDULING_POLICIES = Registry(
         "sglang_priority": "preempt.engine.policies:SglangPriorityPolicy",
         "uniboost": "preempt.engine.policies:UniBoostPolicy",
         "priority_score": "preempt.engine.policies:PriorityScorePolicy",
+        "priority_score_class": "preempt.engine.policies:ClassStrictScorePolicy",
         "fastserve_mlfq": "preempt.engine.policies:FastServeMlfqPolicy",
         "srpt": "preempt.engine.policies:SrptPolicy",
     },

@@ -287,6 +287,35 @@ class PriorityScorePolicy(SchedulingPolicy):
         return None
 
 
+class ClassStrictScorePolicy(PriorityScorePolicy):
+    """The design's score inside a class, the SLA level first (docs/results.md, "the design
+    where it can win"): a waiting request of a higher level is admitted before any of a
+    lower one, the victim is the lowest-level running request (the lowest score among
+    them), and a challenger of a higher level displaces one of a lower level whose slice is
+    used. Within a level the score and its margin decide, as in `priority_score`. So
+    waiting and remaining work order requests within a class, never across one: strict
+    priority's order between classes, the score's within them."""
+
+    def admission_key(self, request: Request) -> tuple:
+        return (-request.sla_level, *super().admission_key(request))
+
+    def _rank(self, request: Request, now: float) -> tuple[int, float]:
+        return (request.sla_level, priority_score(request, now, self.config.priority_weights))
+
+    def select_victim(self, running: Sequence[Request], now: float) -> Request:
+        return min(reversed(running), key=lambda r: self._rank(r, now))
+
+    def priority_victim(
+        self, challenger: Request, candidates: Sequence[Request], now: float
+    ) -> Request | None:
+        if not candidates:
+            return None
+        victim = min(reversed(candidates), key=lambda r: self._rank(r, now))
+        if victim.sla_level != challenger.sla_level:
+            return victim if challenger.sla_level > victim.sla_level else None
+        return super().priority_victim(challenger, [victim], now)
+
+
 class FastServeMlfqPolicy(SchedulingPolicy):
     """FastServe's skip-join MLFQ (Wu et al., arXiv 2305.05920 §4.1), rule by rule as its
     public artifact schedules (LLMServe/FastServe@187a274, fastserve/scheduler.py `MLFQ`,

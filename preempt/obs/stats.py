@@ -42,9 +42,11 @@ Estimands:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -52,6 +54,26 @@ import scipy.stats
 
 LEVEL = 0.95
 NUM_RESAMPLES = 2000
+_LEVEL = contextvars.ContextVar("confidence_level", default=LEVEL)
+
+
+def confidence_level() -> float:
+    """The level an interval takes when none is passed: LEVEL, or `confidence`'s."""
+    return _LEVEL.get()
+
+
+@contextlib.contextmanager
+def confidence(level: float) -> Iterator[None]:
+    """Intervals computed inside take `level` by default: a verdict judged again at a
+    stricter level (experiments.multiplicity's corrections) without threading a level
+    through every judge."""
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"confidence level must be in (0, 1), got {level}")
+    token = _LEVEL.set(level)
+    try:
+        yield
+    finally:
+        _LEVEL.reset(token)
 
 Range = tuple[float, float]
 UNIT: Range = (0.0, 1.0)
@@ -157,9 +179,13 @@ def _finite(values: Sequence[float]) -> tuple[np.ndarray, int]:
     return arr[mask], int((~mask).sum())
 
 
-def t_interval(values: Sequence[float], level: float = LEVEL, *, bounds: Range = UNBOUNDED) -> Interval:
-    """Mean of `values` (one per seed) with its Student-t interval, intersected with
-    `bounds` (the metric's range, `metric_range(name)`; unbounded by default)."""
+def t_interval(
+    values: Sequence[float], level: float | None = None, *, bounds: Range = UNBOUNDED
+) -> Interval:
+    """Mean of `values` (one per seed) with its Student-t interval at `level` (default:
+    `confidence_level()`), intersected with `bounds` (the metric's range,
+    `metric_range(name)`; unbounded by default)."""
+    level = confidence_level() if level is None else level
     arr, num_nan = _finite(values)
     n = len(arr)
     if n == 0:
@@ -172,13 +198,15 @@ def t_interval(values: Sequence[float], level: float = LEVEL, *, bounds: Range =
 
 
 def ratio_interval(
-    numerator: Sequence[float], denominator: Sequence[float], level: float = LEVEL
+    numerator: Sequence[float], denominator: Sequence[float], level: float | None = None
 ) -> Interval:
     """The ratio of two paired means, mean(numerator) / mean(denominator), with Fieller's
     interval (Fieller 1954): the values of theta for which mean(x) - theta * mean(y) is
     within its own t-interval of 0, correlations between x and y included. Pairs with a
     NaN are left out. Bounded only when the denominator's mean is itself clear of 0 at
-    `level`; otherwise lo/hi are NaN (the ratio's interval would be the whole line)."""
+    `level`; otherwise lo/hi are NaN (the ratio's interval would be the whole line).
+    `level` defaults to `confidence_level()`."""
+    level = confidence_level() if level is None else level
     x = np.asarray([float(v) for v in numerator], dtype=np.float64)
     y = np.asarray([float(v) for v in denominator], dtype=np.float64)
     if x.shape != y.shape:
@@ -208,7 +236,7 @@ def bootstrap_interval(
     groups: Sequence[Sequence[float]],
     statistic: Callable[[np.ndarray], np.ndarray],
     *,
-    level: float = LEVEL,
+    level: float | None = None,
     num_resamples: int = NUM_RESAMPLES,
     seed: int = 0,
 ) -> Interval:
@@ -216,7 +244,9 @@ def bootstrap_interval(
     interval: each resample redraws every group's samples with replacement (groups kept).
     `statistic` maps (R, n) samples to (R,) values along the last axis
     (`percentile_statistic(99)`, `mean_statistic`). Groups with no finite sample count as
-    NaN and are left out. Deterministic for a given `seed`."""
+    NaN and are left out. Deterministic for a given `seed`. `level` defaults to
+    `confidence_level()`."""
+    level = confidence_level() if level is None else level
     arrays = []
     num_nan = 0
     for group in groups:

@@ -34,6 +34,10 @@ CASES = {
     "vllm_fcfs_first_chunk": {"scheduler": {"policy": "vllm_fcfs", "reserve_full_sequence": False}},
     "vllm_priority": {"scheduler": {"policy": "vllm_priority"}},
     "vllm_lcf": {"scheduler": {"policy": "vllm_lcf"}},
+    "score_class_uncapped": {
+        "scheduler": {"policy": "priority_score_class"},
+        "preemption": {"max_preemption_per_min": None},
+    },
     "score_swap_zstd_learned": {
         "scheduler": {"policy": "priority_score"},
         "preemption": {"mode": "swap_zstd", "remaining": "learned"},

@@ -1,6 +1,7 @@
 """The baselines added for the verdicts a reviewer asks for, on their own and in a replay:
 `vllm_lcf` (vLLM's FCFS with RFC #54644's least-computed-first victim) and `uniboost`
-(UniBoost's waiting order over SGLang's loop)."""
+(UniBoost's waiting order over SGLang's loop); and the design's class-strict variant
+(`priority_score_class`: the SLA level first, the score within a level)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from preempt.core.config import PreemptionConfig, build_config
 from preempt.core.workload import build_workload
 from preempt.engine.engine import Engine
-from preempt.engine.policies import UniBoostPolicy, get_policy
+from preempt.engine.policies import ClassStrictScorePolicy, PriorityScorePolicy, UniBoostPolicy, get_policy
 from tests.conftest import make_request
 
 
@@ -56,7 +57,37 @@ def test_uniboost_orders_by_entry_time_less_boost_and_a_requeued_request_enters_
     assert policy.admission_key(short_late) == (5.0 - UniBoostPolicy.boost_s(50),)
 
 
-@pytest.mark.parametrize("policy", ["vllm_lcf", "uniboost"])
+def test_class_strict_puts_the_level_first_and_the_score_within_it():
+    config = PreemptionConfig()
+    strict, score = ClassStrictScorePolicy(config), PriorityScorePolicy(config)
+    old_low = make_request(0, 64, 100, arrival_s=0.0, sla_level=0)  # waited 10 s
+    new_top = make_request(1, 64, 100, arrival_s=10.0, sla_level=2)
+    short_top = make_request(2, 64, 10, arrival_s=10.0, sla_level=2)
+    waiting = [old_low, new_top, short_top]
+    # the score lets 10 s of age outrank two levels; class-strict never does
+    assert sorted(waiting, key=score.admission_key)[0] is old_low
+    assert sorted(waiting, key=strict.admission_key) == [short_top, new_top, old_low]
+    # victim: the lowest level, then the lowest score (the longest remaining work) in it
+    long_low = make_request(3, 64, 900, arrival_s=10.0, sla_level=0)
+    running = [new_top, old_low, long_low]
+    assert strict.select_victim(running, 10.0) is long_low
+    assert strict.select_victim([new_top, short_top], 10.0) is new_top
+
+
+def test_class_strict_displaces_across_levels_only_upwards_and_by_the_margin_within():
+    strict = ClassStrictScorePolicy(PreemptionConfig())
+    top = make_request(0, 64, 100, arrival_s=0.0, sla_level=2)
+    low = make_request(1, 64, 100, arrival_s=0.0, sla_level=0)
+    assert strict.priority_victim(top, [low], 0.0) is low
+    assert strict.priority_victim(low, [top], 100.0) is None  # however long it waited
+    # within a level the score and its margin decide, as priority_score's
+    twin = make_request(2, 64, 100, arrival_s=0.0, sla_level=2)
+    assert strict.priority_victim(twin, [top], 0.0) is None  # equal scores: no margin
+    much_older = make_request(3, 64, 100, arrival_s=-60.0, sla_level=2)
+    assert strict.priority_victim(much_older, [top], 0.0) is top
+
+
+@pytest.mark.parametrize("policy", ["vllm_lcf", "uniboost", "priority_score_class"])
 def test_a_replay_under_pressure_finishes_every_request(policy):
     config = build_config(
         {

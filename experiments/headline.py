@@ -1,0 +1,330 @@
+"""The headline comparison that opens the results page: every deployable baseline and the
+design on the bundled Azure traces (preempt/configs/headline.yaml), per regime (trace x
+load).
+
+Owns, from the headline ablation's rows (results.csv, summary.csv, ablation.json):
+- "which policy should I use?": per regime one deployable arm by a stated rule
+  (`recommend`), with the sentence that says why;
+- the headline claim, judged directly per design arm and regime (`within_strict_priority`):
+  within 10% of strict priority's top-class TTFT p99 *and* higher goodput;
+- the design against every baseline on each objective (`comparison_judges`), the verdicts
+  a multiplicity correction adjusts (experiments.multiplicity), and what they add up to
+  (dominates, dominated, a trade, tied);
+- every class's SLO attainment and TTFT p99 per arm, with 95% intervals.
+
+Which arms are which: `*_oracle` arms know the future and are shown apart (never picked,
+never a verdict); a named baseline is `experiments.dominance.is_baseline`; every other arm
+is a variant of the design.
+
+Must never: pick an oracle arm, or call a regime's pick without the numbers it rests on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from experiments.dominance import (
+    BETTER,
+    OBJECTIVES,
+    WORSE,
+    Arms,
+    Objective,
+    compare_arms,
+    dominators,
+    is_baseline,
+    is_oracle,
+    paired,
+    top_level,
+)
+from experiments.tables import interval_cell, sla_levels
+from preempt.obs.stats import compare, ratio_interval, t_interval
+
+STRICT_PRIORITY = "vllm_priority"
+"""Strict priority, the reference of the headline claim: vLLM's own priority scheduling."""
+WITHIN = 0.10
+"""The headline claim's allowance on strict priority's top-class TTFT p99."""
+
+HELD, NOT_HELD, INCONCLUSIVE, NOT_MEASURED = "held", "did not hold", "inconclusive", "not measured"
+
+
+@dataclass(frozen=True)
+class Point:
+    """One regime of the headline: its label (`trace=azure-code, rate_scale=4.0`), every
+    arm's rows over seeds, the summary rows (means and intervals), and each arm's doc."""
+
+    label: str
+    arms: Arms
+    summary: Mapping[str, dict[str, Any]]
+    docs: Mapping[str, str]
+
+    @property
+    def deployable(self) -> list[str]:
+        return [a for a in self.arms if not is_oracle(a) and _ok(self.arms[a])]
+
+    @property
+    def baselines(self) -> list[str]:
+        return [a for a in self.deployable if is_baseline(a)]
+
+    @property
+    def design(self) -> list[str]:
+        return [a for a in self.deployable if not is_baseline(a)]
+
+    def mean(self, arm: str, metric: str) -> float:
+        row = self.summary.get(arm, {})
+        value = row.get(metric, math.nan)
+        return float(value) if isinstance(value, int | float) else math.nan
+
+    def top(self) -> str:
+        return top_level([r for rows in self.arms.values() for r in rows if r["status"] == "ok"])
+
+
+def _ok(rows: list[dict[str, Any]]) -> bool:
+    return any(r["status"] == "ok" for r in rows)
+
+
+# ---------------------------------------------------------------- the headline claim
+
+
+@dataclass(frozen=True)
+class Judged:
+    verdict: str
+    measured: str
+
+
+def within_strict_priority(arms: Arms, arm: str, reference: str = STRICT_PRIORITY) -> Judged:
+    """`arm`'s top-class TTFT p99 at most (1 + WITHIN) x the reference's (Fieller's
+    interval of the ratio of the paired means) and its goodput higher (paired interval
+    of the difference): held when both intervals say so, did not hold when either says
+    the opposite, else inconclusive."""
+    rows = paired(arms, arm, reference)
+    if rows is None:
+        return Judged(NOT_MEASURED, f"needs {arm} and {reference} on common seeds")
+    mine, ref = rows
+    ttft = f"sla{top_level(ref)}_ttft_p99_s"
+    ratio = ratio_interval([r[ttft] for r in mine], [r[ttft] for r in ref])
+    gain = t_interval([x["goodput_req_s"] - y["goodput_req_s"] for x, y in zip(mine, ref, strict=True)])
+    tail = compare(ratio, 1.0 + WITHIN, claimed="below")
+    more = compare(gain, 0.0, claimed="above")
+    if tail == HELD and more == HELD:
+        verdict = HELD
+    elif NOT_HELD in (tail, more):
+        verdict = NOT_HELD
+    else:
+        verdict = INCONCLUSIVE
+    measured = f"TTFT p99 ratio {ratio.format(3)}; goodput {gain.format(3)} req/s"
+    return Judged(verdict, measured)
+
+
+# ---------------------------------------------------------------- the design against baselines
+
+
+def comparison_judges(points: Sequence[Point], objectives: Sequence[Objective] = OBJECTIVES) -> dict:
+    """(point label, design arm, baseline, objective metric) -> a judge of that one side
+    (better / worse / tied at the current confidence level): the family the report's
+    multiplicity correction adjusts with the claims."""
+    judges: dict[Hashable, Callable[[], str]] = {}
+    for point in points:
+        for arm in point.design:
+            for baseline in point.baselines:
+                for objective in objectives:
+
+                    def judge(p=point, a=arm, b=baseline, o=objective) -> str:
+                        comparison = compare_arms(p.arms, a, b, (o,))
+                        return "tied" if comparison is None else comparison.sides[0]
+
+                    judges[(point.label, arm, baseline, objective.metric)] = judge
+    return judges
+
+
+def outcome(sides: Sequence[str]) -> str:
+    """What one arm's sides against another add up to."""
+    if BETTER in sides and WORSE not in sides:
+        return "dominates"
+    if WORSE in sides and BETTER not in sides:
+        return "dominated"
+    if BETTER in sides:
+        return "trade"
+    return "tied"
+
+
+# ---------------------------------------------------------------- which policy to use
+
+
+@dataclass(frozen=True)
+class Pick:
+    arm: str
+    why: str
+
+
+def recommend(point: Point) -> Pick:
+    """The regime's pick among deployable arms that no other deployable arm dominates
+    (paired 95% intervals, experiments.dominance.OBJECTIVES): the one with the highest
+    mean goodput whose top class's TTFT p99 is within 10% of strict priority's mean (or
+    below it); when none is, the one with the lowest top-class TTFT p99."""
+    names = point.deployable
+    beaten = dominators(point.arms, names)
+    front = [a for a in names if not beaten[a]]
+    ttft = f"sla{point.top()}_ttft_p99_s"
+    strict = point.mean(STRICT_PRIORITY, ttft)
+    keeps = [a for a in front if point.mean(a, ttft) <= (1.0 + WITHIN) * strict]
+    if keeps:
+        arm = max(keeps, key=lambda a: point.mean(a, "goodput_req_s"))
+    else:
+        arm = min(front, key=lambda a: point.mean(a, ttft))
+    most = max(front, key=lambda a: point.mean(a, "goodput_req_s"))
+
+    def numbers(a: str) -> str:
+        goodput, tail = point.mean(a, "goodput_req_s"), point.mean(a, ttft)
+        return f"goodput {goodput:.3g} req/s, top-class TTFT p99 {tail:.3g} s"
+
+    why = f"{numbers(arm)} (strict priority: {numbers(STRICT_PRIORITY)})"
+    if arm == STRICT_PRIORITY:
+        why = f"{numbers(arm)}; no arm keeps its top class within 10% with more goodput"
+    if most != arm:
+        why += f"; `{most}` has the most goodput ({numbers(most)})"
+    return Pick(arm, why)
+
+
+# ---------------------------------------------------------------- tables
+
+
+def class_table(point: Point) -> str:
+    """Every arm at the point, best goodput first: goodput, SLO attainment over all
+    classes, then each class's SLO attainment and TTFT p99, top class first (means over
+    seeds with 95% intervals)."""
+    rows = [point.summary[a] for a in point.arms if a in point.summary]
+    levels = sla_levels(rows)[::-1]
+    columns = [("goodput_req_s", "goodput req/s"), ("slo_attainment", "SLO att. (all)")]
+    for level in levels:
+        columns += [
+            (f"sla{level}_slo_attainment", f"L{level} att."),
+            (f"sla{level}_ttft_p99_s", f"L{level} TTFT p99 s"),
+        ]
+    order = sorted(point.summary, key=lambda a: -point.mean(a, "goodput_req_s"))
+    lines = [
+        "| arm | " + " | ".join(title for _, title in columns) + " |",
+        "| --- |" + " ---: |" * len(columns),
+    ]
+    for arm in order:
+        if arm not in point.arms:
+            continue
+        name = f"`{arm}`" + (" (oracle)" if is_oracle(arm) else "")
+        cells = [interval_cell(point.summary[arm], key) for key, _ in columns]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the section
+
+
+def judges(points: Sequence[Point]) -> dict[Hashable, Callable[[], str]]:
+    """Every verdict of the headline, as judges at the current confidence level: the
+    headline claim per design arm and point, and each side of the design against each
+    baseline (`comparison_judges`)."""
+    out: dict[Hashable, Callable[[], str]] = {}
+    for point in points:
+        for arm in point.design:
+            out[("claim", point.label, arm)] = lambda p=point, a=arm: (
+                within_strict_priority(p.arms, a).verdict
+            )
+    out.update(comparison_judges(points))
+    return out
+
+
+def section(points: Sequence[Point], verdicts: Mapping[Hashable, str], how: str, source: str) -> list[str]:
+    """The page's opening: which policy per regime, the arms, the headline claim, the
+    design against each baseline, every class per regime. `verdicts`: every judge of
+    `judges` after the report's multiplicity correction; `how`: that correction in words;
+    `source`: where the runs are and how they were made."""
+    design = [a for a in points[0].design] if points else []
+    lines = [
+        "## Which policy should I use?",
+        "",
+        "Per regime of the headline comparison (below), the deployable policy to run: among the arms "
+        "no other deployable arm dominates, the one with the most goodput whose top class's TTFT p99 "
+        "is within 10% of strict priority's (`vllm_priority`) or below it; where none is, the one "
+        "with the lowest top-class TTFT p99. Arms named `*_oracle` know each request's true length "
+        "and are never picked.",
+        "",
+        "| regime | use | why (means over seeds) |",
+        "| --- | --- | --- |",
+    ]
+    for point in points:
+        pick = recommend(point)
+        lines.append(f"| {point.label} | `{pick.arm}` | {pick.why} |")
+    docs = {arm: doc for point in points for arm, doc in point.docs.items()}
+    lines += ["", "The arms:", ""]
+    lines += [f"- `{arm}`: {docs[arm]}" for arm in docs]
+    lines += [
+        "",
+        "## The headline comparison",
+        "",
+        source,
+        "",
+        "How it is judged. Seeds of a point replay the same requests under every arm, so arms are "
+        "compared by paired differences over seeds. One arm *dominates* another when it is better on "
+        "at least one objective and worse on none, each side decided by the 95% interval of the "
+        "paired difference lying wholly on one side of 0; the objectives are goodput, the top "
+        "class's TTFT p99 and the top class's SLO attainment (experiments/dominance.py). A *trade* is "
+        "better on one objective and worse on another. Multiplicity: " + how + ".",
+        "",
+        "### The design within 10% of strict priority's top-class TTFT p99, with more goodput",
+        "",
+        "Held when Fieller's interval of the ratio of the top class's TTFT p99 (design / "
+        "`vllm_priority`, paired means) lies below 1.1 and the paired interval of the goodput "
+        "difference above 0; did not hold when either lies on the other side.",
+        "",
+        "| design arm | " + " | ".join(p.label for p in points) + " |",
+        "| --- |" + " --- |" * len(points),
+    ]
+    for arm in design:
+        cells = []
+        for point in points:
+            if arm not in point.design:
+                cells.append("–")
+                continue
+            judged = within_strict_priority(point.arms, arm)
+            cells.append(f"**{verdicts[('claim', point.label, arm)]}**: {judged.measured}")
+        lines.append(f"| `{arm}` | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "### The design against each baseline",
+        "",
+        "Per regime, what each design arm's sides against each baseline add up to (after the "
+        "multiplicity correction), as `dominates`, `dominated`, `trade` or `tied`; the count of "
+        "regimes where it dominates / is dominated:",
+        "",
+    ]
+    baselines = points[0].baselines if points else []
+    lines += [
+        "| design arm | " + " | ".join(f"`{b}`" for b in baselines) + " |",
+        "| --- |" + " --- |" * len(baselines),
+    ]
+    for arm in design:
+        cells = []
+        for baseline in baselines:
+            outcomes = [
+                outcome([verdicts[(p.label, arm, baseline, o.metric)] for o in OBJECTIVES])
+                for p in points
+                if arm in p.design and baseline in p.baselines
+            ]
+            cells.append(f"{outcomes.count('dominates')} / {outcomes.count('dominated')} of {len(outcomes)}")
+        lines.append(f"| `{arm}` | " + " | ".join(cells) + " |")
+    for point in points:
+        lines += [f"### {point.label}", "", class_table(point), ""]
+        lines += ["The design against each baseline here:", ""]
+        lines += [
+            "| design arm | " + " | ".join(f"`{b}`" for b in point.baselines) + " |",
+            "| --- |" + " --- |" * len(point.baselines),
+        ]
+        for arm in point.design:
+            cells = [
+                outcome([verdicts[(point.label, arm, b, o.metric)] for o in OBJECTIVES])
+                for b in point.baselines
+            ]
+            lines.append(f"| `{arm}` | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
