@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 WHEELS ?= /opt/wheels
 PIP_LOCAL := $(if $(wildcard $(WHEELS)/*.whl),--find-links $(WHEELS))
 
-.PHONY: setup run test lint bench clean peer vidur parity sweeps results gpu-wheels lock
+.PHONY: setup run test lint bench clean peer vidur parity sweeps headline results gpu-wheels lock
 
 # Installs the lock (locks/venv.txt: every package the suite passed with, resolved by uv
 # from pyproject.toml + constraints.txt), then preempt itself, editable, without touching
@@ -84,9 +84,15 @@ SWEEPS := load lengths slices sla margin pool regimes
 sweeps: $(STAMP)
 	for s in $(SWEEPS); do $(BIN)/preempt ablate --config preempt/configs/$$s.yaml --out runs/$$s || exit 1; done
 
-results: sweeps
-	$(BIN)/preempt report --quick runs/main/ablate $(foreach s,$(SWEEPS),--sweep runs/$(s)) --early runs/main/early.json \
-	  --codec runs/main/codec.json --out docs/results.md
+# The headline comparison that opens docs/results.md: every deployable baseline and the
+# design on both bundled Azure traces, 10-minute windows, three loads, five seeds (540
+# runs, ~10 min with Ray on 2 cores).
+headline: $(STAMP)
+	$(BIN)/preempt ablate --config preempt/configs/headline.yaml --out runs/headline --jobs 2
+
+results: headline sweeps
+	$(BIN)/preempt report --quick runs/main/ablate --headline runs/headline $(foreach s,$(SWEEPS),--sweep runs/$(s)) \
+	  --early runs/main/early.json --codec runs/main/codec.json --out docs/results.md
 
 # Wheels for the GPU machine, which reaches no registry and lacks these (its Python is
 # 3.12 on x86-64; it has torch, triton, numpy, pyyaml, pytest, hypothesis). The versions are

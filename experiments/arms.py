@@ -128,10 +128,12 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
         "between classes (admission, victim, displacement), the score and its margin within one",
     ),
     Arm(
-        "score_class_learned",
+        "score_class_nofallback",
         "score_class",
-        {"preemption.remaining": "learned"},
-        "score_class with the learned estimate of the remaining output",
+        {"preemption.failure_fallback": False},
+        "score_class without the design's failure fallback (docs/design.md §7: PREEMPTION_FAILED "
+        "after 3 preemptions in a row, protected victims, the admission backoff), which holds new "
+        "requests of every class, the top one first, while the pool churns",
     ),
     Arm("threshold_0", "score", {"preemption.threshold": 0.0}, "score with no margin (sensitivity)"),
     Arm("threshold_50", "score", {"preemption.threshold": 0.5}, "score with a 50% margin (sensitivity)"),
@@ -333,6 +335,20 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
         "score_tuned",
         {"preemption.remaining": "learned"},
         "the tuned design with the learned estimate of the remaining output",
+    ),
+    # The tuned weights where they keep the top class: class first, no failure fallback.
+    Arm(
+        "score_tuned_class",
+        "score_tuned",
+        {"scheduler.policy": "priority_score_class", "preemption.failure_fallback": False},
+        "the tuned weights inside an SLA class, the class first, without the failure fallback "
+        "(score_class_nofallback's two changes on score_tuned)",
+    ),
+    Arm(
+        "score_tuned_class_learned",
+        "score_tuned_class",
+        {"preemption.remaining": "learned"},
+        "score_tuned_class with the learned estimate of the remaining output",
     ),
     Arm(
         "score_tuned_oracle",

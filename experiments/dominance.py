@@ -35,9 +35,10 @@ Arms = dict[str, Rows]  # arm name -> its results rows, one per seed (+ "_config
 # docs/fastserve.md). The leaderboard's and the claims' "named baselines".
 BASELINE_PREFIXES = ("vllm_", "sglang_", "fastserve_")
 # The simplest policy that uses a length estimate: shortest predicted remaining work first
-# (docs/srpt.md). Not named after a system, but judged beside them: a design that reads an
-# estimate must beat the plainest use of the same estimate.
-LENGTH_AWARE_BASELINES = ("srpt",)
+# (docs/srpt.md), not named after a system but judged beside them (a design that reads an
+# estimate must beat the plainest use of the same estimate); and UniBoost, named after its
+# paper (docs/newer_baselines.md).
+LENGTH_AWARE_BASELINES = ("srpt", "uniboost")
 ORACLE_SUFFIX = "_oracle"
 """Arms told the truth about the future (true output lengths, arrivals): upper bounds,
 never baselines or design arms a verdict rests on."""
@@ -95,8 +96,8 @@ def is_oracle(arm: str) -> bool:
 
 
 def is_baseline(arm: str) -> bool:
-    """A named baseline (vllm_*, sglang_*, fastserve_*) or the length-aware one, never an
-    oracle arm."""
+    """A named baseline (vllm_*, sglang_*, fastserve_*, uniboost) or the length-aware one,
+    never an oracle arm."""
     return (arm.startswith(BASELINE_PREFIXES) or arm in LENGTH_AWARE_BASELINES) and not is_oracle(arm)
 
 

@@ -104,7 +104,8 @@ def within_strict_priority(arms: Arms, arm: str, reference: str = STRICT_PRIORIT
         return Judged(NOT_MEASURED, f"needs {arm} and {reference} on common seeds")
     mine, ref = rows
     ttft = f"sla{top_level(ref)}_ttft_p99_s"
-    ratio = ratio_interval([r[ttft] for r in mine], [r[ttft] for r in ref])
+    # a ratio of non-negative times is non-negative (Fieller's interval may reach below 0)
+    ratio = ratio_interval([r[ttft] for r in mine], [r[ttft] for r in ref]).clip(0.0)
     gain = t_interval([x["goodput_req_s"] - y["goodput_req_s"] for x, y in zip(mine, ref, strict=True)])
     tail = compare(ratio, 1.0 + WITHIN, claimed="below")
     more = compare(gain, 0.0, claimed="above")

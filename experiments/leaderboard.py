@@ -31,16 +31,14 @@ from experiments.dominance import (
     comparable,
     compare_arms,
     dominators,
+    is_oracle,
     top_level,
 )
 from experiments.tables import interval_cell, length_regime, sla_levels
 
-MAX_NAMES = 3
-
 
 def _names(names: Sequence[str]) -> str:
-    shown = ", ".join(f"`{n}`" for n in names[:MAX_NAMES])
-    return shown + (f" +{len(names) - MAX_NAMES}" if len(names) > MAX_NAMES else "")
+    return ", ".join(f"`{n}`" for n in names)
 
 
 def _ok_arms(arms: Arms) -> list[str]:
@@ -209,13 +207,15 @@ def _half_widths(row: dict[str, Any], key: str) -> list[list[float]]:
 def where_to_run(
     regimes: list[tuple[str, Arms]], design_arms: Sequence[str] = DESIGN_ARMS, objectives=OBJECTIVES
 ) -> str:
-    """One row per regime: the front, the best arm per objective (with the arms the paired
-    intervals cannot tell from it), and each design arm's distance to that best."""
+    """One row per regime, among its deployable arms (no oracle): the front, the best arm per
+    objective (with the arms the paired intervals cannot tell from it), and each design
+    arm's distance to that best."""
     present = [d for d in design_arms if any(d in arms for _, arms in regimes)]
-    head = ["regime", "front (not dominated)"] + [f"best {o.label}" for o in objectives]
+    head = ["regime", "front (not dominated; no oracle)"] + [f"best {o.label}" for o in objectives]
     head += [f"`{d}` - best, per objective" for d in present]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for label, arms in regimes:
+    for label, every_arm in regimes:
+        arms = {name: rows for name, rows in every_arm.items() if not is_oracle(name)}
         names = _ok_arms(arms)
         if not names:
             continue

@@ -5,13 +5,16 @@ A tutorial's fenced blocks run in order in a fresh directory: a block with a
 `title="FILE"` is written to FILE; a `python` block is executed (the directory on
 sys.path, as a user's own files are); a `bash` block's lines are run as commands, with
 `preempt` the installed CLI, from a scratch directory that sees the repository's
-`experiments/`. The README's quick start runs too. The generated reference pages
-(docs/reference/: every config key, every CLI flag) are what `python
-scripts/gen_reference.py` writes from the code today."""
+`experiments/`; an `output` block is what the block before it printed, every line of it
+(so a tutorial's numbers are what its commands print today). The README's quick start
+runs too. The generated reference pages (docs/reference/: every config key, every CLI
+flag) are what `python scripts/gen_reference.py` writes from the code today."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
 import re
 import shutil
@@ -49,12 +52,23 @@ def run_blocks(path: Path, workdir: Path, monkeypatch) -> None:
     monkeypatch.chdir(workdir)
     monkeypatch.syspath_prepend(str(workdir))
     env = {**os.environ, "PYTHONPATH": f"{workdir}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    printed = ""  # what the last python or bash block printed
     for lang, title, code in blocks(path.read_text()):
         if title is not None:
             (workdir / title).write_text(code)
+        elif lang == "output":
+            lines = {line.rstrip() for line in printed.splitlines()}
+            shown = [line.rstrip() for line in code.splitlines() if line.strip()]
+            missing = [line for line in shown if line not in lines]
+            report = [f"{path.name}: shown but not printed:", *missing, "printed:", printed]
+            assert not missing, "\n".join(report)
         elif lang == "python":
-            exec(compile(code, f"{path.name}:python", "exec"), {"__name__": "__tutorial__"})
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                exec(compile(code, f"{path.name}:python", "exec"), {"__name__": "__tutorial__"})
+            printed = out.getvalue()
         elif lang == "bash":
+            printed = ""
             for line in code.strip().splitlines():
                 argv = line.split()
                 assignments = [a for a in argv if re.fullmatch(r"[A-Z_]+=\S*", a)]
@@ -66,6 +80,7 @@ def run_blocks(path: Path, workdir: Path, monkeypatch) -> None:
                     line_env[name] = env["PYTHONPATH"] if name == "PYTHONPATH" else value
                 result = subprocess.run(command, env=line_env, capture_output=True, text=True, timeout=600)
                 assert result.returncode == 0, f"{path.name}: {line}\n{result.stderr[-2000:]}"
+                printed += result.stdout
 
 
 def build_site(site: Path) -> None:
@@ -119,6 +134,17 @@ def test_a_tutorial_runs_as_written(tutorial, tmp_path, monkeypatch):
     if ".peer/bin/python" in text and not (ROOT / ".peer" / "bin" / "python").is_file():
         pytest.skip("needs the vLLM peer environment: make peer")
     run_blocks(tutorial, tmp_path, monkeypatch)
+
+
+def test_an_output_block_is_what_the_block_before_printed(tmp_path, monkeypatch):
+    page = tmp_path / "page.md"
+    page.write_text('```python\nprint("| lstm | 0.422 |")\n```\n\n```output\n| lstm | 0.428 |\n```\n')
+    (tmp_path / "a").mkdir()
+    with pytest.raises(AssertionError, match=r"shown but not printed:\n\s*\| lstm \| 0\.428 \|"):
+        run_blocks(page, tmp_path / "a", monkeypatch)
+    page.write_text(page.read_text().replace("0.428", "0.422"))
+    (tmp_path / "b").mkdir()
+    run_blocks(page, tmp_path / "b", monkeypatch)
 
 
 def test_the_readme_quick_start_runs(tmp_path, monkeypatch):

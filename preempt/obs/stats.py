@@ -75,6 +75,7 @@ def confidence(level: float) -> Iterator[None]:
     finally:
         _LEVEL.reset(token)
 
+
 Range = tuple[float, float]
 UNIT: Range = (0.0, 1.0)
 NONNEGATIVE: Range = (0.0, math.inf)
@@ -179,9 +180,7 @@ def _finite(values: Sequence[float]) -> tuple[np.ndarray, int]:
     return arr[mask], int((~mask).sum())
 
 
-def t_interval(
-    values: Sequence[float], level: float | None = None, *, bounds: Range = UNBOUNDED
-) -> Interval:
+def t_interval(values: Sequence[float], level: float | None = None, *, bounds: Range = UNBOUNDED) -> Interval:
     """Mean of `values` (one per seed) with its Student-t interval at `level` (default:
     `confidence_level()`), intersected with `bounds` (the metric's range,
     `metric_range(name)`; unbounded by default)."""
