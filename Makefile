@@ -65,10 +65,11 @@ $(VIDUR_STAMP): locks/vidur.txt
 
 vidur: $(VIDUR_STAMP)
 
-# Every bundled parity workload under both of vLLM's policies; exits 1 on any difference.
+# Every bundled parity workload under vLLM's two policies and FCFS with RFC #54644's
+# victim patched into vLLM's own scheduler; exits 1 on any difference.
 parity: $(STAMP) $(PEER_PREEMPT)
 	mkdir -p runs
-	$(BIN)/preempt parity vllm --bundled --policy both --summary > runs/parity.json
+	$(BIN)/preempt parity vllm --bundled --policy all --summary > runs/parity.json
 
 # Main job on embedded defaults (experiments/main.py): train the reference LM (cached in
 # runs/lm), head importance -> plan, collect features (three windows), train the

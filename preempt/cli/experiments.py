@@ -75,7 +75,9 @@ def cmd_parity_vllm(args: argparse.Namespace) -> int:
         return 2
     try:
         workloads = [load_workload(name) for name in names]
-        policies = {None: None, "both": ["fcfs", "priority"]}.get(args.policy, [args.policy])
+        policies = {None: None, "both": ["fcfs", "priority"], "all": ["fcfs", "priority", "lcf"]}.get(
+            args.policy, [args.policy]
+        )
         report = run_parity(workloads, policies, args.set, python=args.peer_python, trace_dir=args.traces)
     except (WorkloadError, PeerError) as err:
         print(f"preempt parity vllm: error: {err}", file=sys.stderr)

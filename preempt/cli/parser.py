@@ -407,8 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
     parity_vllm.add_argument("--list", action="store_true", help="list the bundled workloads and exit")
     parity_vllm.add_argument(
         "--policy",
-        choices=("fcfs", "priority", "both"),
-        help="vLLM's scheduling policy (ours: vllm_fcfs / vllm_priority); default: each workload's own",
+        choices=("fcfs", "priority", "lcf", "both", "all"),
+        help="vLLM's scheduling policy (ours: vllm_fcfs / vllm_priority); lcf: its FCFS with RFC #54644's "
+        "victim patched into its own scheduler source (ours: vllm_lcf); both: fcfs and priority; all: the "
+        "three; default: each workload's own",
     )
     parity_vllm.add_argument(
         "--set",

@@ -19,7 +19,7 @@ from collections.abc import Collection, Sequence
 
 from preempt.core.config import PreemptionConfig
 from preempt.core.registry import SCHEDULING_POLICIES
-from preempt.core.request import Request
+from preempt.core.request import Request, RequestState
 from preempt.engine.priority import beats, output_left, priority_score, remaining_ktokens
 
 
@@ -148,11 +148,31 @@ class VllmLcfPolicy(VllmFcfsPolicy):
     release): when KV blocks run out, the victim is `min(running,
     key=num_computed_tokens)`, the request whose KV cost least to compute, so the least
     work is thrown away; ties go to the last admitted (the PR walks the running queue in
-    reverse). Admission stays vLLM's FCFS. The RFC measures recomputation at 10-23% of
-    token compute online, about half of it due to the victim choice. The PR's author also
-    describes leaving out the request being scheduled (falling back to FCFS's tail); the
-    PR's code is not public in a release, so this follows the rule as the RFC states it:
-    the requester is a candidate like any other, as in vLLM's FCFS."""
+    reverse). Admission stays vLLM's FCFS: its waiting deque, where an arrival is appended
+    and a victim put back at the head (`prepend_request`). Under FCFS's own victim (the
+    last admitted) sorting by arrival is that order; an LCF victim may have arrived after
+    requests still waiting and goes ahead of them all the same, hence the places kept here.
+    The RFC measures recomputation at 10-23% of token compute online, about half of it due
+    to the victim choice. Step-identical to vLLM's own scheduler with the rule patched into
+    its source (`preempt parity vllm --policy lcf`, docs/parity.md)."""
+
+    def __init__(self, config: PreemptionConfig) -> None:
+        super().__init__(config)
+        self._place: dict[Request, int] = {}
+        self._back = itertools.count(0)
+        self._front = itertools.count(-1, -1)
+
+    def on_enqueue(self, request: Request) -> None:
+        counter = self._front if request.state is RequestState.PREEMPTED else self._back
+        self._place[request] = next(counter)
+
+    enqueue_reads_steps = False  # places of its own, never the clock
+
+    def arrival_key(self, request: Request) -> tuple:
+        return (math.inf,)  # appended: behind every queued request
+
+    def admission_key(self, request: Request) -> tuple:
+        return (self._place[request],)
 
     def select_victim(self, running: Sequence[Request], now: float) -> Request:
         return min(reversed(running), key=lambda r: r.num_computed_tokens)

@@ -16,7 +16,7 @@ from preempt.parity.workload import ParityRequest, ParityWorkload
 if TYPE_CHECKING:
     from preempt.engine.step import StepOutput
 
-POLICIES = {"fcfs": "vllm_fcfs", "priority": "vllm_priority"}
+POLICIES = {"fcfs": "vllm_fcfs", "priority": "vllm_priority", "lcf": "vllm_lcf"}
 
 
 def engine_config(workload: ParityWorkload, policy: str, overrides: Sequence[str] = ()) -> EngineConfig:

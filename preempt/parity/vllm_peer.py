@@ -12,6 +12,14 @@ each step `schedule()` then `update_from_output()` with a fake model's output (o
 token for each request whose computed tokens reach its length, nothing for a partial
 prefill chunk). The only instrumentation is a wrapper around `_preempt_request` that notes
 the order of victims; the scheduler's decisions are its own.
+
+Policy `lcf` is vLLM's FCFS with the victim rule of RFC #54644 (PR #53723,
+`--preemption-victim lcf`, not in a release): vLLM 0.32's own `scheduler.py`, its source
+changed at the one preemption site as the PR describes (the victim is `min(running,
+key=num_computed_tokens)`, the last admitted on ties, and it is taken out of the running
+list by the path vLLM's PRIORITY victim takes, which returns an already scheduled
+victim's budget), compiled as a module of its own (`_lcf_scheduler_cls`). Every other
+line is vLLM's.
 """
 
 from __future__ import annotations
@@ -41,6 +49,47 @@ _MODEL_CONFIG = {
 }
 
 
+# RFC #54644's victim at vLLM 0.32's preemption site (Scheduler.schedule, the running loop):
+# (vLLM's lines, the PR's). Each must occur exactly once, or the patch is refused.
+_LCF_PATCH = (
+    (
+        """                    else:
+                        preempted_req = self.running[-1]
+""",
+        """                    else:
+                        # RFC #54644: the least computed tokens, the last admitted on ties
+                        preempted_req = min(reversed(self.running), key=lambda r: r.num_computed_tokens)
+""",
+    ),
+    (
+        """                    if self.policy == SchedulingPolicy.PRIORITY:
+                        victim_index = self.running.index(preempted_req)""",
+        """                    if True:  # RFC #54644: the victim may stand anywhere in running
+                        victim_index = self.running.index(preempted_req)""",
+    ),
+)
+
+
+def _lcf_scheduler_cls():
+    """vLLM's `Scheduler` with `_LCF_PATCH` applied to its module's source."""
+    import inspect
+    import types
+
+    import vllm.v1.core.sched.scheduler as original
+
+    source = inspect.getsource(original)
+    for old, new in _LCF_PATCH:
+        if source.count(old) != 1:
+            raise RuntimeError(
+                f"vLLM's preemption site is not as in 0.32.0 ({source.count(old)} matches of {old.strip()!r})"
+            )
+        source = source.replace(old, new)
+    module = types.ModuleType(original.__name__ + "_lcf")
+    module.__file__ = original.__file__
+    exec(compile(source, f"{original.__file__} (RFC #54644 victim)", "exec"), module.__dict__)
+    return module.Scheduler
+
+
 def _build_scheduler(workload: dict, policy: str, model_dir: str, scheduler_cls=None, additional_config=None):
     import torch
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -57,6 +106,9 @@ def _build_scheduler(workload: dict, policy: str, model_dir: str, scheduler_cls=
         dtype="bfloat16",
         seed=0,
     )
+    victim = "fcfs"
+    if policy == "lcf":  # vLLM's FCFS admission, RFC #54644's victim
+        policy, victim, scheduler_cls = "fcfs", "lcf", scheduler_cls or _lcf_scheduler_cls()
     scheduler_config = SchedulerConfig(
         max_num_seqs=workload["max_num_seqs"],
         max_num_batched_tokens=workload["max_num_batched_tokens"],
@@ -99,7 +151,7 @@ def _build_scheduler(workload: dict, policy: str, model_dir: str, scheduler_cls=
     # What vLLM actually runs with, after its own config post-processing: the comparison is
     # void if vLLM quietly changed a setting.
     effective = {
-        "policy": str(scheduler.policy.name).lower(),
+        "policy": str(scheduler.policy.name).lower() if victim == "fcfs" else victim,
         "max_num_seqs": sc.max_num_seqs,
         "max_num_batched_tokens": sc.max_num_batched_tokens,
         "max_num_scheduled_tokens": scheduler.max_num_scheduled_tokens,

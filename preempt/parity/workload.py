@@ -10,7 +10,7 @@ A workload file (JSON or YAML) holds:
     max_num_seqs: 16
     max_num_batched_tokens: 256       # the step's token budget (chunked prefill is on)
     max_model_len: 8192               # optional (default 8192)
-    policy: fcfs                      # optional: fcfs | priority (the CLI may override it)
+    policy: fcfs                      # optional: fcfs | priority | lcf (the CLI may override it)
     requests:
       - {id: 0, prompt_tokens: 100, output_tokens: 50, arrival_step: 0, priority: 0}
 
@@ -61,7 +61,7 @@ class ParityWorkload(BaseModel):
     max_num_seqs: int = Field(gt=0)
     max_num_batched_tokens: int = Field(gt=0)
     max_model_len: int = Field(8192, gt=0)
-    policy: Literal["fcfs", "priority"] = "fcfs"
+    policy: Literal["fcfs", "priority", "lcf"] = "fcfs"
     requests: list[ParityRequest] = Field(min_length=1)
 
     @model_validator(mode="after")

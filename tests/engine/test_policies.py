@@ -10,6 +10,7 @@ import math
 import pytest
 
 from preempt.core.config import PreemptionConfig, build_config
+from preempt.core.request import RequestState
 from preempt.core.workload import build_workload
 from preempt.engine.engine import Engine
 from preempt.engine.policies import ClassStrictScorePolicy, PriorityScorePolicy, UniBoostPolicy, get_policy
@@ -27,8 +28,23 @@ def test_lcf_takes_the_request_with_the_least_computed_last_admitted_on_ties():
     running = [_with_computed(0, 300), _with_computed(1, 40), _with_computed(2, 90), _with_computed(3, 40)]
     assert policy.select_victim(running, 0.0) is running[3]  # 40 computed, admitted after request 1
     assert policy.select_victim(running[:3], 0.0) is running[1]
-    # admission is vLLM's FCFS
-    assert policy.admission_key(running[2]) == get_policy("vllm_fcfs").admission_key(running[2])
+
+
+def test_lcf_admits_as_vllms_waiting_deque_a_victim_at_the_head():
+    # vLLM appends an arrival and prepends a victim (`prepend_request`); an LCF victim may
+    # have arrived after requests still waiting, and goes ahead of them all the same
+    policy = get_policy("vllm_lcf", PreemptionConfig())
+    first, second, late_victim, later_victim = (
+        make_request(i, 64, 100, arrival_s=float(i)) for i in range(4)
+    )
+    for request in (first, second):
+        policy.on_enqueue(request)
+    for victim in (late_victim, later_victim):  # preempted in this order, each prepended
+        victim.state = RequestState.PREEMPTED
+        policy.on_enqueue(victim)
+    order = sorted([first, second, late_victim, later_victim], key=policy.admission_key)
+    assert order == [later_victim, late_victim, first, second]
+    assert policy.arrival_key(make_request(9, 64, 100, arrival_s=0.0)) > policy.admission_key(second)
 
 
 def test_the_uniboost_boost_is_gamma_boost_of_64_us_a_token():
