@@ -272,6 +272,11 @@ def section(points: Sequence[Point], verdicts: Mapping[Hashable, str], how: str,
         "class's TTFT p99 and the top class's SLO attainment (experiments/dominance.py). A *trade* is "
         "better on one objective and worse on another. Multiplicity: " + how + ".",
         "",
+        "Held out: the tuned arms (`score_tuned*`) were tuned on minutes of azure-conv "
+        "(preempt/configs/tune.yaml), two of which fall in its first two windows here; azure-code "
+        "never took part in the tuning, so judge them there (tests/experiments/test_tune.py checks "
+        "both).",
+        "",
         "### The design within 10% of strict priority's top-class TTFT p99, with more goodput",
         "",
         "Held when Fieller's interval of the ratio of the top class's TTFT p99 (design / "

@@ -59,6 +59,7 @@ def run_blocks(path: Path, workdir: Path, monkeypatch) -> None:
         elif lang == "output":
             lines = {line.rstrip() for line in printed.splitlines()}
             shown = [line.rstrip() for line in code.splitlines() if line.strip()]
+            assert shown, f"{path.name}: an empty output block"
             missing = [line for line in shown if line not in lines]
             report = [f"{path.name}: shown but not printed:", *missing, "printed:", printed]
             assert not missing, "\n".join(report)

@@ -1,6 +1,8 @@
 """Step-identical agreement with vLLM 0.32's own V1 scheduler, driven in the peer
 virtualenv (`make peer`), on the bundled workloads and on random ones generated here,
-under both of vLLM's policies; and a known difference reported at the step it happens.
+under both of vLLM's policies and under FCFS with RFC #54644's least-computed-first victim
+patched into vLLM's own scheduler source (`vllm_lcf`); and a known difference reported at
+the step it happens.
 
 Skipped when no peer is installed, except where PREEMPT_REQUIRE_PEER=1 (CI) turns that
 into a failure: parity must never pass by not running.
@@ -67,28 +69,39 @@ def random_workload(seed: int):
     )
 
 
+POLICIES = ["fcfs", "priority", "lcf"]
+
+
 @pytest.fixture(scope="module")
 def agreement(peer):
     workloads = [load_workload(name) for name in bundled_names()]
     workloads += [random_workload(seed) for seed in range(8)]
-    return run_parity(workloads, ["fcfs", "priority"], python=peer)
+    return run_parity(workloads, POLICIES, python=peer)
 
 
-def test_every_bundled_workload_is_step_identical_under_both_policies(agreement):
+def test_every_bundled_workload_is_step_identical_under_every_policy(agreement):
     assert agreement["vllm_version"] == "0.32.0"
     bundled = [run for run in agreement["runs"] if not run["workload"].startswith("random-")]
-    assert len(bundled) == 2 * len(bundled_names()) >= 12
+    assert len(bundled) == len(POLICIES) * len(bundled_names()) >= 18
+    assert {run["vllm_config"]["policy"] for run in bundled} == set(POLICIES)
     for run in bundled:
         assert run["vllm_config_problems"] == [], run["workload"]
         assert run["identical"], (run["workload"], run["policy"], run["first_divergence"])
         assert run["totals"]["vllm"] == run["totals"]["preempt"]
     # The mechanism is exercised, not only the easy path.
-    assert sum(run["totals"]["vllm"]["preemptions"] > 0 for run in bundled) >= 12
+    assert sum(run["totals"]["vllm"]["preemptions"] > 0 for run in bundled) >= 18
+
+
+def test_the_patched_victim_rule_changes_what_vllm_does(agreement):
+    # the LCF runs are vLLM deciding otherwise than its FCFS, not FCFS again
+    totals = {(run["workload"], run["policy"]): run["totals"]["vllm"] for run in agreement["runs"]}
+    differ = [name for name in bundled_names() if totals[(name, "lcf")] != totals[(name, "fcfs")]]
+    assert len(differ) >= 4, differ
 
 
 def test_random_workloads_never_tuned_are_step_identical(agreement):
     random_runs = [run for run in agreement["runs"] if run["workload"].startswith("random-")]
-    assert len(random_runs) == 16
+    assert len(random_runs) == 8 * len(POLICIES)
     for run in random_runs:
         assert run["identical"], (run["workload"], run["policy"], run["first_divergence"])
     assert sum(run["totals"]["vllm"]["preemptions"] for run in random_runs) > 0
