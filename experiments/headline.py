@@ -33,7 +33,6 @@ from experiments.dominance import (
     Arms,
     Objective,
     compare_arms,
-    dominators,
     is_baseline,
     is_oracle,
     paired,
@@ -46,6 +45,7 @@ STRICT_PRIORITY = "vllm_priority"
 """Strict priority, the reference of the headline claim: vLLM's own priority scheduling."""
 WITHIN = 0.10
 """The headline claim's allowance on strict priority's top-class TTFT p99."""
+TOP_ATTAINMENT = next(o for o in OBJECTIVES if o.metric == "sla{top}_slo_attainment")
 
 HELD, NOT_HELD, INCONCLUSIVE, NOT_MEASURED = "held", "did not hold", "inconclusive", "not measured"
 
@@ -160,31 +160,40 @@ class Pick:
     why: str
 
 
-def recommend(point: Point) -> Pick:
-    """The regime's pick among deployable arms that no other deployable arm dominates
-    (paired 95% intervals, experiments.dominance.OBJECTIVES): the one with the highest
-    mean goodput whose top class's TTFT p99 is within 10% of strict priority's mean (or
-    below it); when none is, the one with the lowest top-class TTFT p99."""
-    names = point.deployable
-    beaten = dominators(point.arms, names)
-    front = [a for a in names if not beaten[a]]
+def recommend(point: Point, held: Sequence[str]) -> Pick:
+    """The regime's pick: of the deployable arms for which the headline claim held (`held`:
+    within 10% of strict priority's top-class TTFT p99 with more goodput, judged by
+    intervals after the report's multiplicity correction), the one with the most mean
+    goodput; where it held for none, strict priority itself (`vllm_priority`, vLLM's own).
+    The sentence gives what the pick rests on and what it gives up: the top class's SLO
+    attainment beside strict priority's, and the arm with the most goodput when that one
+    lets the top class wait longer."""
     ttft = f"sla{point.top()}_ttft_p99_s"
-    strict = point.mean(STRICT_PRIORITY, ttft)
-    keeps = [a for a in front if point.mean(a, ttft) <= (1.0 + WITHIN) * strict]
-    if keeps:
-        arm = max(keeps, key=lambda a: point.mean(a, "goodput_req_s"))
-    else:
-        arm = min(front, key=lambda a: point.mean(a, ttft))
-    most = max(front, key=lambda a: point.mean(a, "goodput_req_s"))
+    attained = f"sla{point.top()}_slo_attainment"
+    candidates = [a for a in held if a in point.deployable]
+    arm = max(candidates, key=lambda a: point.mean(a, "goodput_req_s")) if candidates else STRICT_PRIORITY
 
     def numbers(a: str) -> str:
-        goodput, tail = point.mean(a, "goodput_req_s"), point.mean(a, ttft)
-        return f"goodput {goodput:.3g} req/s, top-class TTFT p99 {tail:.3g} s"
+        goodput, tail, share = (point.mean(a, m) for m in ("goodput_req_s", ttft, attained))
+        return f"goodput {goodput:.3g} req/s; top class: TTFT p99 {tail:.3g} s, SLO attainment {share:.3g}"
 
-    why = f"{numbers(arm)} (strict priority: {numbers(STRICT_PRIORITY)})"
     if arm == STRICT_PRIORITY:
-        why = f"{numbers(arm)}; no arm keeps its top class within 10% with more goodput"
-    if most != arm:
+        why = f"{numbers(arm)}; no arm kept the top class within 10% of it with more goodput"
+    else:
+        why = (
+            f"{numbers(arm)} (strict priority: {numbers(STRICT_PRIORITY)}); the claim held for "
+            + ", ".join(f"`{a}`" for a in sorted(candidates))
+        )
+        comparison = compare_arms(point.arms, arm, STRICT_PRIORITY, (TOP_ATTAINMENT,))
+        if comparison is not None and comparison.sides[0] == WORSE:
+            why += (
+                f"; but its top class meets its SLOs less often than under strict priority "
+                f"(paired difference {comparison.diffs[0].format(3)})"
+            )
+    most = max(point.deployable, key=lambda a: point.mean(a, "goodput_req_s"))
+    if point.mean(most, "goodput_req_s") > point.mean(arm, "goodput_req_s") and point.mean(most, ttft) > (
+        1.0 + WITHIN
+    ) * point.mean(STRICT_PRIORITY, ttft):
         why += f"; `{most}` has the most goodput ({numbers(most)})"
     return Pick(arm, why)
 
@@ -194,8 +203,8 @@ def recommend(point: Point) -> Pick:
 
 def class_table(point: Point) -> str:
     """Every arm at the point, best goodput first: goodput, SLO attainment over all
-    classes, then each class's SLO attainment and TTFT p99, top class first (means over
-    seeds with 95% intervals)."""
+    classes, then each class's SLO attainment, TTFT p99 and TPOT p99, top class first
+    (means over seeds with 95% intervals)."""
     rows = [point.summary[a] for a in point.arms if a in point.summary]
     levels = sla_levels(rows)[::-1]
     columns = [("goodput_req_s", "goodput req/s"), ("slo_attainment", "SLO att. (all)")]
@@ -203,6 +212,7 @@ def class_table(point: Point) -> str:
         columns += [
             (f"sla{level}_slo_attainment", f"L{level} att."),
             (f"sla{level}_ttft_p99_s", f"L{level} TTFT p99 s"),
+            (f"sla{level}_tpot_p99_s", f"L{level} TPOT p99 s"),
         ]
     order = sorted(point.summary, key=lambda a: -point.mean(a, "goodput_req_s"))
     lines = [
@@ -221,13 +231,18 @@ def class_table(point: Point) -> str:
 # ---------------------------------------------------------------- the section
 
 
+def claimants(point: Point) -> list[str]:
+    """The arms the headline claim is judged for: every deployable one but strict priority."""
+    return [a for a in point.deployable if a != STRICT_PRIORITY]
+
+
 def judges(points: Sequence[Point]) -> dict[Hashable, Callable[[], str]]:
     """Every verdict of the headline, as judges at the current confidence level: the
-    headline claim per design arm and point, and each side of the design against each
-    baseline (`comparison_judges`)."""
+    headline claim per deployable arm (strict priority's own aside) and point, and each
+    side of the design against each baseline (`comparison_judges`)."""
     out: dict[Hashable, Callable[[], str]] = {}
     for point in points:
-        for arm in point.design:
+        for arm in claimants(point):
             out[("claim", point.label, arm)] = lambda p=point, a=arm: (
                 within_strict_priority(p.arms, a).verdict
             )
@@ -235,26 +250,37 @@ def judges(points: Sequence[Point]) -> dict[Hashable, Callable[[], str]]:
     return out
 
 
-def section(points: Sequence[Point], verdicts: Mapping[Hashable, str], how: str, source: str) -> list[str]:
+def section(
+    points: Sequence[Point],
+    verdicts: Mapping[Hashable, str],
+    how: str,
+    source: str,
+    per_verdict: Mapping[Hashable, str] | None = None,
+) -> list[str]:
     """The page's opening: which policy per regime, the arms, the headline claim, the
     design against each baseline, every class per regime. `verdicts`: every judge of
-    `judges` after the report's multiplicity correction; `how`: that correction in words;
-    `source`: where the runs are and how they were made."""
+    `judges` after the report's multiplicity correction (`per_verdict`: at 95% each, to
+    say which the correction changed); `how`: that correction in words; `source`: where
+    the runs are and how they were made."""
+    per_verdict = per_verdict or verdicts
     design = [a for a in points[0].design] if points else []
+    arms = list(dict.fromkeys(a for p in points for a in [*p.baselines, *p.design] if a != STRICT_PRIORITY))
     lines = [
         "## Which policy should I use?",
         "",
-        "Per regime of the headline comparison (below), the deployable policy to run: among the arms "
-        "no other deployable arm dominates, the one with the most goodput whose top class's TTFT p99 "
-        "is within 10% of strict priority's (`vllm_priority`) or below it; where none is, the one "
-        "with the lowest top-class TTFT p99. Arms named `*_oracle` know each request's true length "
-        "and are never picked.",
+        "Per regime of the headline comparison (below), the deployable policy to run: of the arms "
+        "whose top class keeps within 10% of strict priority's TTFT p99 (`vllm_priority`, vLLM's "
+        "own priority scheduling) with more goodput, judged by intervals ([the claim](#the-headline-claim-"
+        "within-10-of-strict-prioritys-top-class-ttft-p99-with-more-goodput)), the one with the most "
+        "goodput; where no arm does, strict priority. Arms named `*_oracle` know each request's true "
+        "length and are never picked.",
         "",
         "| regime | use | why (means over seeds) |",
         "| --- | --- | --- |",
     ]
     for point in points:
-        pick = recommend(point)
+        held = [a for a in claimants(point) if verdicts[("claim", point.label, a)] == HELD]
+        pick = recommend(point, held)
         lines.append(f"| {point.label} | `{pick.arm}` | {pick.why} |")
     docs = {arm: doc for point in points for arm, doc in point.docs.items()}
     lines += ["", "The arms:", ""]
@@ -277,23 +303,26 @@ def section(points: Sequence[Point], verdicts: Mapping[Hashable, str], how: str,
         "never took part in the tuning, so judge them there (tests/experiments/test_tune.py checks "
         "both).",
         "",
-        "### The design within 10% of strict priority's top-class TTFT p99, with more goodput",
+        "### The headline claim: within 10% of strict priority's top-class TTFT p99, with more goodput",
         "",
-        "Held when Fieller's interval of the ratio of the top class's TTFT p99 (design / "
-        "`vllm_priority`, paired means) lies below 1.1 and the paired interval of the goodput "
-        "difference above 0; did not hold when either lies on the other side.",
+        "Per arm and regime: held when Fieller's interval of the ratio of the top class's TTFT p99 "
+        "(the arm over `vllm_priority`, paired means) lies below 1.1 and the paired interval of the "
+        "goodput difference above 0; did not hold when either lies on the other side. The baselines "
+        "first, then the design's variants.",
         "",
-        "| design arm | " + " | ".join(p.label for p in points) + " |",
+        "| arm | " + " | ".join(p.label for p in points) + " |",
         "| --- |" + " --- |" * len(points),
     ]
-    for arm in design:
+    for arm in arms:
         cells = []
         for point in points:
-            if arm not in point.design:
+            if arm not in claimants(point):
                 cells.append("–")
                 continue
             judged = within_strict_priority(point.arms, arm)
-            cells.append(f"**{verdicts[('claim', point.label, arm)]}**: {judged.measured}")
+            key = ("claim", point.label, arm)
+            alone = f" ({per_verdict[key]} at 95% alone)" if per_verdict[key] != verdicts[key] else ""
+            cells.append(f"**{verdicts[key]}**{alone}: {judged.measured}")
         lines.append(f"| `{arm}` | " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -319,6 +348,7 @@ def section(points: Sequence[Point], verdicts: Mapping[Hashable, str], how: str,
             ]
             cells.append(f"{outcomes.count('dominates')} / {outcomes.count('dominated')} of {len(outcomes)}")
         lines.append(f"| `{arm}` | " + " | ".join(cells) + " |")
+    lines.append("")
     for point in points:
         lines += [f"### {point.label}", "", class_table(point), ""]
         lines += ["The design against each baseline here:", ""]

@@ -186,7 +186,9 @@ def render(
             + headline.info.get("description", "").strip()
             + f" Lengths: {length_regime(headline.rows)}."
         )
-        lines += headline_section.section(points, adjusted.verdicts, adjusted.describe(), where)
+        lines += headline_section.section(
+            points, adjusted.verdicts, adjusted.describe(), where, adjusted.per_verdict
+        )
     lines += [
         *_main_figure(links),
         "What each policy was told of a request's length (`workload.max_tokens_mode`; arms "
