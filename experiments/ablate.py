@@ -129,13 +129,14 @@ def _validate_workloads(plan: AblationPlan) -> None:
             build_workload(run.config.workload, seed=run.config.seed)
 
 
-def _info(plan: AblationPlan, jobs: int, overrides: list[str]) -> dict[str, Any]:
-    """DIR/ablation.json: what ran, with which configs, from which commit."""
+def _info(plan: AblationPlan, jobs: int, overrides: list[str], git_rev: str) -> dict[str, Any]:
+    """DIR/ablation.json: what ran, with which configs, from which commit (`git_rev`, read
+    when the runs started: edits made while they run are not what ran)."""
     return {
         "name": plan.config.name,
         "description": plan.config.description,
         "source": plan.source,
-        "git_rev": _git_rev(),
+        "git_rev": git_rev,
         "jobs": jobs,
         "predictor": plan.predictor,
         "quality_reference": plan.config.quality_reference,
@@ -176,6 +177,7 @@ def ablate(
     """Plan (validates everything), run the arms (Ray tasks unless one job), write the
     tables, plots and wandb runs."""
     started = time.perf_counter()
+    git_rev = _git_rev()
     out_dir = Path(out_dir)
     plan = plan_ablation(config_path, out_dir, overrides=list(overrides), predictor=predictor, only=only)
     mode = resolve_wandb_mode(wandb)
@@ -228,7 +230,7 @@ def ablate(
         plot_paths = plot_ablation(points if points is not None else rows, out_dir, ran)
         if points is not None:
             plot_paths += plot_sweep(points, plan.config.grid, out_dir / "plots")
-    info = _info(plan, jobs, list(overrides))
+    info = _info(plan, jobs, list(overrides), git_rev)
     info["ray_address"] = ray_address
     info["wall_s"] = time.perf_counter() - started
     (out_dir / "results.md").write_text(results_markdown(info, rows, points))
