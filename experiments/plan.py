@@ -137,7 +137,7 @@ def load_ablation_config(path: str | Path) -> AblationConfig:
     try:
         return AblationConfig.model_validate(read_config_file(path))
     except ValidationError as err:
-        raise ConfigError(f"{path}: {format_validation_error(err, 'key')}") from None
+        raise ConfigError(f"{path}: {format_validation_error(err, 'key', AblationConfig)}") from None
 
 
 def _lookup(name: str, custom: dict[str, Arm], where: str) -> Arm:

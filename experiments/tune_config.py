@@ -242,7 +242,7 @@ def load_tune_config(path: str | Path) -> TuneConfig:
     try:
         return TuneConfig.model_validate(read_config_file(path))
     except ValidationError as err:
-        raise ConfigError(f"{path}: {format_validation_error(err, 'key')}") from None
+        raise ConfigError(f"{path}: {format_validation_error(err, 'key', TuneConfig)}") from None
 
 
 def plan_tune(path: str | Path) -> TunePlan:

@@ -483,4 +483,4 @@ def build_config(data: dict[str, Any]) -> EngineConfig:
     try:
         return EngineConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(format_validation_error(err)) from None
+        raise ConfigError(format_validation_error(err, model=EngineConfig)) from None

@@ -106,7 +106,7 @@ def parse_workload(data: object, name: str = "workload") -> ParityWorkload:
     try:
         return ParityWorkload.model_validate(data)
     except ValidationError as err:
-        message = format_validation_error(err, "field")
+        message = format_validation_error(err, "field", ParityWorkload)
         raise WorkloadError(f"parity workload '{data['name']}': {message}") from None
 
 

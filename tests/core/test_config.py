@@ -36,8 +36,14 @@ def test_yaml_file(tmp_path):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("scheduler.bogus=1", "unknown config key 'scheduler.bogus'"),
-        ("nosuchsection.x=1", "unknown config key 'nosuchsection'"),
+        ("scheduler.bogus=1", "unknown config key 'scheduler.bogus'$"),
+        ("nosuchsection.x=1", "unknown config key 'nosuchsection'$"),
+        (
+            "preemption.treshold=0.1",
+            r"unknown config key 'preemption.treshold' \(did you mean 'preemption.threshold'\?\)",
+        ),
+        ("preemption.priority_weights.agee=1", r"\(did you mean 'preemption.priority_weights.age'\?\)"),
+        ("schedular.policy=vllm_fcfs", r"unknown config key 'schedular' \(did you mean 'scheduler'\?\)"),
         ("scheduler.max_num_seqs=0", "'scheduler.max_num_seqs'"),
         ("scheduler.max_num_seqs=many", "'scheduler.max_num_seqs'"),
         ("scheduler.policy=lottery", "unknown policy 'lottery'"),

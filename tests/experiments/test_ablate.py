@@ -133,6 +133,7 @@ def _write(tmp_path: Path, **changes) -> Path:
     [
         ({"arms": ["vllm_fcfs", "no_such_arm"]}, "unknown arm 'no_such_arm'"),
         ({"colour": "red"}, "unknown key 'colour'"),
+        ({"seed": [0]}, "unknown key 'seed' (did you mean 'seeds'?)"),
         ({"arms": 5}, "key 'arms'"),
         ({"grid": {"workload.rate_scale": 2}}, "key 'grid.workload.rate_scale'"),
         ({"arms": [{"name": "x", "parent": "score", "set": {"preemption.treshold": 0.1}}]},

@@ -126,7 +126,7 @@ def validate_settings(
     try:
         return model.model_validate(_merged(defaults or {}, data))
     except ValidationError as err:
-        raise error(f"{where}: {format_validation_error(err, 'field')}") from None
+        raise error(f"{where}: {format_validation_error(err, 'field', model)}") from None
 
 
 def parse_settings(data: object) -> PluginSettings:
