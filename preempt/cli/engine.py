@@ -141,7 +141,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
         "sim_time_s": summary["sim_time_s"],
         "config": config.model_dump(mode="json"),
     }
-    dataset = save_dataset(columns, info, args.features)
+    dataset = save_dataset(columns, info, args.features, progress=not args.no_progress)
     num_rows = len(dataset)
     print(
         json.dumps(

@@ -264,7 +264,20 @@ def dataset_meta(dataset: Dataset) -> dict[str, Any]:
     return json.loads(dataset.info.description or "{}")
 
 
-def save_dataset(columns: dict[str, np.ndarray], info: dict[str, Any], path: str | Path) -> Dataset:
+def save_dataset(
+    columns: dict[str, np.ndarray], info: dict[str, Any], path: str | Path, progress: bool = True
+) -> Dataset:
+    """The dataset built and written to `path`; `progress=False` keeps `datasets`' own
+    progress bar off while it writes (`preempt collect --no-progress`)."""
+    import datasets
+
     dataset = build_dataset(columns, info)
-    dataset.save_to_disk(str(path))
+    if progress or datasets.utils.are_progress_bars_disabled():
+        dataset.save_to_disk(str(path))
+        return dataset
+    datasets.disable_progress_bars()
+    try:
+        dataset.save_to_disk(str(path))
+    finally:
+        datasets.enable_progress_bars()
     return dataset

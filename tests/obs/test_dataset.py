@@ -14,7 +14,7 @@ from preempt.core.config_files import BUNDLED_CONFIGS
 from preempt.early.features import FEATURE_DOCS, FEATURE_NAMES, compute_features
 from preempt.engine.engine import Engine
 from preempt.kv.record import PreemptionRecord
-from preempt.obs.dataset import FeatureConfig, FeatureLogger, label_rows
+from preempt.obs.dataset import FeatureConfig, FeatureLogger, label_rows, save_dataset
 from tests.conftest import make_request
 
 COLLECT_CONFIG = BUNDLED_CONFIGS / "collect.yaml"
@@ -149,6 +149,22 @@ def test_labels_match_the_engine_records():
         assert len(rows) and columns["time_to_preemption_s"][rows[-1]] == 0.0
 
 
+def test_saving_shows_datasets_bar_unless_asked_not_to(tmp_path, capsys):
+    columns = {
+        "request_id": np.array([0, 1], dtype=np.int64),
+        "step": np.array([0, 1], dtype=np.int64),
+        "t_s": np.array([0.0, 0.01]),
+        "features": np.zeros((2, 8), dtype=np.float32),
+        "label": np.array([0, 1], dtype=np.int64),
+        "time_to_preemption_s": np.array([np.inf, 0.01]),
+    }
+    info = {"trace": "hand", "seed": 0, "horizon_ms": 50.0}
+    save_dataset(columns, info, tmp_path / "quiet", progress=False)
+    assert "Saving the dataset" not in capsys.readouterr().err
+    save_dataset(columns, info, tmp_path / "loud")
+    assert "Saving the dataset" in capsys.readouterr().err
+
+
 def test_collect_writes_a_dataset(tmp_path, capsys):
     import datasets
 
@@ -156,7 +172,9 @@ def test_collect_writes_a_dataset(tmp_path, capsys):
     args = ["collect", "--config", str(COLLECT_CONFIG), "--out", str(tmp_path / "run")]
     args += ["--features", str(features_dir), "--duration", "40", "--no-progress"]
     assert main([*args, "--set", "features.horizon_ms=50"]) == 0
-    summary = json.loads(capsys.readouterr().out.split("\nwrote")[0])
+    printed = capsys.readouterr()
+    summary = json.loads(printed.out.split("\nwrote")[0])
+    assert "Saving the dataset" not in printed.err  # --no-progress: datasets' own bar too
     assert (tmp_path / "run" / "requests.parquet").is_file() and (tmp_path / "run" / "summary.json").is_file()
 
     dataset = datasets.load_from_disk(str(features_dir))
