@@ -202,6 +202,8 @@ def train(data: str | Path, out_dir: str | Path, config: TrainConfig | None = No
         "data": str(data),
         "config": asdict(config),
         "wandb": resolve_wandb_mode(config.wandb),
+        # the run's own folder (offline: what `wandb sync` uploads); None when disabled
+        "wandb_run_dir": str(Path(logger.experiment.dir).parent) if logger else None,
     }
     metrics = jsonable(metrics)
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")

@@ -50,6 +50,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         json.dumps({k: metrics.get(k) for k in (*keys, "best_val_auprc", "fit_wall_s", "wall_s")}, indent=2)
     )
     print(f"wrote {args.out / 'predictor.ckpt'} and {args.out / 'metrics.json'}")
+    run_dir = metrics.get("wandb_run_dir")
+    if run_dir and metrics.get("wandb") == "offline":
+        print(f"wandb (offline): {run_dir}; upload it with: wandb sync {run_dir}")
+    elif run_dir:
+        print(f"wandb ({metrics.get('wandb')}): {run_dir}")
     return 0
 
 

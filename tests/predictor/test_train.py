@@ -143,6 +143,15 @@ def test_offline_wandb_writes_a_local_run(data_path, tmp_path):
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
     assert (tmp_path / "predictor.ckpt").is_file()
+    assert metrics["wandb_run_dir"] == str(runs[0])
+
+
+@pytest.mark.filterwarnings("ignore:The number of training batches")
+def test_train_prints_where_the_offline_run_is_and_how_to_upload_it(data_path, tmp_path, capsys):
+    args = ["train", "--data", str(data_path), "--out", str(tmp_path), "--max-epochs", "1"]
+    assert main([*args, "--seq-len", "2", "--batch-size", "4096", "--wandb", "offline", "--no-progress"]) == 0
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    assert f"wandb (offline): {run}; upload it with: wandb sync {run}" in capsys.readouterr().out
 
 
 def test_wandb_mode_resolution(monkeypatch, capsys):
