@@ -251,10 +251,10 @@ def render(
     ]
     multi_point = {c for cols in by_source.values() if len(cols) > 1 for c in cols}
     for column in columns:
-        # A sweep's points list only the claims they measure (the glance table counts the rest).
-        shown = [
-            c for c in claims if column not in multi_point or verdicts[c.key][column].verdict != NOT_MEASURED
-        ]
+        # Each point's table lists the claims it measured; a single ablation names the rest
+        # after it in one line (a sweep's points leave them to the glance table).
+        shown = [c for c in claims if verdicts[c.key][column].verdict != NOT_MEASURED]
+        absent = [c for c in claims if verdicts[c.key][column].verdict == NOT_MEASURED]
         if not shown:
             continue
         lines += [
@@ -269,6 +269,9 @@ def render(
             lines.append(
                 f"| {claim.text} ({claim.source}) | {claim.method} | {measured} | **{finding.verdict}** |"
             )
+        if absent and column not in multi_point:
+            lines += ["", "Not measured by this run (the arms they need did not run): "
+                      + "; ".join(claim.text for claim in absent) + "."]  # fmt: skip
         lines.append("")
 
     if bench:
@@ -469,7 +472,8 @@ def report(
     out = Path(out)
     extra = [arm for arm in compare if arm not in DESIGN_ARMS]
     design_arms = (*DESIGN_ARMS, *extra)
-    claims = [*CLAIMS, *(claim for arm in extra for claim in design_claims(arm))]
+    # a reader's own arms first: the claims they asked about lead every table
+    claims = [*(claim for arm in extra for claim in design_claims(arm)), *CLAIMS]
     sources = [Source.load("quick", quick)]
     for flag, path in [("paper", paper)] * (paper is not None) + [("sweep", path) for path in sweeps]:
         sources.append(Source.load(flag, path, taken=[source.label for source in sources]))
