@@ -10,6 +10,8 @@ Everything in it comes from `results.csv` and `ablation.json`.
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -133,6 +135,7 @@ def render(
     bench: Sequence[tuple[BenchClaim, Finding]] = (),
     headline: Source | None = None,
     multiplicity: str = "bh",
+    leaderboard: str = "leaderboard.md",
 ) -> str:
     """The report's text. `bench`: claims judged from benchmarks' JSON, with their findings
     (`judge_benchmarks`): one verdict each, beside the ablations' glance table and in a
@@ -238,7 +241,7 @@ def render(
     lines += [
         "## What to run where",
         "",
-        "Per regime (a sweep point), from the leaderboard ([leaderboard.md](leaderboard.md), beside "
+        f"Per regime (a sweep point), from the leaderboard ([{leaderboard}]({leaderboard}), beside "
         "this report: every policy's numbers and Pareto plot at every point): the arms no other "
         "arm dominates (paired 95% intervals on goodput, the top class's TTFT p99 and the top "
         "class's SLO attainment: TTFT alone would credit a policy that starves the top class's "
@@ -416,6 +419,19 @@ def glance(verdicts: list[str]) -> str:
     return ", ".join(f"{v} {n}/{len(verdicts)}" for v, n in counts.items())
 
 
+def _check_leaderboard_owner(leaderboard: Path, report_path: Path) -> None:
+    """Refuse to overwrite a leaderboard written with another report (its header names it):
+    `--out docs/x.md` must not replace the leaderboard of docs/results.md."""
+    if not leaderboard.is_file():
+        return
+    found = re.search(r"with the report \(([^)]*)\)", leaderboard.read_text()[:4000])
+    if found and Path(found.group(1)).resolve() != report_path.resolve():
+        raise FileExistsError(
+            f"{leaderboard} is the leaderboard of the report {found.group(1)}; write this one's "
+            "elsewhere (--leaderboard PATH) or remove it"
+        )
+
+
 def _write_leaderboard(
     sources: list[Source], path: Path, command: str, design_arms: tuple[str, ...], report_path: Path
 ) -> None:
@@ -456,10 +472,13 @@ def report(
     codec: str | Path | None = None,
     headline: str | Path | None = None,
     multiplicity: str = "bh",
+    leaderboard: str | Path | None = None,
 ) -> list[Path]:
     """Write the report to `out` (plots copied to `out`'s stem directory) and the
-    leaderboard beside it (`leaderboard.md`, its Pareto plots under `leaderboard/`);
-    returns every file and folder written. Each ablation is labelled by its config's
+    leaderboard to `leaderboard` (default `leaderboard.md` beside the report; its Pareto
+    plots under the folder of its stem); returns every file and folder written. A
+    leaderboard file another report wrote is never overwritten (FileExistsError: name
+    another with `leaderboard`). Each ablation is labelled by its config's
     name (`Source.load`). `sweeps`: more ablation directories (regime sweeps), each
     judged per grid point. `early`: a `preempt bench early --windows` result (its
     result.json, or what `--json` prints), shown as the early-save policies side by side.
@@ -478,11 +497,14 @@ def report(
     for flag, path in [("paper", paper)] * (paper is not None) + [("sweep", path) for path in sweeps]:
         sources.append(Source.load(flag, path, taken=[source.label for source in sources]))
     top = Source.load("headline", headline) if headline is not None else None
+    leaderboard = Path(leaderboard) if leaderboard is not None else out.parent / "leaderboard.md"
+    _check_leaderboard_owner(leaderboard, out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    leaderboard.parent.mkdir(parents=True, exist_ok=True)
     command = command or f"preempt report --quick {quick} --out {out}"
     bench = judge_benchmarks({"codec": codec})
-    text = render(sources, out, command, claims, design_arms, bench, top, multiplicity)
-    leaderboard = out.parent / "leaderboard.md"
+    link = os.path.relpath(leaderboard, out.parent)
+    text = render(sources, out, command, claims, design_arms, bench, top, multiplicity, link)
     _write_leaderboard([*([top] if top else []), *sources], leaderboard, command, design_arms, out)
     if paper is None:
         text += (

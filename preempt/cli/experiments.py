@@ -98,6 +98,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     paper += f" --codec {args.codec}" if args.codec else ""
     paper += "".join(f" --compare {arm}" for arm in args.compare)
     paper += f" --multiplicity {args.multiplicity}" if args.multiplicity != "bh" else ""
+    paper += f" --leaderboard {args.leaderboard}" if args.leaderboard else ""
     command = f"preempt report --quick {args.quick}{paper} --out {args.out}"
     try:
         paths = report(
@@ -111,8 +112,9 @@ def cmd_report(args: argparse.Namespace) -> int:
             codec=args.codec,
             headline=args.headline,
             multiplicity=args.multiplicity,
+            leaderboard=args.leaderboard,
         )
-    except FileNotFoundError as err:
+    except (FileNotFoundError, FileExistsError) as err:
         print(f"preempt: error: {err}", file=sys.stderr)
         return 2
     for path in paths:

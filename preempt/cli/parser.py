@@ -442,6 +442,12 @@ def build_parser() -> argparse.ArgumentParser:
         "page (which policy per regime, every class, the design against every baseline)",
     )
     report.add_argument(
+        "--leaderboard",
+        type=Path,
+        help="where the leaderboard goes (every policy at every point; its Pareto plots in the folder "
+        "of its stem); default leaderboard.md beside --out; one another report wrote is never overwritten",
+    )
+    report.add_argument(
         "--multiplicity",
         choices=("bh", "holm", "none"),
         default="bh",

@@ -276,3 +276,19 @@ def test_report_defaults_to_runs_not_the_published_page():
 
     args = build_parser().parse_args(["report", "--quick", "runs/main/ablate"])
     assert args.out == Path("runs/report/results.md")
+
+
+def test_a_second_report_never_overwrites_the_first_ones_leaderboard(tmp_path, capsys, claims_alike):
+    smoke = _ablation(tmp_path / "runs" / "smoke", "smoke", ())
+    first = tmp_path / "docs" / "results.md"
+    assert main(["report", "--quick", str(smoke), "--out", str(first)]) == 0
+    board = (tmp_path / "docs" / "leaderboard.md").read_text()
+    assert main(["report", "--quick", str(smoke), "--out", str(first)]) == 0  # its own: rewritten
+    capsys.readouterr()
+    other = tmp_path / "docs" / "mine.md"
+    assert main(["report", "--quick", str(smoke), "--out", str(other)]) == 2
+    assert "is the leaderboard of the report" in capsys.readouterr().err and not other.exists()
+    assert (tmp_path / "docs" / "leaderboard.md").read_text() == board
+    elsewhere = tmp_path / "docs" / "mine_leaderboard.md"
+    assert main(["report", "--quick", str(smoke), "--out", str(other), "--leaderboard", str(elsewhere)]) == 0
+    assert elsewhere.is_file() and "[mine_leaderboard.md](mine_leaderboard.md)" in other.read_text()
