@@ -379,7 +379,7 @@ _TYPE_NAMES: dict[str, str] = {
     "str": "text",
     "int": "int",
     "float": "float",
-    "_positive_int": "int > 0",
+    "positive_int": "int > 0",
     "_share": "float in (0, 1]",
     "_port": "port (0-65535)",
     "_seconds": "seconds > 0",

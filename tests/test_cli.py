@@ -133,8 +133,14 @@ def test_swap_runs_are_reproducible_too(tmp_path):
         (["run"], "--out"),
         (["fly"], "invalid choice"),
         (["train", "--data", "d", "--out", "o", "--threshold-rule", "best"], "--threshold-rule"),
-        (["bench", "engine", "--no-served-speed"], "--no-served-speed does not apply"),
-        (["bench", "codec", "--windows"], "--windows does not apply to `bench codec`"),
+        (
+            ["bench", "engine", "--no-served-speed"],
+            "preempt bench engine: error: unrecognized arguments: --no-served-speed",
+        ),
+        (["bench", "codec", "--windows"], "preempt bench codec: error: unrecognized arguments: --windows"),
+        (["bench", "fidelity", "--vidur"], "preempt bench fidelity: error: unrecognized arguments: --vidur"),
+        (["bench", "vllm", "--shape", "mixed"], "--shape applies to `bench vllm --http` only"),
+        (["bench", "nope"], "invalid choice: 'nope'"),
         (["bench", "early", "--windows", "--arms", "lstm"], "--windows with lstm arms needs --model"),
         (
             ["bench", "early", "--windows", "--lengths", "missing.json"],

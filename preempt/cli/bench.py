@@ -1,7 +1,9 @@
 """`preempt bench` and `calibrate`: benchmarks (preempt.bench; `--windows` and `--http`
 judged by experiments/) and the virtual clock's device profile (preempt.calibrate).
 
-Which flags a benchmark takes is checked here, before anything heavy is imported.
+Each benchmark is a subcommand with only its own flags (`add_bench_parser`), so argparse
+refuses a flag another benchmark takes; what argparse cannot say (a flag that needs
+another, files that must exist) is checked here, before anything heavy is imported.
 """
 
 from __future__ import annotations
@@ -12,15 +14,176 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from preempt.core.cli_args import LeafParser, positive_int
+
 # Benchmarks with their own table and flags, beside preempt.bench.BENCHMARKS: `fidelity`
 # (the simulator against a real vLLM), `lengths` (judged by intervals over minutes),
 # `peers` (another simulator beside ours).
 JUDGED_BENCHMARKS = ("fidelity", "lengths", "peers")
 
+# What each measures, for `preempt bench --help` (docs/benchmarks.md has the results).
+BENCH_HELP = {
+    "clock": "the virtual clock's layer times against Vidur's measured operator times (fitted, held out)",
+    "codec": "the KV codecs: size and CPU speed; with --model, quality per head plan on a trained LM",
+    "early": "early saves: save stall hidden and bytes wasted per policy; --windows: held-out trace "
+    "windows with intervals",
+    "engine": "replay speed: the null hour and 10 pressured minutes per standard policy",
+    "fidelity": "the simulator against a real vLLM 0.32 (`vllm serve`) on the same requests",
+    "kernels": "the Triton kernels beside their torch references",
+    "lengths": "the learned output-length estimate against the max_tokens cap on held-out minutes",
+    "peers": "another simulator beside preempt on the same requests (--vidur)",
+    "predictor": "the predictor's and its features' cost per engine step",
+    "save": "saving and restoring a request's KV, per mode",
+    "serve": "the HTTP server under load",
+    "vllm": "preempt's policies inside vLLM's scheduler against vLLM's own (--http: real `vllm serve`)",
+}
+
+
+def add_bench_parser(sub: Any) -> None:
+    """`preempt bench NAME [flags]`: one subcommand per benchmark, each with its flags."""
+    from preempt.bench import BENCHMARKS
+
+    bench = sub.add_parser(
+        "bench",
+        help="micro/macro benchmarks; one JSON object on stdout (early --windows, lengths, peers: a table)",
+    )
+    names = bench.add_subparsers(dest="name", required=True, metavar="NAME", parser_class=LeafParser)
+    parsers = {}
+    for name in sorted([*BENCHMARKS, *JUDGED_BENCHMARKS]):
+        parser = parsers[name] = names.add_parser(name, help=BENCH_HELP[name], description=BENCH_HELP[name])
+        parser.add_argument("--json", action="store_true", help="compact JSON on one line")
+        parser.add_argument(
+            "--quick",
+            action="store_true",
+            help="smaller sizes, for smoke checks (seconds; early --windows: minutes, see --windows)",
+        )
+        parser.set_defaults(func=cmd_bench)
+    codec, early, vllm = parsers["codec"], parsers["early"], parsers["vllm"]
+    codec.add_argument("--model", help="a trained tiny LM (lm.pt): quality per plan")
+    codec.add_argument("--plan", help="a head plan file (preempt importance writes one)")
+    codec.add_argument(
+        "--no-served-speed",
+        action="store_true",
+        help="skip the speed section at a served model's KV shape (minutes)",
+    )
+    codec.add_argument(
+        "--no-speed",
+        action="store_true",
+        help="quality and size per plan only, no CPU speed columns (the main job's step)",
+    )
+    codec.add_argument(
+        "--prompts", type=positive_int, help="held-out prompts each plan's quality is measured on (16)"
+    )
+    parsers["clock"].add_argument(
+        "--measured",
+        help="also score the bundled profile of the GPU a `preempt calibrate --device cuda` run "
+        "measured against that run's GEMM and elementwise times (its output file)",
+    )
+    early.add_argument(
+        "--model",
+        help="a predictor checkpoint for the lstm policy (--windows: several, comma-separated: "
+        "training seeds)",
+    )
+    early.add_argument(
+        "--windows",
+        action="store_true",
+        help="the async arms on every held-out trace window, with intervals; prints a table, writes "
+        "it and the result to --out. Minutes: with --quick (2 windows of 60 s, no --model) 2.0 to 4.3 "
+        "min measured on a shared 2-core machine; without --quick, 4 windows of 200 s",
+    )
+    early.add_argument(
+        "--trace",
+        help="--windows: the trace replayed, a bundled name (azure-conv, azure-code, "
+        "mooncake-synthetic) or an Azure CSV / Mooncake JSONL path (default azure-conv); its "
+        "windows avoid every window the checkpoints were trained on",
+    )
+    early.add_argument(
+        "--arms",
+        help="--windows: the arms to run beside the synchronous none baseline, comma-separated "
+        "(lookahead, rule, forecast, forecast_k4, projection, projection_learned, lstm, lstm_capped; "
+        "default all; without --model, those without lstm)",
+    )
+    early.add_argument(
+        "--lengths",
+        help="--windows: the projection_learned arm's output-length model (`preempt lengths` writes "
+        "one; default: fitted on the trace outside each window)",
+    )
+    early.add_argument(
+        "--modes", help="--windows: the preemption modes, comma-separated (swap, swap_zstd; default both)"
+    )
+    early.add_argument(
+        "--max-tokens",
+        choices=["fixed", "noisy", "trace"],
+        help="--windows: what clients send as max_tokens (workload.max_tokens_mode; default "
+        "collect.yaml's fixed 1024; trace: the true output length, an oracle's privilege)",
+    )
+    early.add_argument(
+        "--out",
+        type=Path,
+        help="--windows: the folder it writes result.json (what --json prints) and results.md (the "
+        "table) to (runs/bench/early_windows; with --json, none unless given)",
+    )
+    vllm.add_argument(
+        "--http",
+        action="store_true",
+        help="the peer's own `vllm serve` per arm (fcfs, priority, the plugin), driven over HTTP",
+    )
+    vllm.add_argument(
+        "--arms", help="--http: the servers, comma-separated (vllm_fcfs, vllm_priority, plugin; default all)"
+    )
+    vllm.add_argument(
+        "--shape",
+        choices=["mixed", "priority", "both"],
+        help="--http: the workload (preempt.bench.vllm_http.SHAPES): mixed (default; 48-token "
+        "priority-3 requests, the urgent class right behind them), priority (200-token priority-3 "
+        "requests keep the pool under memory pressure, the urgent class every 0.4 s from 3 s), or both",
+    )
+    vllm.add_argument(
+        "--connector",
+        action="store_true",
+        help="--http: preempt's KV connector against vLLM's recompute under forced preemptions "
+        "(preempt.bench.vllm_connector: plain vLLM, the plugin, the plugin with raw / mixed copies and "
+        "early copies; long and short prompts): tokens recomputed, latency, TTFT, throughput with 95%% "
+        "intervals (about 6 min; --quick 3 min)",
+    )
+    fidelity = parsers["fidelity"]
+    fidelity.add_argument(
+        "--out",
+        type=Path,
+        help="the folder for the step logs, the client's records (real.json), the calibrated "
+        "target.json, fidelity.json and fidelity.md (default runs/fidelity)",
+    )
+    fidelity.add_argument(
+        "--real",
+        type=Path,
+        metavar="DIR",
+        help="judge the real runs a bench left in DIR again (calibrate, simulate, compare; no "
+        "servers, seconds)",
+    )
+    fidelity.add_argument(
+        "--connector",
+        action="store_true",
+        help="also the judge windows through vLLM FCFS with preempt's KV connector (raw, mixed) "
+        "against its recompute, beside the simulator's prediction of the same gain",
+    )
+    parsers["peers"].add_argument(
+        "--vidur",
+        action="store_true",
+        help="Vidur 0.0.26 (`make vidur`) beside preempt on the same azure-conv requests, Llama-3-70B "
+        "on 2 A100s: wall time, peak RSS, latency percentiles, preemptions (the hour: a few minutes; "
+        "--quick: its first 10 minutes); prints a table",
+    )
+
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from preempt.bench import BENCHMARKS
 
+    # every flag of every benchmark, None (or False) where this one has no such flag
+    for flag in ("model", "plan", "prompts", "measured", "trace", "arms", "lengths", "modes", "max_tokens",
+                 "out", "real", "shape"):  # fmt: skip
+        setattr(args, flag, getattr(args, flag, None))
+    for flag in ("no_served_speed", "no_speed", "windows", "http", "connector", "vidur"):
+        setattr(args, flag, getattr(args, flag, False))
     options = {
         key: getattr(args, key)
         for key in ("model", "plan", "prompts", "measured")
@@ -30,51 +193,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         options["served_speed"] = False
     if args.no_speed:
         options["speed"] = False
-    if args.windows:
-        options["windows"] = True
-    if args.http:
-        options["http"] = True
-    takes = {
-        "codec": {"model", "plan", "served_speed", "speed", "prompts"},
-        "early": {"model", "windows"},
-        "vllm": {"http"},
-        "clock": {"measured"},
-    }.get(args.name, set())
-    flags = {"served_speed": "no-served-speed", "speed": "no-speed"}
-    for key in options:
-        if key not in takes:
-            print(
-                f"preempt: error: --{flags.get(key, key)} does not apply to `bench {args.name}`",
-                file=sys.stderr,
-            )
-            return 2
-    if args.vidur and args.name != "peers":
-        print("preempt: error: --vidur applies to `bench peers` only", file=sys.stderr)
-        return 2
-    if args.real is not None and args.name != "fidelity":
-        print("preempt: error: --real applies to `bench fidelity` only", file=sys.stderr)
-        return 2
     if args.name == "fidelity":
-        return _bench_fidelity(args, options)
+        return _bench_fidelity(args)
     if args.name == "peers" and not args.vidur:
         print("preempt: error: `bench peers` needs a peer: --vidur", file=sys.stderr)
         return 2
-    if args.shape is not None and not args.http:
-        print("preempt: error: --shape applies to `bench vllm --http` only", file=sys.stderr)
-        return 2
-    if args.connector and not args.http and args.name != "fidelity":
-        print(
-            "preempt: error: --connector applies to `bench vllm --http` and `bench fidelity` only",
-            file=sys.stderr,
-        )
-        return 2
+    for flag, value in (("arms", args.arms), ("shape", args.shape), ("connector", args.connector or None)):
+        if args.name == "vllm" and value is not None and not args.http:
+            print(f"preempt: error: --{flag} applies to `bench vllm --http` only", file=sys.stderr)
+            return 2
     if args.connector and args.shape is not None:
         message = "--connector runs its own forced-preemption workloads: drop --shape"
         print(f"preempt: error: {message}", file=sys.stderr)
         return 2
     for flag, value in (
         ("trace", args.trace),
-        ("arms", None if args.http else args.arms),
+        ("arms", None if args.name == "vllm" else args.arms),
         ("max-tokens", args.max_tokens),
         ("lengths", args.lengths),
         ("modes", args.modes),
@@ -104,6 +238,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if value is not None and not Path(value).is_file():
                 print(f"preempt: error: --{key}: no such file: {value}", file=sys.stderr)
                 return 2
+    if args.name == "early":  # its one option beside --windows: the checkpoint
+        options = {"model": options["model"]} if "model" in options and not args.windows else {}
     from preempt.core.profiles import ProfileError
     from preempt.parity.harness import PeerError
 
@@ -183,22 +319,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_fidelity(args: argparse.Namespace, options: dict[str, Any]) -> int:
+def _bench_fidelity(args: argparse.Namespace) -> int:
     """`bench fidelity`: real vLLM, then calibrate, simulate, compare; the table (or the
     JSON) on stdout, everything in --out."""
     from preempt.bench.fidelity import bench_fidelity, rejudge, render_fidelity
     from preempt.core.profiles import ProfileError
     from preempt.parity.harness import PeerError, peer_python
 
-    named = ("shape", "trace", "arms", "max_tokens", "lengths", "modes")
-    flags = [*options, *(k for k in named if getattr(args, k) is not None)]
-    flags += [k for k in ("windows", "http", "vidur") if getattr(args, k)]
-    if flags:
-        print(
-            f"preempt: error: --{flags[0].replace('_', '-')} does not apply to `bench fidelity`",
-            file=sys.stderr,
-        )
-        return 2
     out = args.out or Path("runs/fidelity")
     try:
         if args.real is not None:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from preempt.cli.bench import JUDGED_BENCHMARKS, cmd_bench, cmd_calibrate
+from preempt.cli.bench import add_bench_parser, cmd_calibrate
 from preempt.cli.engine import cmd_collect, cmd_lengths, cmd_run
 from preempt.cli.experiments import cmd_ablate, cmd_parity_vllm, cmd_report, cmd_tune
 from preempt.cli.serve import add_serve_command, cmd_checkpoint, cmd_tokenizer
 from preempt.cli.train import cmd_eval_predictor, cmd_importance, cmd_lm_train, cmd_train
-from preempt.core.cli_args import ArgParser
+from preempt.core.cli_args import ArgParser, positive_int
 
 
 def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
@@ -54,16 +54,7 @@ def _add_wandb_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from preempt.bench import BENCHMARKS
-
     parser = ArgParser(
         prog="preempt", description="Preemption in LLM inference serving: engine, experiments."
     )
@@ -89,24 +80,24 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", type=Path, required=True, help="writes predictor.ckpt and metrics.json")
     # Defaults (None here) live in predictor.train.TrainConfig, which this parser must not
     # import (pytorch_lightning); the help repeats them.
-    train.add_argument("--max-epochs", type=_positive_int, help="passes over the train split (12)")
+    train.add_argument("--max-epochs", type=positive_int, help="passes over the train split (12)")
     train.add_argument(
         "--seq-len",
-        type=_positive_int,
+        type=positive_int,
         help="backprop truncation, in logged steps of a request's history (256)",
     )
-    train.add_argument("--batch-size", type=_positive_int, help="rows per batch, whole histories (1024)")
+    train.add_argument("--batch-size", type=positive_int, help="rows per batch, whole histories (1024)")
     train.add_argument("--lr", type=float, help="Adam learning rate (1e-2)")
     train.add_argument("--seed", type=int, help="seeds the split, the weights and the shuffle (0)")
     _add_wandb_flag(train)
-    train.add_argument("--num-threads", type=_positive_int, help="torch threads (1)")
+    train.add_argument("--num-threads", type=positive_int, help="torch threads (1)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--accelerator", help="Lightning accelerator: cpu (default), gpu, auto")
     train.add_argument(
-        "--devices", type=_positive_int, help="devices (processes on CPU) training together (1)"
+        "--devices", type=positive_int, help="devices (processes on CPU) training together (1)"
     )
     train.add_argument("--strategy", help="Lightning strategy, e.g. ddp or ddp_spawn (auto)")
-    train.add_argument("--num-nodes", type=_positive_int, help="machines training together (1)")
+    train.add_argument("--num-nodes", type=positive_int, help="machines training together (1)")
     train.add_argument(
         "--threshold-rule",
         choices=("waste_capped", "expected_value", "f1"),
@@ -135,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the dataset the checkpoint was trained on: thresholds and logreg come from it, "
         "--data is only scored (distribution shift)",
     )
-    evaluate.add_argument("--num-threads", type=_positive_int, default=1, help="torch threads (default 1)")
+    evaluate.add_argument("--num-threads", type=positive_int, default=1, help="torch threads (default 1)")
     evaluate.add_argument(
         "--json", action="store_true", help="the whole report (every metric, per trace) as JSON on one line"
     )
@@ -149,20 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # Defaults (None here) live in preempt.lm.train.LMTrainConfig; the help repeats them.
     lm_train.add_argument("--preset", help="architecture: lm-4l (default), tiny-2l, small-4l")
-    lm_train.add_argument("--layers", type=_positive_int, help="override the preset's num_layers")
-    lm_train.add_argument("--hidden", type=_positive_int, help="override hidden_size")
-    lm_train.add_argument("--heads", type=_positive_int, help="override num_heads (query heads)")
-    lm_train.add_argument("--kv-heads", type=_positive_int, help="override num_kv_heads")
-    lm_train.add_argument("--head-dim", type=_positive_int, help="override head_dim")
-    lm_train.add_argument("--intermediate", type=_positive_int, help="override intermediate_size")
-    lm_train.add_argument("--seq-len", type=_positive_int, help="bytes per training window (256)")
-    lm_train.add_argument("--batch-size", type=_positive_int, help="windows per step (16)")
-    lm_train.add_argument("--max-steps", type=_positive_int, help="optimizer steps (500)")
+    lm_train.add_argument("--layers", type=positive_int, help="override the preset's num_layers")
+    lm_train.add_argument("--hidden", type=positive_int, help="override hidden_size")
+    lm_train.add_argument("--heads", type=positive_int, help="override num_heads (query heads)")
+    lm_train.add_argument("--kv-heads", type=positive_int, help="override num_kv_heads")
+    lm_train.add_argument("--head-dim", type=positive_int, help="override head_dim")
+    lm_train.add_argument("--intermediate", type=positive_int, help="override intermediate_size")
+    lm_train.add_argument("--seq-len", type=positive_int, help="bytes per training window (256)")
+    lm_train.add_argument("--batch-size", type=positive_int, help="windows per step (16)")
+    lm_train.add_argument("--max-steps", type=positive_int, help="optimizer steps (500)")
     lm_train.add_argument("--max-minutes", type=float, help="wall-clock cap (15)")
     lm_train.add_argument("--lr", type=float, help="peak AdamW learning rate (3e-3)")
     lm_train.add_argument("--seed", type=int, help="seeds the weights and the windows (0)")
     _add_wandb_flag(lm_train)
-    lm_train.add_argument("--num-threads", type=_positive_int, help="torch threads (default: torch's)")
+    lm_train.add_argument("--num-threads", type=positive_int, help="torch threads (default: torch's)")
     lm_train.add_argument("--force", action="store_true", help="retrain even when cached")
     lm_train.add_argument("--no-progress", action="store_true", help="no progress bar")
     lm_train.set_defaults(func=cmd_lm_train)
@@ -176,15 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     importance.add_argument("--fp8-share", type=float, help="share of KV heads saved FP8 (0.5)")
     importance.add_argument("--drop-share", type=float, help="share of KV heads dropped (0.1)")
-    importance.add_argument("--calib-bytes", type=_positive_int, help="validation bytes scored (65536)")
+    importance.add_argument("--calib-bytes", type=positive_int, help="validation bytes scored (65536)")
+    importance.add_argument("--eval-bytes", type=positive_int, help="test bytes of the masking check (65536)")
     importance.add_argument(
-        "--eval-bytes", type=_positive_int, help="test bytes of the masking check (65536)"
-    )
-    importance.add_argument(
-        "--seq-len", type=_positive_int, help="window bytes (default: the model's training)"
+        "--seq-len", type=positive_int, help="window bytes (default: the model's training)"
     )
     importance.add_argument("--seed", type=int, help="calibration windows and random masks (0)")
-    importance.add_argument("--num-random", type=_positive_int, help="random masks averaged (8)")
+    importance.add_argument("--num-random", type=positive_int, help="random masks averaged (8)")
     importance.add_argument(
         "--normalize",
         choices=("layer", "none"),
@@ -193,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     importance.add_argument(
         "--single-head", action="store_true", help="also mask each KV head alone and rank-correlate"
     )
-    importance.add_argument("--num-threads", type=_positive_int, default=1, help="torch threads (default 1)")
+    importance.add_argument("--num-threads", type=positive_int, default=1, help="torch threads (default 1)")
     importance.set_defaults(func=cmd_importance)
 
     serve = sub.add_parser("serve", help="HTTP server (OpenAI-compatible), engine on the wall clock")
@@ -231,122 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     lengths.add_argument("--out", type=Path, required=True, help="the model file to write (lengths.json)")
     lengths.set_defaults(func=cmd_lengths)
 
-    bench = sub.add_parser(
-        "bench",
-        help="micro/macro benchmarks; one JSON object on stdout (early --windows, lengths, peers: a table)",
-    )
-    bench.add_argument("name", choices=sorted([*BENCHMARKS, *JUDGED_BENCHMARKS]))
-    bench.add_argument("--json", action="store_true", help="compact JSON on one line")
-    bench.add_argument(
-        "--quick",
-        action="store_true",
-        help="smaller sizes, for smoke checks (seconds; early --windows: minutes, see --windows)",
-    )
-    bench.add_argument(
-        "--model", help="codec: a trained tiny LM (lm.pt); early: a predictor checkpoint for the lstm policy"
-    )
-    bench.add_argument("--plan", help="codec: a head plan file (preempt importance writes one)")
-    bench.add_argument(
-        "--measured",
-        help="clock: also score the bundled profile of the GPU a `preempt calibrate --device cuda` "
-        "run measured against that run's GEMM and elementwise times (its output file)",
-    )
-    bench.add_argument(
-        "--windows",
-        action="store_true",
-        help="early: the async arms on every held-out trace window, with intervals (--model may "
-        "list several checkpoints, comma-separated: training seeds); prints a table, writes it and "
-        "the result to --out. Minutes: with --quick (2 windows of 60 s, no --model) 2.0 to 4.3 min "
-        "measured on a shared 2-core machine; without --quick, 4 windows of 200 s",
-    )
-    bench.add_argument(
-        "--trace",
-        help="early --windows: the trace replayed, a bundled name (azure-conv, azure-code, "
-        "mooncake-synthetic) or an Azure CSV / Mooncake JSONL path (default azure-conv); its "
-        "windows avoid every window the checkpoints were trained on",
-    )
-    bench.add_argument(
-        "--arms",
-        help="early --windows: the arms to run beside the synchronous none baseline, comma-separated "
-        "(lookahead, rule, forecast, forecast_k4, projection, projection_learned, lstm, lstm_capped; "
-        "default all; without --model, those without lstm). vllm --http: the servers, comma-separated "
-        "(vllm_fcfs, vllm_priority, plugin; default all)",
-    )
-    bench.add_argument(
-        "--lengths",
-        help="early --windows: the projection_learned arm's output-length model (`preempt lengths` "
-        "writes one; default: fitted on the trace outside each window)",
-    )
-    bench.add_argument(
-        "--modes",
-        help="early --windows: the preemption modes, comma-separated (swap, swap_zstd; default both)",
-    )
-    bench.add_argument(
-        "--max-tokens",
-        choices=["fixed", "noisy", "trace"],
-        help="early --windows: what clients send as max_tokens (workload.max_tokens_mode; default "
-        "collect.yaml's fixed 1024; trace: the true output length, an oracle's privilege)",
-    )
-    bench.add_argument(
-        "--out",
-        type=Path,
-        help="early --windows: the folder it writes result.json (what --json prints) and "
-        "results.md (the table) to (runs/bench/early_windows; with --json, none unless given). "
-        "fidelity: the folder for the step logs, the client's records (real.json), the calibrated "
-        "target.json, fidelity.json and fidelity.md (default runs/fidelity)",
-    )
-    bench.add_argument(
-        "--real",
-        type=Path,
-        metavar="DIR",
-        help="fidelity: judge the real runs a bench left in DIR again (calibrate, simulate, compare; "
-        "no servers, seconds)",
-    )
-    bench.add_argument(
-        "--http",
-        action="store_true",
-        help="vllm: the peer's own `vllm serve` per arm (fcfs, priority, the plugin), driven over HTTP",
-    )
-    bench.add_argument(
-        "--connector",
-        action="store_true",
-        help="vllm --http: preempt's KV connector against vLLM's recompute under forced preemptions "
-        "(preempt.bench.vllm_connector: plain vLLM, the plugin, the plugin with raw / mixed copies and "
-        "early copies; long and short prompts): tokens recomputed, latency, TTFT, throughput with 95%% "
-        "intervals (about 6 min; --quick 3 min). fidelity: also the judge windows through vLLM FCFS "
-        "with preempt's KV connector (raw, mixed) against its recompute, beside the simulator's "
-        "prediction of the same gain",
-    )
-    bench.add_argument(
-        "--shape",
-        choices=["mixed", "priority", "both"],
-        help="vllm --http: the workload (preempt.bench.vllm_http.SHAPES): mixed (default; 48-token "
-        "priority-3 requests, the urgent class right behind them), priority (200-token priority-3 "
-        "requests keep the pool under memory pressure, the urgent class every 0.4 s from 3 s), or both",
-    )
-    bench.add_argument(
-        "--vidur",
-        action="store_true",
-        help="peers: Vidur 0.0.26 (`make vidur`) beside preempt on the same azure-conv requests, "
-        "Llama-3-70B on 2 A100s: wall time, peak RSS, latency percentiles, preemptions (the hour: "
-        "a few minutes; --quick: its first 10 minutes); prints a table",
-    )
-    bench.add_argument(
-        "--no-served-speed",
-        action="store_true",
-        help="codec: skip the speed section at a served model's KV shape (minutes)",
-    )
-    bench.add_argument(
-        "--no-speed",
-        action="store_true",
-        help="codec: quality and size per plan only, no CPU speed columns (the main job's step)",
-    )
-    bench.add_argument(
-        "--prompts",
-        type=_positive_int,
-        help="codec: held-out prompts each plan's quality is measured on (16)",
-    )
-    bench.set_defaults(func=cmd_bench)
+    add_bench_parser(sub)
 
     calibrate = sub.add_parser("calibrate", help="fit the virtual clock's device profile (docs/clock.md)")
     calibrate.add_argument(
@@ -379,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     ablate.add_argument("--config", type=Path, required=True, help="e.g. preempt/configs/quick.yaml")
     ablate.add_argument("--out", type=Path, required=True, help="writes results.csv, results.md, plots/")
     _add_wandb_flag(ablate)
-    ablate.add_argument("--jobs", type=_positive_int, help="arms run at once (default: min(cores, arms))")
+    ablate.add_argument("--jobs", type=positive_int, help="arms run at once (default: min(cores, arms))")
     ablate.add_argument("--predictor", help="predictor.ckpt for early_lstm arms (else they are skipped)")
     ablate.add_argument("--arms", help="run only these arms (comma-separated)")
     ablate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a base key")
@@ -491,8 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("--config", type=Path, required=True, help="e.g. preempt/configs/tune.yaml")
     tune.add_argument("--out", type=Path, required=True, help="writes study.json, best.yaml, trials/")
-    tune.add_argument("--trials", type=_positive_int, help="trials in all (default: the config's `trials`)")
-    tune.add_argument("--jobs", type=_positive_int, help="runs at once (default: min(cores, a batch's runs))")
+    tune.add_argument("--trials", type=positive_int, help="trials in all (default: the config's `trials`)")
+    tune.add_argument("--jobs", type=positive_int, help="runs at once (default: min(cores, a batch's runs))")
     tune.add_argument(
         "--ray-address",
         help="run the trials' runs as tasks on this Ray cluster (e.g. ray://head:10001 or auto); "

@@ -36,8 +36,10 @@ def test_vidur_trace_holds_the_requests_unscaled(tmp_path):
 def test_bench_peers_refuses_without_its_peer(monkeypatch, tmp_path, capsys):
     assert main(["bench", "peers"]) == 2
     assert "needs a peer: --vidur" in capsys.readouterr().err
-    assert main(["bench", "engine", "--vidur"]) == 2
-    assert "--vidur applies to `bench peers` only" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # argparse: `bench engine` takes no --vidur
+        main(["bench", "engine", "--vidur"])
+    assert exc.value.code == 2
+    assert "preempt bench engine: error: unrecognized arguments: --vidur" in capsys.readouterr().err
     monkeypatch.setenv("PREEMPT_VIDUR_PYTHON", str(tmp_path / "none" / "python"))
     assert main(["bench", "peers", "--vidur"]) == 2
     assert "run `make vidur`" in capsys.readouterr().err
