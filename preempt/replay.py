@@ -17,7 +17,7 @@ from preempt.core.config import EngineConfig
 from preempt.core.request import Request
 from preempt.core.workload import build_workload
 from preempt.engine.engine import Engine
-from preempt.engine.step import EngineView, StepOutput
+from preempt.engine.view import EngineView, StepOutput
 from preempt.obs.results import summarize, write_preemptions_parquet, write_requests_parquet, write_summary
 
 

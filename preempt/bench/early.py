@@ -49,7 +49,7 @@ from preempt.core.config_files import BUNDLED_CONFIGS, load_config
 from preempt.core.workload import build_workload
 from preempt.early.features import FORECAST_EVERY_STEPS
 from preempt.engine.engine import Engine
-from preempt.engine.step import StepOutput
+from preempt.engine.view import StepOutput
 from preempt.obs.results import write_preemptions_parquet
 from preempt.replay import run_summary
 

@@ -15,7 +15,7 @@ import numpy as np
 from preempt.core.config import build_config
 from preempt.core.request import Request
 from preempt.engine.engine import Engine
-from preempt.engine.step import StepOutput
+from preempt.engine.view import StepOutput
 
 # A replay's phases, in step order. The components are timed by wrapping them from outside
 # (`_PhaseTimer`), so the engine's own step carries no timers. `step_other` is the step's

@@ -10,6 +10,6 @@ expected end against the free blocks) and `online_predictor` (the trained LSTM, 
 
 The step never imports this package: `preempt.engine.engine` builds the saver and the
 prefetcher by name (`preempt.core.registry.STEP_HOOKS`) and calls them with the engine's
-view (`preempt.engine.step.EngineView`). Imports `preempt.core`, `preempt.kv` and
+view (`preempt.engine.view.EngineView`). Imports `preempt.core`, `preempt.kv` and
 `preempt.engine`; never `preempt.obs` or anything above it.
 """

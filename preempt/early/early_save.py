@@ -55,7 +55,7 @@ from preempt.kv.record import is_preemption
 if TYPE_CHECKING:
     from preempt.early.lookahead import Lookahead
     from preempt.engine.lengths import LengthModel
-    from preempt.engine.step import EngineView, StepOutput
+    from preempt.engine.view import EngineView, StepOutput
 
 # The rule fires when free KV falls under this share (a memory preemption is near).
 _RULE_FREE_KV = 0.05

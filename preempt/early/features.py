@@ -35,7 +35,7 @@ from preempt.engine.priority import age_terms, priority_scores, remaining_ktoken
 
 if TYPE_CHECKING:
     from preempt.early.lookahead import RollingForecast
-    from preempt.engine.step import EngineView
+    from preempt.engine.view import EngineView
 
 FEATURE_NAMES: tuple[str, ...] = (
     "num_preemptions",

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from preempt.core.request import Request
-    from preempt.engine.step import EngineView
+    from preempt.engine.view import EngineView
 
 
 class Forecast(NamedTuple):

@@ -37,7 +37,7 @@ from preempt.core.config import EarlySaveConfig
 
 if TYPE_CHECKING:
     from preempt.core.request import Request
-    from preempt.engine.step import EngineView, StepOutput
+    from preempt.engine.view import EngineView, StepOutput
 
 
 class Prefetcher:

@@ -38,7 +38,7 @@ from preempt.engine.priority import time_slice_s
 if TYPE_CHECKING:
     from preempt.core.config import PreemptionConfig
     from preempt.core.request import Request
-    from preempt.engine.step import EngineView
+    from preempt.engine.view import EngineView
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ from preempt.engine.decode_runs import RunSteps
 from preempt.engine.policies import get_policy
 from preempt.engine.remaining import make_estimator
 from preempt.engine.scheduler import Scheduler, SchedulerOutput
-from preempt.engine.step import EngineView, StepOutput
+from preempt.engine.view import EngineView, StepOutput
 
 
 class Engine:

@@ -110,13 +110,13 @@ class Scheduler(DecodeRuns):
         self._batch_reuses_copy_out = False  # this step's batch allocated into copied-out blocks
         self._background_reuses = False  # the async restore being admitted did
         self.records: list[PreemptionRecord] = []
-        # The save record each request with its KV on the host resumes from (the host copy
-        # itself is the mover's); and saves whose stored size a worker has yet to report.
         self.num_preemptions = 0
         self.num_preemption_failed = 0
         self._now = 0.0
         self.copy_out = CopyOut()  # blocks freed by saves whose copy-out may still run
-        self.host = HostCopies(mover, self.copy_out)  # victims' KV on the host
+        # victims' KV on the host: the save record each resumes from, and saves whose stored
+        # size a worker has yet to report (the copies themselves are the mover's)
+        self.host = HostCopies(mover, self.copy_out)
 
     # ----------------------------------------------------------------- queue
     @property

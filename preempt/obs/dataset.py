@@ -41,7 +41,7 @@ from preempt.early.features import FEATURE_SET_DOCS, FEATURE_SETS, NUM_FEATURES,
 if TYPE_CHECKING:
     from datasets import Dataset
 
-    from preempt.engine.step import EngineView, StepOutput
+    from preempt.engine.view import EngineView, StepOutput
     from preempt.kv.record import PreemptionRecord
 
 # Engine-clock times are float sums of step durations: t + 0.05 and the record's time can

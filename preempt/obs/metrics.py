@@ -46,7 +46,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 if TYPE_CHECKING:
     from preempt.core.request import Request
     from preempt.engine.engine import Engine
-    from preempt.engine.step import StepOutput
+    from preempt.engine.view import StepOutput
     from preempt.kv.record import PreemptionRecord
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -14,7 +14,7 @@ from preempt.core.request import Request
 from preempt.parity.workload import ParityRequest, ParityWorkload
 
 if TYPE_CHECKING:
-    from preempt.engine.step import StepOutput
+    from preempt.engine.view import StepOutput
 
 POLICIES = {"fcfs": "vllm_fcfs", "priority": "vllm_priority", "lcf": "vllm_lcf"}
 

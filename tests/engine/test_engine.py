@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from preempt.core.request import RequestState, ScheduledChunk
 from preempt.engine.engine import Engine
 from preempt.engine.scheduler import SchedulerOutput
-from preempt.engine.step import StepOutput
+from preempt.engine.view import StepOutput
 from preempt.model.tiny import generate_naive
 from tests.conftest import make_request, small_config
 

@@ -12,7 +12,7 @@ from preempt.core.limits import RATE_WINDOW_S
 from preempt.core.request import RequestState
 from preempt.engine.engine import Engine
 from preempt.engine.priority import time_slice_s
-from preempt.engine.step import StepOutput
+from preempt.engine.view import StepOutput
 from preempt.obs.results import output_digest
 from tests.conftest import make_request, small_config
 

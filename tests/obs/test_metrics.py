@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from preempt.core.request import Request
 from preempt.engine.engine import Engine
-from preempt.engine.step import StepOutput
+from preempt.engine.view import StepOutput
 from preempt.kv.record import PreemptionRecord
 from preempt.obs.metrics import PreemptionMetrics
 from tests.conftest import make_request, small_config
