@@ -71,12 +71,12 @@ parity: $(STAMP) $(PEER_PREEMPT)
 	mkdir -p runs
 	$(BIN)/preempt parity vllm --bundled --policy all --summary > runs/parity.json
 
-# Main job on embedded defaults (experiments/main.py): train the reference LM (cached in
+# Main job on embedded defaults (preempt/cli/main_job.py): train the reference LM (cached in
 # runs/lm), head importance -> plan, collect features (three windows), train the
 # predictor, the `quick` ablation with wandb offline, the codec's quality per plan, the
 # claims report (README: its time on 2 cores; runs/main/main_times.json).
 run: $(STAMP)
-	$(BIN)/python -m experiments.main --out runs/main
+	$(BIN)/python -m preempt.cli.main_job --out runs/main
 
 # The sweeps behind docs/results.md (preempt/configs/*.yaml; null backend, 5 seeds per
 # point, Ray on this machine's cores; docs/results.md gives each one's wall time), then

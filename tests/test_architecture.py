@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("preempt.cli",),  # the CLI alone imports everything
 )
 # Run as programs (`python -m ...`), imported by nothing: they may import anything.
-ENTRY_POINTS = frozenset({"preempt.server", "preempt.serve.__main__", "experiments.main"})
+ENTRY_POINTS = frozenset({"preempt.server", "preempt.serve.__main__"})
 # Run in vLLM's own virtualenv (PYTHONPATH=repo, preempt/parity/harness.py, or preempt
 # installed there, `make peer`): what they import at module level must exist there.
 # prometheus_client: a dependency of vLLM itself (its /metrics).
@@ -236,7 +236,10 @@ def test_the_checks_see_a_circle_and_an_upward_import():
     assert layering_violations(edges) == [
         "preempt.core.config -> preempt.engine.policies (function): preempt.engine is not below preempt.core"
     ]
-    assert layering_violations({"experiments.main": {"preempt.cli": {"top"}}}) == []
+    assert layering_violations({"preempt.cli.main_job": {"experiments.report": {"top"}}}) == []
+    assert layering_violations({"experiments.main": {"preempt.cli": {"top"}}}) == [
+        "experiments.main -> preempt.cli (top): preempt.cli is not below experiments"
+    ]
     assert layering_violations({"preempt.bench.serve": {"predictor.online": {"type"}}}) == [
         "preempt.bench.serve -> predictor.online (type): predictor is not below preempt.bench"
     ]

@@ -93,7 +93,7 @@ def bench_codec(
 ) -> dict[str, Any]:
     """The module doc's table, one row per plan. `speed=False`: size and quality only (no
     CPU speed columns, no served-shape section); `num_prompts`: quality over this many
-    prompts (16; quick 4). The main job takes both (32 prompts: experiments/main.py)."""
+    prompts (16; quick 4). The main job takes both (32 prompts: preempt/cli/main_job.py)."""
     torch.set_num_threads(CPU_THREADS)  # comparable across machines; quality does not depend on it
     default_prompts, prompt_len, num_gen = (4, 256, 32) if quick else (16, 512, 64)
     num_prompts = num_prompts or default_prompts

@@ -124,8 +124,8 @@ def test_the_report_command_takes_the_flag():
 
 
 def test_the_main_job_measures_its_prompts_and_hands_them_to_the_report(tmp_path, monkeypatch):
-    import experiments.main as main_job
     import preempt.bench.early_windows
+    import preempt.cli.main_job as main_job
 
     steps: list[list[str]] = []
 

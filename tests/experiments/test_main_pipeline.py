@@ -1,4 +1,4 @@
-"""The main job in miniature (experiments/main.py's steps 3-5): `preempt collect` on a
+"""The main job in miniature (preempt/cli/main_job.py's steps 3-5): `preempt collect` on a
 training window, `preempt train` with its defaults (the threshold rule included), then the
 early-save arm against its parent. The trained predictor must act: `early_lstm` saves
 early and so differs from `swap_mixed`; a checkpoint that never warned would make them

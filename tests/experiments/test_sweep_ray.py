@@ -206,7 +206,7 @@ def test_quick_seeds_are_samples_of_the_workload(tmp_path):
     """Each seed of the main job's ablation replays its own minute of the trace (so an arm
     blind to SLA classes does not repeat exactly), none inside the predictor's training
     windows; the tiny arms keep the first 30 s (their cost)."""
-    from experiments.main import TRAIN_WINDOWS_START_S
+    from preempt.cli.main_job import TRAIN_WINDOWS_START_S
 
     plan = plan_ablation(Path("preempt/configs/quick.yaml"), tmp_path / "q")
     starts = {run.key: run.config.workload.start_s for run in plan.runs}

@@ -24,7 +24,7 @@ Thin on purpose: each step is the documented CLI command (printed before it runs
 user can rerun any one of them alone. Step 1 reuses `--lm` (runs/lm) when it holds an LM
 of the same training config; every other step reruns.
 
-    python -m experiments.main [--out runs/main] [--wandb offline]
+    python -m preempt.cli.main_job [--out runs/main] [--wandb offline]
 """
 
 from __future__ import annotations
@@ -213,7 +213,9 @@ def _section(path: Path, heading: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.main", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m preempt.cli.main_job", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/main"))
     parser.add_argument(
         "--lm", type=Path, default=Path("runs/lm"), help="the reference LM's folder (reused when up to date)"
