@@ -123,6 +123,17 @@ OBJECTIVES = (
 )
 
 
+DOMINATES, DOMINATED, TRADE = "dominates", "dominated", "trade"
+
+
+def outcome(sides: Sequence[str]) -> str:
+    """What one arm's sides against another's add up to: DOMINATES (better on one, worse
+    on none), DOMINATED, TRADE (better on one, worse on another) or TIED."""
+    if BETTER in sides:
+        return TRADE if WORSE in sides else DOMINATES
+    return DOMINATED if WORSE in sides else TIED
+
+
 def side(diff: Interval, higher_is_better: bool) -> str:
     """BETTER / WORSE / TIED for the interval of (challenger - incumbent)."""
     if not diff.is_defined:
@@ -146,11 +157,11 @@ class Comparison:
 
     @property
     def dominates(self) -> bool:
-        return BETTER in self.sides and WORSE not in self.sides
+        return outcome(self.sides) == DOMINATES
 
     @property
     def dominated(self) -> bool:
-        return WORSE in self.sides and BETTER not in self.sides
+        return outcome(self.sides) == DOMINATED
 
 
 def compare_arms(

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from experiments.dominance import (
-    BETTER,
     OBJECTIVES,
     WORSE,
     Arms,
@@ -35,6 +34,7 @@ from experiments.dominance import (
     compare_arms,
     is_baseline,
     is_oracle,
+    outcome,
     paired,
     top_level,
 )
@@ -138,17 +138,6 @@ def comparison_judges(points: Sequence[Point], objectives: Sequence[Objective] =
 
                     judges[(point.label, arm, baseline, objective.metric)] = judge
     return judges
-
-
-def outcome(sides: Sequence[str]) -> str:
-    """What one arm's sides against another add up to."""
-    if BETTER in sides and WORSE not in sides:
-        return "dominates"
-    if WORSE in sides and BETTER not in sides:
-        return "dominated"
-    if BETTER in sides:
-        return "trade"
-    return "tied"
 
 
 # ---------------------------------------------------------------- which policy to use
@@ -263,7 +252,7 @@ def section(
     say which the correction changed); `how`: that correction in words; `source`: where
     the runs are and how they were made."""
     per_verdict = per_verdict or verdicts
-    design = [a for a in points[0].design] if points else []
+    design = list(points[0].design) if points else []
     arms = list(dict.fromkeys(a for p in points for a in [*p.baselines, *p.design] if a != STRICT_PRIORITY))
     lines = [
         "## Which policy should I use?",

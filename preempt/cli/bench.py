@@ -39,6 +39,15 @@ BENCH_HELP = {
 }
 
 
+# Every flag any benchmark takes, as it reads where a benchmark does not take it: cmd_bench
+# asks each namespace the same questions, whichever subcommand parsed it.
+_UNSET = {
+    **dict.fromkeys(("model", "plan", "prompts", "measured", "trace", "arms", "lengths", "modes")),
+    **dict.fromkeys(("max_tokens", "out", "real", "shape")),
+    **dict.fromkeys(("no_served_speed", "no_speed", "windows", "http", "connector", "vidur"), False),
+}
+
+
 def add_bench_parser(sub: Any) -> None:
     """`preempt bench NAME [flags]`: one subcommand per benchmark, each with its flags."""
     from preempt.bench import BENCHMARKS
@@ -57,7 +66,7 @@ def add_bench_parser(sub: Any) -> None:
             action="store_true",
             help="smaller sizes, for smoke checks (seconds; early --windows: minutes, see --windows)",
         )
-        parser.set_defaults(func=cmd_bench)
+        parser.set_defaults(func=cmd_bench, **_UNSET)
     codec, early, vllm = parsers["codec"], parsers["early"], parsers["vllm"]
     codec.add_argument("--model", help="a trained tiny LM (lm.pt): quality per plan")
     codec.add_argument("--plan", help="a head plan file (preempt importance writes one)")
@@ -178,12 +187,6 @@ def add_bench_parser(sub: Any) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from preempt.bench import BENCHMARKS
 
-    # every flag of every benchmark, None (or False) where this one has no such flag
-    for flag in ("model", "plan", "prompts", "measured", "trace", "arms", "lengths", "modes", "max_tokens",
-                 "out", "real", "shape"):  # fmt: skip
-        setattr(args, flag, getattr(args, flag, None))
-    for flag in ("no_served_speed", "no_speed", "windows", "http", "connector", "vidur"):
-        setattr(args, flag, getattr(args, flag, False))
     options = {
         key: getattr(args, key)
         for key in ("model", "plan", "prompts", "measured")

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from experiments import headline
-from experiments.headline import Point, outcome, recommend, within_strict_priority
+from experiments.dominance import outcome
+from experiments.headline import Point, recommend, within_strict_priority
 
 
 def _rows(arm: str, goodput: list[float], ttft: list[float], attainment: float = 0.9) -> list[dict]:
