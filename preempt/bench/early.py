@@ -55,7 +55,7 @@ from preempt.replay import run_summary
 
 if TYPE_CHECKING:
     from preempt.kv.record import PreemptionRecord
-    from preempt.kv.segment import Segment
+    from preempt.kv.store import Segment
 
 COLLECT = BUNDLED_CONFIGS / "collect.yaml"
 # The trace window replayed: one that no recipe here trains a predictor on (the collects

@@ -140,6 +140,8 @@ CODECS = Registry(
         "raw": "preempt.kv.codec:RawCodec",
         "zstd": "preempt.kv.codec:ZstdCodec",
         "mixed": "preempt.kv.codec:MixedCodec",
+        "fp8": "preempt.kv.codec:Fp8Codec",
+        "lz4": "preempt.kv.lz4:Lz4Codec",
     },
 )
 """KV codecs: how a saved request's KV becomes a host blob and back (preempt.kv.codec,
@@ -156,17 +158,36 @@ PREEMPTION_MODES: dict[str, str | None] = {
 """`preemption.mode` -> the codec (a name of `CODECS`) its preemptions save the victim's KV
 with. None: a preemption saves nothing -- `recompute` drops the KV, `pause` keeps it
 resident and saves it with `preemption.reclaim_codec` when its blocks are reclaimed (or
-a preemption forced by memory must free them)."""
+a preemption forced by memory must free them). Beside these, `swap_<name>` is a mode for
+every codec `<name>` in `CODECS` (`swap_fp8`, `swap_lz4`): a new codec needs no line here."""
+
+SWAP_PREFIX = "swap_"
 
 RECLAIM_CODECS = ("raw", "zstd")
 """`preemption.reclaim_codec`: the codecs of `CODECS` that can save a paused request (the
 lossless ones that need no head plan)."""
 
 
+def mode_codec(mode: str) -> str | None:
+    """The codec `mode` saves with (`PREEMPTION_MODES`, or `<name>` of `swap_<name>`);
+    KeyError if `mode` is none of them."""
+    if mode in PREEMPTION_MODES:
+        return PREEMPTION_MODES[mode]
+    name = mode.removeprefix(SWAP_PREFIX)
+    if mode.startswith(SWAP_PREFIX) and name in CODECS.names():
+        return name
+    raise KeyError(mode)
+
+
 def check_mode(mode: str) -> str:
     """`mode` if it is a `preemption.mode`; else ValueError naming the choices."""
-    if mode not in PREEMPTION_MODES:
-        raise ValueError(f"unknown preemption mode '{mode}'; choose one of {list(PREEMPTION_MODES)}")
+    try:
+        mode_codec(mode)
+    except KeyError:
+        raise ValueError(
+            f"unknown preemption mode '{mode}'; choose one of {list(PREEMPTION_MODES)} "
+            f"or swap_<codec> for a codec of {CODECS.names()}"
+        ) from None
     return mode
 
 
@@ -179,6 +200,6 @@ def check_reclaim_codec(name: str) -> str:
 
 
 def save_codec(mode: str, reclaim_codec: str) -> str:
-    """The codec a save under `mode` uses: the mode's own (`PREEMPTION_MODES`), else (a
-    `pause` reclaim, or its forced or early save) `reclaim_codec`."""
-    return PREEMPTION_MODES[mode] or reclaim_codec
+    """The codec a save under `mode` uses: the mode's own (`mode_codec`), else (a `pause`
+    reclaim, or its forced or early save) `reclaim_codec`."""
+    return mode_codec(mode) or reclaim_codec

@@ -4,13 +4,16 @@
   writes it), `is_preemption`, the `KVMover` interface the scheduler calls and its
   results `SaveResult` / `RestoreResult`;
 - `saver`: the `KVMover`: owns the host copies and returns each move's result, composed of
-  `blobs` (a segment into one host-pool blob and back: codecs, head plan, workers),
+  `blobs` (the engine's side of the host store: its codecs, KV cache and workers),
   `timing` (virtual time of each move, and when copied-out blocks are free again) and
   `speculative` (early copies, restores started before admission, their accounting);
-  `segment`: a host copy's blobs and the futures of what a worker learns later;
+- `store`: the one home of a host copy, for the engine and the vLLM connector alike: a
+  segment (one blob) and a saved copy, the encode worker, the host store that saves a
+  segment out of a paged cache and restores it, and copies by request id;
 - `copy_out`: blocks still being copied out (the one model of it: the scheduler feeds
   it, the engine stalls by it);
-- `codec`: raw / zstd / mixed-precision blobs; `host_pool`: the pinned host arena of slots;
+- `codec`: raw / zstd / mixed-precision / fp8 blobs, each codec one class with its device
+  side (gather, scatter, what it costs); `host_pool`: the pinned host arena;
 - `kv_cache`: the device KV tensors.
 
 Acting code: it moves bytes when told to. Who is saved, restored or prefetched is decided

@@ -1,23 +1,28 @@
-"""KV codecs: turn a gathered KV tensor into a self-describing blob and back.
+"""KV codecs: a request's KV out of a paged cache into a self-describing blob, and back.
 
 Owns: the blob format shared by every codec (a fixed little-endian header, then the payload),
-its validation, and the codecs themselves (`raw`, `zstd`, and the lossy `mixed` of mode
-`swap_mixed`: FP16 / FP8 / drop per KV head by a head plan). Their names live in
-`preempt.core.registry.CODECS`; `CODECS` here is that registry's classes. A KV tensor here is one
-request's cache in logical order, `(num_layers, 2, num_tokens, num_kv_heads, head_dim)`,
-contiguous, on the CPU.
+its validation, and the codecs themselves (`raw`, `zstd`, the lossy `mixed` of mode
+`swap_mixed`: FP16 / FP8 / drop per KV head by a head plan, and `fp8`: every head FP8).
+Their names live in `preempt.core.registry.CODECS`; `CODECS` here is that registry's
+classes. A codec is one class with two sides:
+- the host side, `encode_parts` / `decode`: a dense CPU tensor (any shape; a request's KV is
+  `(num_layers, 2, num_tokens, num_kv_heads, head_dim)` in logical order) <-> one blob;
+- the device side, `gather` / `scatter` (over any `PagedCache`: the engine's, or the vLLM
+  connector's view of vLLM's) and what it costs on the virtual clock (`device_time`,
+  `host_time_s`, `stored_share`). By default a save copies the cache's bytes to the host
+  and encodes them there; `mixed` quantizes on the device, fused with the block gather.
 
-It must never: touch devices or block tables (the saver gathers and moves tensors), hold state
-between blobs (every blob decodes on its own, with any instance of its codec), or trust a
-header it has not validated (a corrupt blob raises CorruptBlobError, it never yields a wrong
-tensor or a huge allocation).
+It must never: hold state between blobs (every blob decodes on its own, with any instance of
+its codec), keep a block table (callers pass one per call), or trust a header it has not
+validated (a corrupt blob raises CorruptBlobError, it never yields a wrong tensor or a huge
+allocation).
 
 Blob layout (version 1, little-endian):
 
     offset size field
     0      4    magic b"PKV1"
     4      2    version (u16) = 1
-    6      1    codec id (u8): 0 raw, 1 zstd, 2 mixed
+    6      1    codec id (u8): the writing codec's `codec_id` (raw 0, zstd 1, mixed 2, fp8 3, ...)
     7      1    dtype code (u8), see _DTYPES
     8      1    flags (u8), codec-specific (zstd: bit 0 = byte-shuffled)
     9      1    ndim (u8)
@@ -43,8 +48,8 @@ import struct
 import threading
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
-from typing import Any, ClassVar, NamedTuple
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -229,6 +234,92 @@ class Codec(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
+    # ---- the device side: what a save reads out of a paged cache, what a restore writes back.
+    # A codec that packs on the device (`mixed`) overrides these; the rest move the cache's
+    # own bytes and encode them on the host.
+
+    @classmethod
+    def build(cls, options: Mapping[str, Any], num_layers: int, num_kv_heads: int, seed: int = 0) -> Codec:
+        """This codec for a model with this many layers and KV heads (a codec that
+        quantizes per head sizes its plan by them), from its options."""
+        return cls(**options)
+
+    def gather(self, cache: PagedCache, block_ids: Sequence[int], start: int, num_tokens: int) -> Any:
+        """Tokens `[start, start + num_tokens)` of the request whose block table is `block_ids`,
+        out of `cache` and onto the host, as `encode_gathered` takes them: a copy, so the
+        blocks may be reused once this returns."""
+        return cache.gather(block_ids, start, num_tokens).to("cpu")
+
+    def encode_gathered(self, gathered: Any) -> list[bytes | np.ndarray]:
+        """What `gather` returned -> blob parts (header first)."""
+        return self.encode_parts(gathered)
+
+    def decode_gathered(self, blob: bytes | bytearray | memoryview | np.ndarray) -> Any:
+        """A blob -> what `scatter` writes (the inverse of `encode_gathered`)."""
+        return self.decode(blob)
+
+    def scatter(
+        self, decoded: Any, cache: PagedCache, block_ids: Sequence[int], start: int, num_tokens: int
+    ) -> np.ndarray | None:
+        """Write `decoded` as tokens `[start, start + num_tokens)` of the request whose block
+        table is `block_ids`; the heads it could not restore, (L, H) bool, or None for
+        none. Raises CorruptBlobError when `decoded` is not KV of that shape."""
+        cache.scatter(decoded, block_ids, start, num_tokens)
+        return None
+
+    def device_time(self, nbytes: float, cost_model: Any) -> tuple[float, float]:
+        """Virtual clock: (device kernel seconds, bytes over PCIe) of moving `nbytes` of the
+        deployment's KV through this codec: the raw bytes, no kernel."""
+        return 0.0, nbytes
+
+    def host_time_s(self, nbytes: float, mb_s: Mapping[str, float]) -> float:
+        """Virtual clock: host seconds to encode (or decode) `nbytes` at the calibrated
+        throughputs `mb_s` (codec name -> MB/s; 0 or absent: free)."""
+        return _seconds(nbytes, mb_s.get(self.name, 0.0))
+
+    def stored_share(self, modelled_ratio: Mapping[str, float]) -> float:
+        """The share of the raw bytes a blob takes, where no KV data exists to measure it
+        (the `null` backend): one over the codec's assumed compression ratio."""
+        return 1 / modelled_ratio[self.name]
+
+    @property
+    def loses_precision(self) -> bool:
+        """A restore from this codec's blobs is not the saved KV, bit for bit."""
+        return not self.is_lossless
+
+    def check_shape(self, num_layers: int, num_kv_heads: int) -> None:  # noqa: B027 (most fit any shape)
+        """ValueError unless this instance can save KV of this many layers and KV heads."""
+
+
+class PagedCache(Protocol):
+    """A paged KV cache as a codec's device side reads and writes it: the engine's
+    `preempt.kv.kv_cache.KVCache`, the vLLM connector's view of vLLM's cache. A request's
+    KV is addressed by its block table and a token range of whole blocks (a range may end
+    mid-block only at the request's last block)."""
+
+    def raw_nbytes(self, num_tokens: int) -> int:
+        """Bytes `gather` copies for `num_tokens` tokens, as this cache holds them."""
+        ...
+
+    def gather(self, block_ids: Sequence[int], start: int, num_tokens: int) -> torch.Tensor:
+        """A copy of the tokens' KV (the cache's layout; dense, on its device)."""
+        ...
+
+    def scatter(self, kv: torch.Tensor, block_ids: Sequence[int], start: int, num_tokens: int) -> None:
+        """The inverse of `gather`; CorruptBlobError if `kv` does not fit."""
+        ...
+
+    def gather_quantized(self, block_ids: Sequence[int], start: int, num_tokens: int, plan: Any) -> Any:
+        """The tokens' KV packed by a head plan, on the device (a `QuantizedKV`)."""
+        ...
+
+    def scatter_quantized(
+        self, quantized: Any, block_ids: Sequence[int], start: int, num_tokens: int
+    ) -> np.ndarray | None:
+        """Dequantize into the blocks; the dropped heads (L, H), or None for none.
+        CorruptBlobError if `quantized` does not fit."""
+        ...
+
 
 class RawCodec(Codec):
     """No compression: the payload is the tensor's bytes. The baseline every codec must beat."""
@@ -237,7 +328,7 @@ class RawCodec(Codec):
     codec_id = 0
 
     def encode_parts(self, kv: torch.Tensor) -> list[bytes | np.ndarray]:
-        data = _tensor_bytes(kv)
+        data = tensor_bytes(kv)
         return [pack_header(self.codec_id, 0, kv.dtype, tuple(kv.shape), data), data]
 
     def decode(self, blob: bytes | bytearray | memoryview | np.ndarray) -> torch.Tensor:
@@ -251,7 +342,7 @@ class RawCodec(Codec):
             )
         out = np.empty(header.raw_nbytes, dtype=np.uint8)
         out[:] = np.frombuffer(payload, dtype=np.uint8)
-        return _bytes_to_tensor(out, header)
+        return bytes_to_tensor(out, header)
 
 
 class ZstdCodec(Codec):
@@ -298,7 +389,7 @@ class ZstdCodec(Codec):
         return decompressor
 
     def encode_parts(self, kv: torch.Tensor) -> list[bytes | np.ndarray]:
-        data = _tensor_bytes(kv)
+        data = tensor_bytes(kv)
         itemsize = kv.dtype.itemsize
         is_shuffled = self.shuffle and itemsize > 1
         if is_shuffled:
@@ -327,7 +418,7 @@ class ZstdCodec(Codec):
             )
         if header.flags & FLAG_SHUFFLED:
             out = byte_unshuffle(out, header.dtype.itemsize)
-        return _bytes_to_tensor(out, header)
+        return bytes_to_tensor(out, header)
 
 
 class MixedCodec(Codec):
@@ -362,6 +453,7 @@ class MixedCodec(Codec):
         self.plan = plan  # kernels.plan.HeadPlan; only `encode` of a dense tensor needs it
         self.zstd = bool(zstd)
         self._zstd = ZstdCodec(level=level)
+        self._ratio: tuple[Any, float] | None = None  # (plan, its size ratio), see size_ratio
 
     def __repr__(self) -> str:
         return f"MixedCodec(plan={self.plan.source if self.plan else None!r}, zstd={self.zstd})"
@@ -377,18 +469,18 @@ class MixedCodec(Codec):
         """A `QuantizedKV` on the CPU -> blob parts (header first)."""
         plan = quantized.plan
         shape = (plan.num_layers, 2, quantized.num_tokens, plan.num_kv_heads, quantized.head_dim)
-        kept = _tensor_bytes(quantized.kept)
+        kept = tensor_bytes(quantized.kept)
         sections = [
             plan.codes().reshape(-1).view(np.uint8),
-            _tensor_bytes(quantized.scales),
+            tensor_bytes(quantized.scales),
             byte_shuffle(kept, quantized.dtype.itemsize) if self.zstd else kept,
-            _tensor_bytes(quantized.fp8),
+            tensor_bytes(quantized.fp8),
         ]
         flags = 0
         if not plan.is_legacy:
             flags = FLAG_FORMATS
             params = np.frombuffer(_FORMAT_PARAMS.pack(*plan.params()), dtype=np.uint8)
-            sections = [params, *sections, *(_tensor_bytes(rows) for rows in quantized.extra)]
+            sections = [params, *sections, *(tensor_bytes(rows) for rows in quantized.extra)]
         if self.zstd:
             payload: bytes | np.ndarray = self._zstd._compressor().compress(
                 b"".join(memoryview(section) for section in sections)
@@ -481,6 +573,101 @@ class MixedCodec(Codec):
 
         return dequantize_heads_ref(self.decode_quantized(blob))
 
+    # ---- the device side: quantize where the KV lives, fused with the block gather, so only
+    # the packed bytes cross PCIe; a restore dequantizes straight into the new blocks.
+
+    @classmethod
+    def build(cls, options: Mapping[str, Any], num_layers: int, num_kv_heads: int, seed: int = 0) -> Codec:
+        """`options`: `plan` (`fp16`, `fp8`, `random` or a plan file), `fp8_share` and
+        `drop_share` (the `random` plan's), `zstd`, `level`. The plan is shaped
+        (num_layers, num_kv_heads) unless it comes from a file (checked by whoever knows
+        the cache it will meet). ValueError naming what is wrong."""
+        from preempt.kernels.plan import HeadPlan
+
+        options = dict(options)
+        name = options.pop("plan", "random")
+        fp8_share, drop_share = options.pop("fp8_share", 0.5), options.pop("drop_share", 0.0)
+        if name == "fp16":
+            plan = HeadPlan.all_fp16(num_layers, num_kv_heads)
+        elif name == "fp8":
+            plan = HeadPlan.all_fp8(num_layers, num_kv_heads)
+        elif name == "random":
+            plan = HeadPlan.random(
+                num_layers, num_kv_heads, fp8_share=fp8_share, drop_share=drop_share, seed=seed
+            )
+        else:
+            plan = HeadPlan.load(name)
+        return cls(plan, **options)
+
+    @property
+    def size_ratio(self) -> float:
+        """Stored bytes of KV under the plan over 16-bit KV (per-request scales excluded:
+        they do not grow with tokens)."""
+        if self._ratio is None or self._ratio[0] is not self.plan:
+            self._ratio = (self.plan, plan_size_ratio(self.plan))
+        return self._ratio[1]
+
+    def gather(self, cache: PagedCache, block_ids: Sequence[int], start: int, num_tokens: int) -> Any:
+        return cache.gather_quantized(block_ids, start, num_tokens, self.plan).to("cpu")
+
+    def encode_gathered(self, gathered: Any) -> list[bytes | np.ndarray]:
+        return self.encode_quantized(gathered)
+
+    def decode_gathered(self, blob: bytes | bytearray | memoryview | np.ndarray) -> Any:
+        return self.decode_quantized(blob)
+
+    def scatter(
+        self, decoded: Any, cache: PagedCache, block_ids: Sequence[int], start: int, num_tokens: int
+    ) -> np.ndarray | None:
+        return cache.scatter_quantized(decoded, block_ids, start, num_tokens)
+
+    def device_time(self, nbytes: float, cost_model: Any) -> tuple[float, float]:
+        """One HBM pass reading the raw and writing the packed bytes; the packed bytes cross."""
+        packed = nbytes * self.size_ratio
+        return cost_model.hbm_pass_time_s(nbytes + packed), packed
+
+    def host_time_s(self, nbytes: float, mb_s: Mapping[str, float]) -> float:
+        """No host work unless `zstd`, which then costs zstd's throughput too."""
+        seconds = super().host_time_s(nbytes, mb_s)
+        return seconds + _seconds(nbytes, mb_s.get("zstd", 0.0)) if self.zstd else seconds
+
+    def stored_share(self, modelled_ratio: Mapping[str, float]) -> float:
+        return self.size_ratio  # the plan fixes it (0 for an all-DROP plan)
+
+    @property
+    def loses_precision(self) -> bool:
+        plan = self.plan
+        return plan is not None and plan.num_fp16 < plan.num_layers * plan.num_kv_heads
+
+    def check_shape(self, num_layers: int, num_kv_heads: int) -> None:
+        self.plan.check_shape(num_layers, num_kv_heads)
+
+
+class Fp8Codec(MixedCodec):
+    """Every KV head float8 E4M3, one scale per (layer, head, K or V): `mixed` with the
+    all-FP8 plan (its blobs are laid out as `mixed`'s, under their own codec id). Half the
+    bytes of 16-bit KV, no plan to choose."""
+
+    name = "fp8"
+    codec_id = 3
+
+    @classmethod
+    def build(cls, options: Mapping[str, Any], num_layers: int, num_kv_heads: int, seed: int = 0) -> Codec:
+        return super().build({**options, "plan": "fp8"}, num_layers, num_kv_heads, seed)
+
+
+def plan_size_ratio(plan: Any) -> float:
+    """Stored bytes of KV under `plan` over 16-bit KV: what the plan saves on a 16-bit
+    deployment (per-request scales excluded: they do not grow with tokens)."""
+    if not plan.is_legacy:
+        # KIVI / per-token classes cost depends on the length and head_dim: price them at a
+        # nominal 1024-token request of 128-wide heads (Llama-3-8B's), scales included.
+        from preempt.kernels.plan import size_vs_fp16
+
+        return size_vs_fp16(plan, 1024, 128)
+    total = plan.num_layers * plan.num_kv_heads
+    return (2 * plan.num_fp16 + plan.num_fp8) / (2 * total)
+
 
 def byte_shuffle(data: np.ndarray, itemsize: int) -> np.ndarray:
     """(n * itemsize,) uint8 -> byte planes: all bytes 0, then all bytes 1, ... (a new array)."""
@@ -545,10 +732,14 @@ def decode_blob(blob: bytes | bytearray | memoryview | np.ndarray) -> torch.Tens
     raise CorruptBlobError(f"unknown codec id {codec_id} in blob header")
 
 
-# ---- helpers ----------------------------------------------------------------------------------
+# ---- helpers (`tensor_bytes`, `bytes_to_tensor`, `byte_shuffle`: for codec authors too) --------------
 
 
-def _tensor_bytes(kv: torch.Tensor) -> np.ndarray:
+def _seconds(nbytes: float, mb_per_s: float) -> float:
+    return nbytes / (mb_per_s * 1e6) if mb_per_s > 0 else 0.0
+
+
+def tensor_bytes(kv: torch.Tensor) -> np.ndarray:
     """A flat uint8 numpy view of a CPU tensor's bytes (a copy only if `kv` is not contiguous).
     Going through torch.uint8 covers dtypes numpy lacks (bfloat16, float8)."""
     if not isinstance(kv, torch.Tensor):
@@ -563,7 +754,7 @@ def _tensor_bytes(kv: torch.Tensor) -> np.ndarray:
     return kv.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def _bytes_to_tensor(data: np.ndarray, header: BlobHeader) -> torch.Tensor:
+def bytes_to_tensor(data: np.ndarray, header: BlobHeader) -> torch.Tensor:
     """Reinterpret a writable (raw_nbytes,) uint8 array, which the tensor then owns."""
     return _bytes_as(data, header.dtype, header.shape)
 

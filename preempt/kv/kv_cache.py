@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
+from preempt.kv.codec import CorruptBlobError
+
 
 class KVCache:
     def __init__(
@@ -88,3 +90,48 @@ class KVCache:
         if tuple(data.shape) != expected:
             raise ValueError(f"write_blocks expects shape {expected}, got {tuple(data.shape)}")
         self.kv.index_copy_(2, index, data.to(self.dtype))
+
+    # ---- a request's KV by block table and token range: what a codec's device side reads
+    # and writes (preempt.kv.codec.PagedCache). Whole blocks: the last block's unused slots
+    # ride along (copying block-sized runs is faster than token-sized ones).
+
+    def _blocks_of(self, block_ids: Sequence[int], start: int, num_tokens: int) -> list[int]:
+        first = start // self.block_size
+        return list(block_ids[first : first + -(-num_tokens // self.block_size)])
+
+    def raw_nbytes(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size) * self.bytes_per_block
+
+    def gather(self, block_ids: Sequence[int], start: int, num_tokens: int) -> torch.Tensor:
+        """The tokens' blocks: (num_layers, 2, n, block_size, num_kv_heads, head_dim), a copy."""
+        return self.read_blocks(self._blocks_of(block_ids, start, num_tokens))
+
+    def scatter(self, kv: torch.Tensor, block_ids: Sequence[int], start: int, num_tokens: int) -> None:
+        blocks = self._blocks_of(block_ids, start, num_tokens)
+        expected = (self.num_layers, 2, len(blocks), self.block_size, self.num_kv_heads, self.head_dim)
+        if tuple(kv.shape) != expected or kv.dtype != self.dtype:
+            raise CorruptBlobError(  # a valid blob, but not this request's KV
+                f"saved KV {tuple(kv.shape)} of {kv.dtype} does not fit {expected} of {self.dtype}"
+            )
+        self.write_blocks(blocks, kv)
+
+    def gather_quantized(self, block_ids: Sequence[int], start: int, num_tokens: int, plan):
+        """Gather and quantize in one pass over exactly the tokens (Triton on CUDA)."""
+        from preempt.kernels.quantize_heads import gather_quantize_heads
+
+        return gather_quantize_heads(self.kv, self._blocks_of(block_ids, start, num_tokens), num_tokens, plan)
+
+    def scatter_quantized(self, quantized, block_ids: Sequence[int], start: int, num_tokens: int):
+        """Dequantize into the blocks; the dropped heads (L, H) bool, for attention to mask."""
+        from preempt.kernels.restore_blocks import restore_blocks
+
+        if (
+            quantized.num_tokens != num_tokens
+            or quantized.dtype != self.dtype
+            or quantized.head_dim != self.head_dim
+            or (quantized.plan.num_layers, quantized.plan.num_kv_heads)
+            != (self.num_layers, self.num_kv_heads)
+        ):
+            raise CorruptBlobError("saved KV does not fit this cache")  # a valid blob, not this request's
+        blocks = self._blocks_of(block_ids, start, num_tokens)
+        return restore_blocks(quantized.to(self.kv.device), self.kv, blocks).cpu().numpy()

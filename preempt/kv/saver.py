@@ -8,8 +8,8 @@ scheduler writes them into its own `PreemptionRecord`. Whom to save, restore or 
 is decided elsewhere (the scheduler, early saves, the prefetcher).
 
 Composed of one part per concern, each owning its state:
-- `preempt.kv.blobs.BlobStore`: the data path (a segment into one host-pool blob and
-  back; codecs, head plan, worker threads), and the checksum fallback;
+- `preempt.kv.blobs.BlobStore`: the engine's side of the host store (preempt.kv.store:
+  a segment into one host-pool blob and back): its codecs, KV cache and worker threads;
 - `preempt.kv.timing.VirtualTiming`: what each move costs on the virtual clock (the
   PCIe link, host codec, device packing) and when copied-out blocks are free again;
 - `preempt.kv.speculative`: early copies of running requests and restores started
@@ -42,8 +42,8 @@ from preempt.kv.blobs import BlobStore
 from preempt.kv.host_pool import HostPool
 from preempt.kv.kv_cache import KVCache
 from preempt.kv.record import KVMover, RestoreResult, SaveResult
-from preempt.kv.segment import SavedCopy, Segment, gather_stored, resolve
 from preempt.kv.speculative import EarlyCopies, Predecoded, Prefetched, RestoresAhead
+from preempt.kv.store import SavedCopy, Segment, gather_stored
 from preempt.kv.timing import VirtualTiming
 
 
@@ -59,7 +59,7 @@ class Saver(KVMover):
         self.timing = VirtualTiming(
             config.preemption,
             cost_model,
-            self.blobs.mixed_ratio,
+            self.blobs.codecs,
             staged_restores=config.early_save.prefetch,
             num_decode_lanes=config.early_save.prefetch_decode_threads,
         )
@@ -79,12 +79,10 @@ class Saver(KVMover):
 
     @property
     def plan(self):
-        """The `swap_mixed` head plan (None in the other modes)."""
-        return self.blobs.plan
-
-    @property
-    def mixed_ratio(self) -> float:
-        return self.blobs.mixed_ratio
+        """The head plan of the codec the mode saves with (`swap_mixed`'s), else None."""
+        return getattr(
+            self.blobs.codecs[save_codec(self.config.mode, self.config.reclaim_codec)], "plan", None
+        )
 
     @property
     def restore_end_s(self) -> float:
@@ -113,7 +111,7 @@ class Saver(KVMover):
         else:
             save_s = time.perf_counter() - started  # the engine thread's share
             self.engine_thread_s += save_s
-        self._saved[request] = SavedCopy(segments, num_tokens)
+        self._saved[request] = SavedCopy(segments)
         self.bytes_raw += tail.nbytes_raw
         return SaveResult(
             None,
@@ -177,11 +175,11 @@ class Saver(KVMover):
     ) -> Segment | str:
         """Save tokens [start, end) (start block-aligned) into one host blob, for a
         preemption or speculatively. The failure reason if it cannot be kept."""
-        segment = Segment(None, codec, start, end - start, 0, now, speculative)
+        segment = Segment(start, end - start, codec, ready_at_s=now, speculative=speculative)
         if end == start:
             segment.stored.set_result(0)
             return segment
-        failure = self.blobs.store(request, segment, speculative)
+        failure = self.blobs.store_segment(request, segment, speculative)
         if failure is not None:
             return failure
         if self.is_virtual:
@@ -194,18 +192,17 @@ class Saver(KVMover):
     def restore(self, request: Request, now: float, *, background: bool = False) -> RestoreResult:
         started = time.perf_counter()
         saved = self._saved.pop(request)
-        handles = [resolve(segment.handle) for segment in saved.segments]
         prefetched, predecoded = self.ahead.claim(request, now)
         if prefetched is not None:
             ok, dropped = prefetched.ok, prefetched.dropped
         else:
-            ok, dropped = self.blobs.load(request, saved, handles)
+            ok, dropped = self.blobs.load(request, saved)
             if predecoded is None and self.early_config.prefetch:
                 self.ahead.num_prefetch_misses += 1
         for segment in saved.segments:
             self.blobs.free(segment)
         warmup_tokens = 0
-        if ok and any(segment.codec == "mixed" for segment in saved.segments) and self.blobs.plan_is_lossy:
+        if ok and any(self.blobs.codecs[segment.codec].loses_precision for segment in saved.segments):
             warmup_tokens = min(self.config.warmup_tokens, saved.num_tokens)
         if ok and dropped is not None and dropped.any():
             # The dropped heads' restored keys are zeros: masked for the rest of the request,
@@ -267,8 +264,7 @@ class Saver(KVMover):
             raise ValueError(f"request {request.request_id} is already prefetched")
         if len(request.block_ids) < blocks_needed(saved.num_tokens, self.block_size):
             raise ValueError(f"request {request.request_id}: its blocks do not cover its saved KV")
-        handles = [resolve(segment.handle) for segment in saved.segments]
-        ok, dropped = self.blobs.load(request, saved, handles)
+        ok, dropped = self.blobs.load(request, saved)
         predecoded = self.ahead.predecoded.get(request)
         end = self.timing.restore_end(saved, now, predecoded.end_s if predecoded is not None else None)
         nbytes = sum(segment.nbytes_raw for segment in saved.segments)

@@ -19,7 +19,7 @@ from types import MappingProxyType
 import numpy as np
 
 from preempt.core.request import Request
-from preempt.kv.segment import Segment, in_flight
+from preempt.kv.store import Segment, in_flight
 
 
 class EarlyCopies:

@@ -7,16 +7,20 @@ reuses the freed blocks waits for is preempt.kv.copy_out.
 
 A save is the target's KV bytes crossing PCIe on a device-to-host copy timeline (the
 blocks are busy until that copy ends), then the host-side encode at the codec's
-calibrated throughput; a restore is decode plus the host-to-device copy. `mixed` packs on
-the device first (one HBM pass reading the raw and writing the packed bytes), so only the
-packed bytes cross PCIe. Plain Python: times from sizes, no data moves here.
+calibrated throughput; a restore is decode plus the host-to-device copy. What each part costs
+is the codec's (`Codec.device_time`, `Codec.host_time_s`): `mixed` packs on the device first
+(one HBM pass reading the raw and writing the packed bytes), so only the packed bytes cross
+PCIe. Plain Python: times from sizes, no data moves here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from preempt.core.config import PreemptionConfig
 from preempt.core.cost_model import CostModel
-from preempt.kv.segment import SavedCopy
+from preempt.kv.codec import Codec
+from preempt.kv.store import SavedCopy
 
 
 class VirtualTiming:
@@ -24,13 +28,13 @@ class VirtualTiming:
         self,
         config: PreemptionConfig,
         cost_model: CostModel,
-        mixed_ratio: float,
+        codecs: Mapping[str, Codec],
         staged_restores: bool,
         num_decode_lanes: int,
     ) -> None:
         self.config = config
         self.cost_model = cost_model
-        self.mixed_ratio = mixed_ratio  # the plan's stored bytes over 16-bit KV
+        self.codecs = codecs
         # With restore prefetch on, a restore of a blob still encoding copies back its raw
         # staging bytes instead of waiting for the encode (see `restore_end`).
         self.staged_restores = staged_restores
@@ -115,26 +119,15 @@ class VirtualTiming:
     # ----------------------------------------------------------------- costs
     def device_side(self, num_tokens: int, codec: str) -> tuple[float, float]:
         """(device kernel seconds, bytes over PCIe) of moving `num_tokens` of the
-        deployment's KV: `mixed` packs on the device first (one HBM pass reading the raw
-        and writing the packed bytes), the others copy raw bytes."""
+        deployment's KV through `codec`."""
         nbytes = num_tokens * self.cost_model.target.kv_bytes_per_token
-        if codec != "mixed":
-            return 0.0, nbytes
-        packed = nbytes * self.mixed_ratio
-        return self.cost_model.hbm_pass_time_s(nbytes + packed), packed
+        return self.codecs[codec].device_time(nbytes, self.cost_model)
 
-    def host_s(self, nbytes: float, codec: str, mb_s: dict[str, float]) -> float:
-        """Host codec seconds for `nbytes` (`mixed` with `mixed_zstd` adds zstd's)."""
-        host_s = _codec_time_s(nbytes, mb_s.get(codec, 0.0))
-        if codec == "mixed" and self.config.mixed_zstd:
-            host_s += _codec_time_s(nbytes, mb_s.get("zstd", 0.0))
-        return host_s
+    def host_s(self, nbytes: float, codec: str, mb_s: Mapping[str, float]) -> float:
+        """Host codec seconds for `nbytes` at the throughputs `mb_s`."""
+        return self.codecs[codec].host_time_s(nbytes, mb_s)
 
     def needs_decode(self, saved: SavedCopy) -> bool:
-        """The copy costs host decode time on restore (zstd, mixed+zstd)."""
+        """The copy costs host decode time on restore (zstd; mixed with zstd)."""
         mb_s = self.config.codec_decode_mb_s
         return any(self.host_s(1.0, segment.codec, mb_s) > 0 for segment in saved.segments)
-
-
-def _codec_time_s(nbytes: float, mb_per_s: float) -> float:
-    return nbytes / (mb_per_s * 1e6) if mb_per_s > 0 else 0.0

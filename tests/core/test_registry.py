@@ -125,6 +125,8 @@ def test_every_codec_resolves_to_a_codec_of_its_name_and_the_modes_name_register
     assert all(CODECS.resolve(name).is_lossless for name in RECLAIM_CODECS)
     # pause saves only when reclaimed (or forced): with reclaim_codec; every other saving mode with its own
     assert save_codec("pause", "zstd") == "zstd" and save_codec("swap_mixed", "zstd") == "mixed"
+    # swap_<name> for every registered codec, with no line of its own
+    assert [save_codec(f"swap_{name}", "raw") for name in CODECS.names()] == CODECS.names()
 
 
 def test_config_modes_and_reclaim_codecs_are_the_registrys():
@@ -137,8 +139,8 @@ def test_config_modes_and_reclaim_codecs_are_the_registrys():
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
-        ("mode", "swap_lz4", r"unknown preemption mode 'swap_lz4'; choose one of \['recompute', 'swap', "),
-        ("reclaim_codec", "lz4", r"codec 'lz4' is not a registered codec; choose one of \['raw', 'zstd'\]"),
+        ("mode", "swap_gzip", r"unknown preemption mode 'swap_gzip'; choose one of \['recompute', 'swap', "),
+        ("reclaim_codec", "gzip", r"codec 'gzip' is not a registered codec; choose one of \['raw', 'zstd'\]"),
         ("reclaim_codec", "mixed", r"codec 'mixed' cannot save a paused request; choose one of \['raw'"),
     ],
 )

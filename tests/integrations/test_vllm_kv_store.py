@@ -1,5 +1,5 @@
-"""The connector's host side (preempt/integrations/vllm/kv_store.py) in preempt's own
-environment: vLLM's cache layouts seen as preempt's (L, 2, T, H, D), round trips through
+"""The connector's host side (preempt/integrations/vllm/kv_store.py over preempt/kv/store.py)
+in preempt's own environment: vLLM's cache layouts seen as preempt's (L, 2, T, H, D), round trips through
 the pool bit for bit (raw, zstd) or within FP8's error (fp8, mixed), segments, a full
 pool and a corrupt blob refused with the copy freed."""
 
@@ -10,12 +10,13 @@ import torch
 
 from preempt.integrations.vllm.kv_store import (
     ConnectorSettingsError,
-    HostKVStore,
     PagedKV,
+    host_copies,
     make_store_codec,
     parse_connector_settings,
 )
 from preempt.kv.codec import CorruptBlobError
+from preempt.kv.store import resolve
 
 L, NB, BS, H, D = 3, 10, 32, 2, 64
 
@@ -39,7 +40,7 @@ def reference(caches, block_ids, num_tokens):
 
 def store(codec="raw", **extra):
     settings = parse_connector_settings({"codec": codec, "host_pool": "8MiB", "slot_size": "1MiB", **extra})
-    return HostKVStore(settings, make_store_codec(settings, L, H), pin_memory=False)
+    return host_copies(settings, make_store_codec(settings, L, H), pin_memory=False)
 
 
 def test_cpu_layout_gathers_what_attention_reads():
@@ -135,7 +136,7 @@ def test_corrupt_blob_is_refused_and_freed():
     kv_store = store("raw")
     kv_store.save("r", paged, [0, 1], 0, 64)
     kv_store.wait("r")
-    handle = kv_store.copies["r"].segments[0].handle
+    handle = resolve(kv_store.copies["r"].segments[0].handle)
     kv_store.pool._array[handle.offset + 100] ^= 0xFF
     with pytest.raises(CorruptBlobError):
         kv_store.load("r", paged, [4, 5], 0, 64)
@@ -175,7 +176,7 @@ def test_on_cuda_copies_go_through_the_device_kernels_and_a_pinned_pool(codec):
     caches = [torch.randn(2, NB, BS, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(L)]
     paged = PagedKV(caches, NB, BS, H, D)
     settings = parse_connector_settings({"codec": codec, "host_pool": "8MiB", "slot_size": "1MiB"})
-    kv_store = HostKVStore(settings, make_store_codec(settings, L, H))
+    kv_store = host_copies(settings, make_store_codec(settings, L, H))
     assert kv_store.pool.is_pinned
     saved = paged.gather([0, 1], 0, 64).float()
     kv_store.save("r", paged, [0, 1], 0, 64)

@@ -1,6 +1,7 @@
 """The plugin in the peer's own `vllm serve`, over HTTP: the documented command starts,
 mixed-priority requests through the openai client, `/metrics` scraped, greedy outputs
-equal plain vLLM's, SIGTERM drains cleanly. Two servers (plain vLLM fcfs, then the
+equal plain vLLM's, SIGTERM drains cleanly; a bad plugin setting stops it before its engine
+core starts, the cause on its last line. Two servers (plain vLLM fcfs, then the
 plugin) on a tiny local byte-level Llama; skipped without a peer unless
 PREEMPT_REQUIRE_PEER=1 (CI), like tests/parity.
 
@@ -15,9 +16,23 @@ measurement, over seeds with intervals (`preempt bench vllm --http`).
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
-from preempt.bench.vllm_http import ARMS, ENGINE, http_workload, run_arms, write_model
+from preempt.bench.vllm_http import (
+    ARMS,
+    ENGINE,
+    START_TIMEOUT_S,
+    ServeArm,
+    _free_port,
+    http_workload,
+    run_arms,
+    serve_command,
+    server_env,
+    stop_server,
+    write_model,
+)
 from preempt.integrations.vllm.metrics import snapshot_dir
 from tests.parity.test_vllm_parity import peer  # noqa: F401 - the shared fixture
 
@@ -25,9 +40,13 @@ REQUESTS = http_workload(num_low=16, num_high=6)
 
 
 @pytest.fixture(scope="module")
-def served(peer, tmp_path_factory):  # noqa: F811
+def model(peer, tmp_path_factory):  # noqa: F811
+    return write_model(peer, tmp_path_factory.mktemp("vllm-serve-model") / "model")
+
+
+@pytest.fixture(scope="module")
+def served(peer, model, tmp_path_factory):  # noqa: F811
     work = tmp_path_factory.mktemp("vllm-serve")
-    model = write_model(peer, work / "model")
     arms = [arm for arm in ARMS if arm.name in ("vllm_fcfs", "plugin")]
     # float32: greedy outputs are compared token for token across the two schedulers, and
     # in bf16 a random model's top logits tie to the last bit, which the batch's shape sets
@@ -66,3 +85,28 @@ def test_greedy_outputs_equal_plain_vllm(served):
     plain = {r["id"]: r["token_ids"] for r in served["vllm_fcfs"]["requests"]}
     for r in served["plugin"]["requests"]:
         assert r["token_ids"] == plain[r["id"]], r["id"]
+
+
+def test_bad_setting_stops_serve_with_its_cause_last_before_the_engine_starts(peer, model):  # noqa: F811
+    # preempt's general plugin (plugin.py) checks the settings where vLLM builds its config;
+    # without it the engine core raised this after loading the model, and the API server's
+    # tracebacks and a resource tracker's warning buried it ~100 lines above the end.
+    arm = ServeArm("plugin", "priority", plugin=True, settings={"policy": "no_such_module:Nope"})
+    command = serve_command(peer.parent / "vllm", model, _free_port(), arm)
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        env=server_env(),
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=START_TIMEOUT_S)  # a guard against a server that starts
+    finally:
+        stop_server(proc)  # nothing to stop unless it started after all
+    assert proc.returncode != 0, output
+    last = [line for line in output.splitlines() if line.strip()][-1]
+    assert "SettingsError" in last and "field 'policy'" in last and "no_such_module" in last, output
+    assert "EngineCore" not in output, output  # vLLM never started its engine core process

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from preempt.integrations.vllm.connector import PreemptKVConnector
+from preempt.kv.store import resolve
 
 
 class CorruptingConnector(PreemptKVConnector):
@@ -16,8 +17,8 @@ class CorruptingConnector(PreemptKVConnector):
         for job in getattr(self._connector_metadata, "loads", ()):
             self.store.wait(job.request_id)
             copy = self.store.copies.get(job.request_id)
-            if copy and copy.segments and copy.segments[0].handle is not None and self.num_loads % 2 == 0:
-                handle = copy.segments[0].handle
+            handle = resolve(copy.segments[0].handle) if copy and copy.segments else None
+            if handle is not None and self.num_loads % 2 == 0:
                 self.store.pool._array[handle.offset + handle.nbytes // 2] ^= 0xFF
             self.num_loads += 1
         super().start_load_kv(forward_context, **kwargs)

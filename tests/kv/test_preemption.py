@@ -249,8 +249,7 @@ def test_mixed_restore_dequantizes_into_new_blocks_and_asks_for_warmup():
     engine = Engine(small_config(preemption={"mode": "swap_mixed", "head_plan": "fp8"}))
     saver = engine.saver
     plan = HeadPlan.from_codes([[HeadClass.FP16, HeadClass.FP8], [HeadClass.DROP, HeadClass.FP16]])
-    saver.blobs.plan = plan
-    saver.blobs.codecs["mixed"].plan = saver.plan
+    saver.blobs.codecs["mixed"].plan = plan
     request = make_request(0, 37, 50)
     engine.add_request(request)
     for _ in range(5):
@@ -301,12 +300,13 @@ def test_mixed_mode_on_the_null_backend_stores_the_plans_share():
     plan = engine.saver.plan
     target = engine.cost_model.target
     assert (plan.num_layers, plan.num_kv_heads) == (target.num_layers, target.num_kv_heads)
-    assert engine.saver.mixed_ratio == pytest.approx(0.65, abs=0.01)  # design §9: 35% smaller
+    mixed = engine.saver.blobs.codecs["mixed"]
+    assert mixed.size_ratio == pytest.approx(0.65, abs=0.01)  # design §9: 35% smaller
     request = make_request(0, 100, 5)
     request.num_computed_tokens = 100
     saved = engine.saver.save(request, "mixed", 0.0)
     assert saved.failure is None
-    assert saved.bytes_stored.result() == int(100 * target.kv_bytes_per_token * engine.saver.mixed_ratio)
+    assert saved.bytes_stored.result() == int(100 * target.kv_bytes_per_token * mixed.size_ratio)
 
 
 def test_aborting_a_saved_request_frees_its_slot():

@@ -9,6 +9,9 @@ they may run:
 - `settings`, `clock`, `decider`, `metrics`, `saves`, `kv_store`: plain Python and tensors
   (pydantic, preempt's deciding code, its codecs and host pool); importable anywhere,
   tested in preempt's own environment.
+- `plugin`: vLLM's general plugin (entry point `vllm.general_plugins`): checks preempt's
+  settings where vLLM builds its config, before the engine core starts; imports vLLM
+  only where vLLM already has.
 - `scheduler` (the `Scheduler` subclass), `connector` (the KV connector), `stat_logger`
   and `peer` (the driver `preempt bench vllm` and the tests start in the peer
   virtualenv): import vLLM; never import them from preempt.

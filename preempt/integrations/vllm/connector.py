@@ -21,10 +21,10 @@ Two halves, as every vLLM connector (docs/vllm_plugin.md, "Save and restore"):
 - worker side (where the KV lives): `handle_preemptions` runs before the step's new blocks
   are zeroed and before the forward pass, the last moment the victim's blocks still hold
   its KV: it gathers them (`kv_store.PagedKV`) and hands the encode to a worker thread
-  (`kv_store.HostKVStore`); `start_load_kv` decodes a copy into the new blocks before the
-  forward pass. A copy that cannot be stored (full pool, too large) is reported back and
-  the request recomputes; one that fails to decode is reported as invalid blocks, which
-  vLLM recomputes (`kv_load_failure_policy: recompute`, required).
+  (`preempt.kv.store.CopiesById`, over the engine's host store); `start_load_kv` decodes a
+  copy into the new blocks before the forward pass. A copy that cannot be stored (full
+  pool, too large) is reported back and the request recomputes; one that fails to decode
+  is reported as invalid blocks, which vLLM recomputes (`kv_load_failure_policy: recompute`, required).
 
 Lossy copies (`fp8`, `mixed`) are never served to another request through vLLM's prefix
 cache: blocks of a request that loaded one are not cached (`bind_kv_cache_manager`).
@@ -45,22 +45,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from preempt.integrations.vllm.kv_store import (
-    CopyReport,
-    HostKVStore,
     PagedKV,
+    check_transfer_config,
+    host_copies,
     make_store_codec,
     never_cache,
-    parse_connector_settings,
 )
 from preempt.integrations.vllm.metrics import ConnectorMetrics, ConnectorMetricsExport
 from preempt.kv.codec import CorruptBlobError
+from preempt.kv.store import CopyReport
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
 logger = logging.getLogger("preempt.connector")
-
-SETTINGS_KEY = "preempt"
 
 
 class SaveAdvisor(Protocol):
@@ -112,8 +110,7 @@ class PreemptWorkerMetadata(KVConnectorWorkerMetadata):
 class PreemptKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        self.settings = parse_connector_settings(extra.get(SETTINGS_KEY))
+        self.settings = check_transfer_config(self._kv_transfer_config)
         groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
         if len(groups) != 1:
             raise ValueError(
@@ -125,12 +122,6 @@ class PreemptKVConnector(KVConnectorBase_V1):
         self.num_blocks = kv_cache_config.num_blocks
         self.block_size = self.spec.block_size
         if role == KVConnectorRole.SCHEDULER:
-            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
-                raise ValueError(
-                    'preempt\'s connector needs "kv_load_failure_policy": "recompute" in '
-                    "--kv-transfer-config: "
-                    "a copy that fails to load must be recomputed, not fail its request"
-                )
             self.advisor: SaveAdvisor | None = None
             self.tables: dict[str, tuple[list[int], int]] = {}  # request -> (block table, tokens with KV)
             self.copied: dict[str, int] = {}  # request -> tokens sent to the worker (early + final)
@@ -143,7 +134,7 @@ class PreemptKVConnector(KVConnectorBase_V1):
             self.export = ConnectorMetricsExport()
             self._warned_no_advisor = False
         else:
-            self.store = HostKVStore(
+            self.store = host_copies(
                 self.settings,
                 make_store_codec(
                     self.settings, len(self.layer_names), self.spec.num_kv_heads, log=logger.warning

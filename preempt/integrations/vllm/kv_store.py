@@ -1,19 +1,22 @@
-"""The acting half of preempt's KV connector for vLLM: paged KV <-> preempt's host pool.
+"""The vLLM side of preempt's KV connector: its settings and its view of vLLM's paged KV.
 
-Owns: the view of vLLM's per-layer KV cache tensors as one request's KV in preempt's
-logical layout (`PagedKV`: gather a request's blocks into `(L, 2, T, H, D)`, scatter a
-decoded tensor into new blocks), and the saved copies (`HostKVStore`: one preallocated
-`preempt.kv.host_pool.HostPool`, blobs in preempt's own format through preempt's codecs,
-a request's copy as one or more token segments). Never imports vLLM: the connector
-(`connector.py`) calls it with tensors and block ids, and it is tested in preempt's own
-environment.
+Owns: the connector's settings (`ConnectorSettings`), the codec they name, built from the
+registry and sized to the served model (`make_store_codec`), the patch that keeps lossy
+copies out of vLLM's prefix cache (`never_cache`), and the view of vLLM's per-layer KV
+cache tensors as one request's KV in preempt's logical layout (`PagedKV`: a
+`preempt.kv.codec.PagedCache`). The saved copies themselves are preempt's own
+(`preempt.kv.store.CopiesById` over a `HostStore`: one preallocated host pool, blobs in
+preempt's format, an encode worker), as the engine's are. Never imports vLLM: the
+connector (`connector.py`) calls it with tensors and block ids, and it is tested in
+preempt's own environment.
 
-Codecs (`ConnectorSettings.codec`): `raw` (lossless), `zstd` (lossless, byte-shuffled),
-`fp8` (every KV head float8 E4M3 with one scale per head and K/V) and `mixed` (FP16 /
-FP8 per head by a plan: `random` or a plan file from `preempt importance`). Copies are
-whole blocks (`PagedKV`): a resumed request recomputes its last, partial block. The
-quantization runs where the KV lives (`preempt.kernels.quantize_heads`: the Triton
-kernel on CUDA, its torch reference on CPU); only packed bytes reach the pool.
+Codecs (`ConnectorSettings.codec`): any registered codec (`preempt.core.registry.CODECS`):
+`raw`, `zstd`, `lz4` (lossless), `fp8` (every KV head float8 E4M3 with one scale per head
+and K/V) and `mixed` (FP16 / FP8 per head by a plan: `random` or a plan file from
+`preempt importance`). Copies are whole blocks (`PagedKV`): a resumed request recomputes
+its last, partial block. A quantizing codec runs where the KV lives
+(`preempt.kernels.quantize_heads`: the Triton kernel on CUDA, its torch reference on
+CPU); only packed bytes reach the pool.
 
 Dropped heads. preempt's own engine masks a dropped head's restored prefix in attention;
 vLLM's attention kernels have no per-head mask, so a dropped head would come back as zero
@@ -23,21 +26,20 @@ keys that still take softmax weight. A plan's DROP heads are therefore kept as F
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from preempt.core.registry import CODECS
 from preempt.core.sizes import parse_size
 from preempt.integrations.vllm.settings import validate_settings
-from preempt.kv.codec import Codec, CorruptBlobError, MixedCodec, make_codec
-from preempt.kv.host_pool import HostPool, HostPoolError, PreemptionHandlerOOM, SlotHandle
+from preempt.kv.codec import Codec, CorruptBlobError
+from preempt.kv.host_pool import HostPool
+from preempt.kv.store import CopiesById, HostStore
 
-LOSSLESS = ("raw", "zstd")
+SETTINGS_KEY = "preempt"  # kv_connector_extra_config's key for the settings
 CONNECTOR_MODULE = "preempt.integrations.vllm.connector"
 CONNECTOR_CLS = "PreemptKVConnector"
 """What `--kv-transfer-config` names (strings: vLLM imports the connector itself)."""
@@ -52,9 +54,10 @@ class ConnectorSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    codec: Literal["raw", "zstd", "fp8", "mixed"] = "raw"
-    """How a saved copy is stored: `raw`/`zstd` lossless; `fp8`/`mixed` lossy (never
-    served to another request through vLLM's prefix cache)."""
+    codec: str = "raw"
+    """How a saved copy is stored, a codec of `preempt.core.registry.CODECS`: `raw`, `zstd`
+    and `lz4` lossless; `fp8` and `mixed` lossy (never served to another request through
+    vLLM's prefix cache)."""
     head_plan: str = "random"
     """`mixed`: `random` (seeded, `fp8_share` of the heads FP8) or a JSON plan file."""
     fp8_share: float = Field(0.5, ge=0, le=1)
@@ -74,6 +77,13 @@ class ConnectorSettings(BaseModel):
     early_horizon_steps: int = Field(8, ge=1)
     """How far ahead (decode steps) the projection looks for a block shortage."""
 
+    @field_validator("codec")
+    @classmethod
+    def _known_codec(cls, value: str) -> str:
+        if value not in CODECS.names():
+            raise ValueError(f"unknown codec {value!r}; choose one of {CODECS.names()}")
+        return value
+
     @field_validator("host_pool", "slot_size")
     @classmethod
     def _size(cls, value: str) -> str:
@@ -83,7 +93,7 @@ class ConnectorSettings(BaseModel):
 
     @property
     def lossless(self) -> bool:
-        return self.codec in LOSSLESS
+        return CODECS.resolve(self.codec).is_lossless
 
 
 def kv_transfer_config(settings: Mapping | None = None, module_path: str = CONNECTOR_MODULE,
@@ -96,7 +106,7 @@ def kv_transfer_config(settings: Mapping | None = None, module_path: str = CONNE
         "kv_connector_module_path": module_path,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"preempt": dict(settings or {})},
+        "kv_connector_extra_config": {SETTINGS_KEY: dict(settings or {})},
     }
 
 
@@ -105,19 +115,33 @@ def parse_connector_settings(data: object) -> ConnectorSettings:
     return validate_settings(ConnectorSettings, data, ConnectorSettingsError, where)
 
 
-def make_store_codec(settings: ConnectorSettings, num_layers: int, num_kv_heads: int, log=None) -> Codec:
-    """The codec a store encodes with; `mixed`'s plan sized to the served model."""
-    from preempt.kernels.plan import HeadClass, HeadPlan
+def check_transfer_config(transfer) -> ConnectorSettings:
+    """The connector's settings from vLLM's `KVTransferConfig`, which must also ask for a
+    failed load to be recomputed; ConnectorSettingsError naming what is wrong. The
+    connector calls it in the engine core, the plugin (plugin.py) before it starts."""
+    if transfer.kv_load_failure_policy != "recompute":
+        raise ConnectorSettingsError(
+            'preempt\'s connector needs "kv_load_failure_policy": "recompute" in --kv-transfer-config: '
+            "a copy that fails to load must be recomputed, not fail its request"
+        )
+    return parse_connector_settings((transfer.kv_connector_extra_config or {}).get(SETTINGS_KEY))
 
-    if settings.codec in LOSSLESS:
-        return make_codec(settings.codec)
-    if settings.codec == "fp8":
-        return MixedCodec(plan=HeadPlan.all_fp8(num_layers, num_kv_heads))
-    if settings.head_plan == "random":
-        plan = HeadPlan.random(num_layers, num_kv_heads, fp8_share=settings.fp8_share, drop_share=0.0, seed=0)
-    else:
-        plan = HeadPlan.load(settings.head_plan)
-        plan.check_shape(num_layers, num_kv_heads)
+
+def make_store_codec(settings: ConnectorSettings, num_layers: int, num_kv_heads: int, log=None) -> Codec:
+    """The codec a store encodes with, sized to the served model (a head plan's shape)."""
+    from preempt.kernels.plan import HeadClass
+
+    options = (
+        {"plan": settings.head_plan, "fp8_share": settings.fp8_share} if settings.codec == "mixed" else {}
+    )
+    try:
+        codec = CODECS.resolve(settings.codec).build(options, num_layers, num_kv_heads)
+        codec.check_shape(num_layers, num_kv_heads)
+    except ValueError as err:
+        raise ConnectorSettingsError(f"codec {settings.codec!r}: {err}") from None
+    plan = getattr(codec, "plan", None)
+    if plan is None:
+        return codec
     codes = plan.codes()
     other = set(codes.reshape(-1).tolist()) - {int(HeadClass.FP16), int(HeadClass.FP8), int(HeadClass.DROP)}
     if other:
@@ -134,8 +158,15 @@ def make_store_codec(settings: ConnectorSettings, num_layers: int, num_kv_heads:
             )
         codes = codes.copy()
         codes[codes == int(HeadClass.DROP)] = int(HeadClass.FP8)
-        plan = plan.with_classes(codes, f"{plan.source or settings.head_plan} (DROP as FP8)")
-    return MixedCodec(plan=plan)
+        codec.plan = plan.with_classes(codes, f"{plan.source or settings.head_plan} (DROP as FP8)")
+    return codec
+
+
+def host_copies(settings: ConnectorSettings, codec: Codec, pin_memory: bool | None = None) -> CopiesById:
+    """The connector's saved copies: one preallocated host pool of `settings.host_pool`,
+    blobs of `codec`, one encode worker."""
+    pool = HostPool(settings.host_pool, settings.slot_size, pin_memory=pin_memory)
+    return CopiesById(HostStore(pool, {settings.codec: codec}), settings.codec)
 
 
 def never_cache(coordinator, request_ids: set[str]) -> None:
@@ -237,232 +268,37 @@ class PagedKV:
             out[layer, 1] = v[blocks, offsets]
         return out
 
-    def scatter(self, kv: torch.Tensor, block_ids: Sequence[int], start: int) -> None:
-        """Write `kv` (L, 2, T, H, D) as tokens `[start, start + T)` of the request whose
-        block table is `block_ids`."""
-        if kv.shape[0] != self.num_layers or kv.shape[3:] != (self.num_kv_heads, self.head_dim):
+    def scatter(self, kv: torch.Tensor, block_ids: Sequence[int], start: int, num_tokens: int) -> None:
+        """Write `kv` (L, 2, num_tokens, H, D) as tokens `[start, start + num_tokens)` of the
+        request whose block table is `block_ids`."""
+        if (
+            kv.ndim != 5
+            or kv.shape[0] != self.num_layers
+            or kv.shape[3:] != (self.num_kv_heads, self.head_dim)
+        ):
             raise CorruptBlobError(
                 f"saved KV of shape {tuple(kv.shape)} does not fit this model's cache "
                 f"({self.num_layers} layers, {self.num_kv_heads} KV heads of {self.head_dim})"
             )
-        blocks, offsets = self._slots(block_ids, start, kv.shape[2])
+        if kv.shape[2] != num_tokens:
+            raise CorruptBlobError(f"saved KV of {kv.shape[2]} tokens where {num_tokens} were stored")
+        blocks, offsets = self._slots(block_ids, start, num_tokens)
         kv = kv.to(self.device, self.dtype)
         for layer, (k, v) in enumerate(self.layers):
             k[blocks, offsets] = kv[layer, 0]
             v[blocks, offsets] = kv[layer, 1]
 
+    def raw_nbytes(self, num_tokens: int) -> int:
+        return self.num_layers * 2 * num_tokens * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
-@dataclass
-class Segment:
-    """Tokens `[start, end)` of one request, stored as one blob."""
+    def gather_quantized(self, block_ids: Sequence[int], start: int, num_tokens: int, plan):
+        """Gather, then quantize by `plan` where the cache lives (Triton on CUDA)."""
+        from preempt.kernels.quantize_heads import quantize_heads
 
-    start: int
-    end: int
-    handle: SlotHandle | None = None  # None while its encode runs
-    raw_bytes: int = 0
-    error: str | None = None  # why it could not be stored ("pool_full", "slot_too_small", ...)
+        return quantize_heads(self.gather(block_ids, start, num_tokens), plan)
 
+    def scatter_quantized(self, quantized, block_ids: Sequence[int], start: int, num_tokens: int) -> None:
+        """Dequantize on the cache's device, then scatter (the plans here drop no head)."""
+        from preempt.kernels.restore_blocks import dequantize_heads_ref
 
-@dataclass
-class CopyReport:
-    """What one finished store or load did and cost (the worker reports it to the
-    connector's scheduler side); `error` names why it failed, None when it did not."""
-
-    num_tokens: int = 0
-    raw_bytes: int = 0
-    stored_bytes: int = 0
-    seconds: float = 0.0
-    error: str | None = None
-
-
-@dataclass
-class SavedCopy:
-    segments: list[Segment] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.segments[-1].end if self.segments else 0
-
-
-class HostKVStore:
-    """Saved copies of requests' KV in one preallocated host pool, by request id.
-
-    `save` copies a request's tokens `[start, end)` out of the paged cache (`PagedKV.gather`,
-    on the calling thread: vLLM may reuse the blocks once it returns), then encodes and
-    stores them on a worker thread, so the compression overlaps the next forward pass.
-    `load` decodes every segment of a copy into the request's new blocks and frees it. A
-    segment that cannot be stored or decoded fails the whole copy: nothing partial is
-    ever loaded.
-    """
-
-    def __init__(self, settings: ConnectorSettings, codec: Codec, pin_memory: bool | None = None) -> None:
-        self.settings = settings
-        self.codec = codec
-        self.pool = HostPool(settings.host_pool, settings.slot_size, pin_memory=pin_memory)
-        self.copies: dict[str, SavedCopy] = {}
-        self._lock = threading.Lock()
-        self._work = _Worker()
-
-    # ------------------------------------------------------------- saving
-    def save(
-        self, request_id: str, paged: PagedKV, block_ids: Sequence[int], start: int, end: int
-    ) -> Segment:
-        """Start storing tokens `[start, end)` as the next segment of `request_id`'s copy
-        (`start` must be where the copy ends). Returns the segment; its handle is set (or
-        its error) when `pending(request_id)` is False."""
-        began = time.perf_counter()
-        with self._lock:
-            copy = self.copies.setdefault(request_id, SavedCopy())
-            if copy.num_tokens != start:
-                raise ValueError(
-                    f"request {request_id}: copy holds {copy.num_tokens} tokens, segment starts at {start}"
-                )
-            segment = Segment(start, end)
-            copy.segments.append(segment)
-        kv = paged.gather(block_ids, start, end - start)
-        segment.raw_bytes = kv.numel() * kv.element_size()
-        self._work.submit(request_id, lambda: self._store(segment, kv, began))
-        return segment
-
-    def _store(self, segment: Segment, kv: torch.Tensor, began: float) -> float:
-        try:
-            segment.handle = self.pool.store(self._encode(kv))
-        except PreemptionHandlerOOM as err:
-            segment.error = err.reason
-        except HostPoolError:
-            segment.error = "closed"
-        except Exception as err:  # an encode that fails must fail this copy, not the worker thread
-            segment.error = f"encode: {type(err).__name__}: {err}"
-        return time.perf_counter() - began
-
-    def _encode(self, kv: torch.Tensor) -> list:
-        if isinstance(self.codec, MixedCodec):
-            from preempt.kernels.quantize_heads import quantize_heads
-
-            return self.codec.encode_quantized(quantize_heads(kv, self.codec.plan).to("cpu"))
-        return self.codec.encode_parts(kv.cpu())
-
-    def touch(self, request_id: str) -> None:
-        """Report this copy as finished once its segments in flight are (a victim whose
-        early copy already holds every token has nothing more to store)."""
-        self._work.submit(request_id, lambda: 0.0)
-
-    def pending(self, request_id: str) -> bool:
-        """A segment of this request's copy is still being encoded."""
-        return self._work.pending(request_id)
-
-    def wait(self, request_id: str) -> None:
-        self._work.wait(request_id)
-
-    def finished(self) -> dict[str, float]:
-        """Request id -> seconds of its slowest store, for the copies whose stores have
-        all finished since the last call."""
-        return self._work.drain()
-
-    def stored(self, request_id: str) -> tuple[int, str | None]:
-        """(tokens held, the failure if any segment failed) for a copy no longer pending."""
-        copy = self.copies.get(request_id)
-        if copy is None:
-            return 0, "missing"
-        error = next((s.error for s in copy.segments if s.error is not None), None)
-        return copy.num_tokens, error
-
-    def nbytes(self, request_id: str) -> tuple[int, int]:
-        """(raw bytes, stored bytes) of a copy."""
-        copy = self.copies.get(request_id)
-        segments = copy.segments if copy else []
-        return sum(s.raw_bytes for s in segments), sum(s.handle.nbytes for s in segments if s.handle)
-
-    # ------------------------------------------------------------- loading
-    def load(
-        self, request_id: str, paged: PagedKV, block_ids: Sequence[int], start: int, end: int
-    ) -> CopyReport:
-        """Decode tokens `[start, end)` of the copy into the request's blocks, then free the
-        copy. Raises CorruptBlobError (a failed checksum, a missing or short copy); the copy
-        is freed either way."""
-        began = time.perf_counter()
-        self.wait(request_id)
-        copy = self.copies.get(request_id)
-        try:
-            if copy is None or copy.num_tokens < end or any(s.handle is None for s in copy.segments):
-                raise CorruptBlobError(f"request {request_id}: no complete saved copy of {end} tokens")
-            report = CopyReport(num_tokens=end - start)
-            for segment in copy.segments:
-                lo, hi = max(segment.start, start), min(segment.end, end)
-                if lo >= hi:
-                    continue
-                kv = self._decode(self.pool.load(segment.handle), paged.device)
-                if kv.shape[2] != segment.end - segment.start:
-                    raise CorruptBlobError(
-                        f"request {request_id}: segment of {segment.end - segment.start} tokens "
-                        f"decoded to {kv.shape[2]}"
-                    )
-                paged.scatter(kv[:, :, lo - segment.start : hi - segment.start], block_ids, lo)
-                report.raw_bytes += kv.numel() * kv.element_size()
-                report.stored_bytes += segment.handle.nbytes
-            report.seconds = time.perf_counter() - began
-            return report
-        finally:
-            self.discard(request_id)
-
-    def _decode(self, blob, device: torch.device) -> torch.Tensor:
-        if isinstance(self.codec, MixedCodec):
-            from preempt.kernels.restore_blocks import dequantize_heads_ref
-
-            return dequantize_heads_ref(self.codec.decode_quantized(blob).to(device))
-        return self.codec.decode(blob).to(device)
-
-    def discard(self, request_id: str) -> None:
-        """Free a request's copy (waiting for a store in flight first)."""
-        self.wait(request_id)
-        with self._lock:
-            copy = self.copies.pop(request_id, None)
-        for segment in copy.segments if copy else ():
-            if segment.handle is not None:
-                self.pool.free(segment.handle)
-
-    def close(self) -> None:
-        self._work.close()
-        for request_id in list(self.copies):
-            self.discard(request_id)
-        self.pool.close()
-
-
-class _Worker:
-    """One encode thread, tasks by request id, in submission order."""
-
-    def __init__(self) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="preempt-kv-save")
-        self._futures: dict[str, list] = {}
-        self._lock = threading.Lock()
-
-    def submit(self, request_id: str, task) -> None:
-        future = self._pool.submit(task)
-        with self._lock:
-            self._futures.setdefault(request_id, []).append(future)
-
-    def pending(self, request_id: str) -> bool:
-        with self._lock:
-            return any(not f.done() for f in self._futures.get(request_id, ()))
-
-    def wait(self, request_id: str) -> None:
-        with self._lock:
-            futures = list(self._futures.get(request_id, ()))
-        for future in futures:
-            future.result()
-
-    def drain(self) -> dict[str, float]:
-        """Request id -> the longest of its tasks, for requests whose tasks are all done
-        (reported once)."""
-        out = {}
-        with self._lock:
-            for request_id, futures in list(self._futures.items()):
-                if all(f.done() for f in futures):
-                    out[request_id] = max(f.result() for f in futures)
-                    del self._futures[request_id]
-        return out
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self.scatter(dequantize_heads_ref(quantized.to(self.device)), block_ids, start, num_tokens)

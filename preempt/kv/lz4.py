@@ -1,0 +1,80 @@
+"""`lz4`: LZ4 block compression of the KV's bytes, byte-shuffled first (as `zstd`).
+
+LZ4 gives up ratio for speed: it runs several times faster than zstd level 3 on one core,
+so it is the lossless codec to try where zstd's host time is what hurts (the project's
+`zstd_critical_path` claim: CPU zstd costs more stall than its smaller blobs save).
+`preempt bench save` measures its throughput and ratio on the tiny model's KV beside the
+others'; `preemption.mode: swap_lz4` saves with it.
+
+Payload: one LZ4 block of the (shuffled) bytes, without LZ4's own size prefix: the blob's
+header holds the raw length, which bounds the decompression. python-lz4 releases the GIL
+while it (de)compresses, so a save worker's encode overlaps the engine's steps.
+"""
+
+from __future__ import annotations
+
+import lz4.block
+import numpy as np
+import torch
+
+from preempt.kv.codec import (
+    FLAG_SHUFFLED,
+    Codec,
+    CorruptBlobError,
+    byte_shuffle,
+    byte_unshuffle,
+    bytes_to_tensor,
+    pack_header,
+    tensor_bytes,
+    unpack_blob,
+)
+
+
+class Lz4Codec(Codec):
+    """LZ4 over the tensor's bytes; `shuffle` groups byte 0 of every element, then byte 1,
+    ... first (a no-op for 1-byte dtypes); `acceleration` > 1 trades ratio for speed
+    (LZ4's fast mode)."""
+
+    name = "lz4"
+    codec_id = 4
+
+    def __init__(self, acceleration: int = 1, shuffle: bool = True) -> None:
+        if not isinstance(acceleration, int) or acceleration < 1:
+            raise ValueError(f"lz4 acceleration must be an int >= 1, got {acceleration!r}")
+        self.acceleration = acceleration
+        self.shuffle = bool(shuffle)
+
+    def __repr__(self) -> str:
+        return f"Lz4Codec(acceleration={self.acceleration}, shuffle={self.shuffle})"
+
+    def encode_parts(self, kv: torch.Tensor) -> list[bytes | np.ndarray]:
+        data = tensor_bytes(kv)
+        is_shuffled = self.shuffle and kv.dtype.itemsize > 1
+        if is_shuffled:
+            data = byte_shuffle(data, kv.dtype.itemsize)
+        payload = lz4.block.compress(data, mode="fast", acceleration=self.acceleration, store_size=False)
+        flags = FLAG_SHUFFLED if is_shuffled else 0
+        return [pack_header(self.codec_id, flags, kv.dtype, tuple(kv.shape), payload), payload]
+
+    def decode(self, blob: bytes | bytearray | memoryview | np.ndarray) -> torch.Tensor:
+        header, payload = unpack_blob(blob, self.codec_id)
+        if header.flags & ~FLAG_SHUFFLED:
+            raise CorruptBlobError(f"unknown flags {header.flags:#x} for codec 'lz4'")
+        if header.raw_nbytes == 0:
+            out = np.empty(0, dtype=np.uint8)
+        else:
+            try:  # the header was validated: raw_nbytes bounds the output
+                data = lz4.block.decompress(
+                    payload, uncompressed_size=header.raw_nbytes, return_bytearray=True
+                )
+            except lz4.block.LZ4BlockError as exc:
+                raise CorruptBlobError(f"lz4 payload does not decompress: {exc}") from exc
+            if len(data) != header.raw_nbytes:
+                raise CorruptBlobError(
+                    f"shape/length mismatch: lz4 payload decompresses to {len(data)} bytes, "
+                    f"shape needs {header.raw_nbytes}"
+                )
+            out = np.frombuffer(data, dtype=np.uint8)  # writable: a bytearray the tensor then owns
+        if header.flags & FLAG_SHUFFLED:
+            out = byte_unshuffle(out, header.dtype.itemsize)
+        return bytes_to_tensor(out, header)
