@@ -198,7 +198,7 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
     Arm(
         "swap_fp8",
         "swap_mixed",
-        {"preemption.head_plan": "fp8"},
+        {"preemption.codecs.mixed.plan": "fp8"},
         "uniform FP8 (E4M3, per-head scales): the field's baseline for lossy saves, 2x smaller",
     ),
     # -- slices that decide (time sharing) and FastServe's MLFQ

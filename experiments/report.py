@@ -46,6 +46,7 @@ from experiments.tables import (
     sla_interval_table,
     sla_table,
 )
+from preempt.core.config import upgrade_config
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class Source:
         configs = {run["run"]: run["config"] for run in info["runs"]}
         rows = read_csv(path / "results.csv")
         for row in rows:
-            row["_config"] = configs[row["run"]]
+            row["_config"] = upgrade_config(configs[row["run"]])  # runs stored before a key moved
             for key in ("notes", "quality_note", "parent"):
                 row[key] = "" if is_nan(row.get(key)) else row.get(key, "")
         summary = read_csv(path / "summary.csv") if (path / "summary.csv").is_file() else None

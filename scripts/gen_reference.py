@@ -168,7 +168,8 @@ def _is_section(tp: Any) -> bool:
 
 def nested_models(tp: Any) -> list[tuple[type, str]]:
     """The models inside an annotation, with the key suffix they sit at: `Model` and
-    `Model | None` -> (Model, ""); `list[str | Model]` -> (Model, "[]")."""
+    `Model | None` -> (Model, ""); `list[str | Model]` -> (Model, "[]"); `dict[str, Model]`
+    -> (Model, ".{name}")."""
     origin = typing.get_origin(tp)
     if _is_section(tp):
         return [(tp, "")]
@@ -176,6 +177,8 @@ def nested_models(tp: Any) -> list[tuple[type, str]]:
         return [found for arg in typing.get_args(tp) for found in nested_models(arg)]
     if origin in (list, tuple, set, frozenset):
         return [(model, "[]" + suffix) for arg in typing.get_args(tp) for model, suffix in nested_models(arg)]
+    if origin is dict:  # `dict[str, Model]`: one model per key
+        return [(model, ".{name}" + suffix) for model, suffix in nested_models(typing.get_args(tp)[1])]
     return []
 
 

@@ -106,11 +106,11 @@ def test_swap_runs_are_reproducible_too(tmp_path):
                 "--out",
                 "x",
                 "--set",
-                "preemption.head_plan_fp8_share=0.8",
+                "preemption.codecs.mixed.fp8_share=0.8",
                 "--set",
-                "preemption.head_plan_drop_share=0.5",
+                "preemption.codecs.mixed.drop_share=0.5",
             ],
-            "head_plan_fp8_share + head_plan_drop_share must be <= 1",
+            "codec 'mixed': fp8_share + drop_share must be <= 1",
         ),
         (
             [

@@ -176,7 +176,7 @@ def _lossy_real(arms: Arms, plan: str | None = None) -> list[dict[str, Any]] | N
             cfg["preemption"]["mode"] == "swap_mixed"
             and cfg["early_save"]["policy"] == "none"
             and cfg["model"]["backend"] != "null"
-            and (plan is None or cfg["preemption"]["head_plan"] == plan)
+            and (plan is None or cfg["preemption"]["codecs"].get("mixed", {}).get("plan", "random") == plan)
         ):
             return ok
     return None

@@ -194,7 +194,8 @@ def _budget_plans(
         "sensitivity_kl": {k: np.round(v, 6).tolist() for k, v in scores.items()},
         "class_sizes_vs_fp16": {k: round(v, 4) for k, v in sizes.items()},
         "sensitivity_plan": chosen.to_dict()["layers"],
-        "sensitivity_plan_file": chosen.to_dict(),  # a head plan file as it is (`preemption.head_plan`)
+        # a head plan file as it is (`preemption.codecs.mixed.plan`)
+        "sensitivity_plan_file": chosen.to_dict(),
         # every head at the class, only its keys / only its values / both quantized
         "key_value_split_kl": {k: {p: float(f"{v:.4g}") for p, v in row.items()} for k, row in split.items()},
         "scoring_s": round(time.perf_counter() - started, 1),

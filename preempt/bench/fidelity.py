@@ -330,7 +330,7 @@ def simulate(
 # `mixed`: a random plan, half the (layer, KV head) pairs FP8, none dropped).
 TRADE = {
     "raw": ("raw", ["preemption.mode=swap"]),
-    "mixed": ("mixed", ["preemption.mode=swap_mixed", "preemption.head_plan_drop_share=0.0"]),
+    "mixed": ("mixed", ["preemption.mode=swap_mixed", "preemption.codecs.mixed.drop_share=0.0"]),
 }
 
 

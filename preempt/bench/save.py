@@ -79,14 +79,17 @@ def _codec_throughput(num_tokens: int, repeats: int, dtype: str) -> dict[str, An
         "clone_mb_s": round(nbytes / clone_s / MB, 1),
         "codecs": {},
     }
-    variants = {
+    variants = {  # name -> (codec, its options): every lossless codec, as a save uses it
         "raw": ("raw", {}),
-        "zstd": ("zstd", {"zstd_shuffle": False}),
-        "zstd_shuffle": ("zstd", {"zstd_shuffle": True}),
-        "zstd_shuffle_2threads": ("zstd", {"zstd_shuffle": True, "zstd_threads": 2}),
+        "zstd": ("zstd", {"shuffle": False}),
+        "zstd_shuffle": ("zstd", {"shuffle": True}),
+        "zstd_shuffle_2threads": ("zstd", {"shuffle": True, "threads": 2}),
+        "lz4": ("lz4", {"shuffle": False}),
+        "lz4_shuffle": ("lz4", {"shuffle": True}),
     }
     for name, (codec, options) in variants.items():
-        config = build_config({**overrides, "preemption": {**overrides["preemption"], **options}})
+        preemption = {**overrides["preemption"], "codecs": {codec: options}}
+        config = build_config({**overrides, "preemption": preemption})
         saver = Saver(config, kv_cache, engine.cost_model, engine.block_size)
         original_blocks = list(request.block_ids)
         save_times, restore_times, stored = [], [], 0

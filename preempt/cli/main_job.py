@@ -167,7 +167,7 @@ def run(out: Path, lm: Path, wandb: str) -> dict[str, float]:
             "--set",
             f"model.checkpoint={lm / 'lm.pt'}",
             "--set",
-            f"preemption.head_plan={plan}",
+            f"preemption.codecs.mixed.plan={plan}",
         ],
     )
     times["codec"] = _step(

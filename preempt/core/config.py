@@ -7,7 +7,6 @@ blocks actually allocated, the model's vocabulary) live in state objects, never 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -15,11 +14,74 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from preempt.core.config_base import ConfigError, Section, format_validation_error
 from preempt.core.early_save_config import EarlySaveConfig
 from preempt.core.registry import (
+    CODECS,
     PREEMPTION_MODES,
     SCHEDULING_POLICIES,
     check_mode,
     check_reclaim_codec,
 )
+
+# Keys that moved when codec options and calibration left `preemption` (2026-12-07): a config
+# that still sets one is refused with the key's new place; stored run configs are read
+# through `upgrade_config`.
+MOVED_PREEMPTION_KEYS: dict[str, str] = {
+    "zstd_level": "preemption.codecs.zstd.level",
+    "zstd_threads": "preemption.codecs.zstd.threads",
+    "zstd_shuffle": "preemption.codecs.zstd.shuffle",
+    "head_plan": "preemption.codecs.mixed.plan",
+    "head_plan_fp8_share": "preemption.codecs.mixed.fp8_share",
+    "head_plan_drop_share": "preemption.codecs.mixed.drop_share",
+    "mixed_zstd": "preemption.codecs.mixed.zstd",
+    "codec_encode_mb_s": "clock.codecs.<codec>.encode_mb_s",
+    "codec_decode_mb_s": "clock.codecs.<codec>.decode_mb_s",
+    "modelled_ratio": "clock.codecs.<codec>.modelled_ratio",
+}
+"""Old `preemption` key -> where it lives now."""
+
+
+def refuse_moved_keys(data: Any, section: str, moved: dict[str, str]) -> Any:
+    """`data` unchanged unless it sets a key of `moved`: then ValueError naming its new place."""
+    if isinstance(data, dict):
+        for key in data:
+            if key in moved:
+                raise ValueError(f"key '{section}.{key}' has moved: set '{moved[key]}' instead")
+    return data
+
+
+def upgrade_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A stored engine config (a run's `config`, as dumped) in today's layout: keys of
+    `MOVED_PREEMPTION_KEYS` moved to their new places (a copy; today's configs unchanged)."""
+    preemption = dict(config.get("preemption") or {})
+    if not any(key in preemption for key in MOVED_PREEMPTION_KEYS):
+        return config
+    clock = dict(config.get("clock") or {})
+    calibration = {name: dict(values) for name, values in (clock.get("codecs") or {}).items()}
+    codecs = {name: dict(options) for name, options in (preemption.get("codecs") or {}).items()}
+    for key, place in MOVED_PREEMPTION_KEYS.items():
+        if key in preemption:
+            value = preemption.pop(key)
+            section, _, name, option = place.split(".")
+            if section == "clock":  # {codec: value}
+                for codec, per_codec in value.items():
+                    calibration.setdefault(codec, {})[option] = per_codec
+            else:
+                codecs.setdefault(name, {})[option] = value
+    preemption["codecs"] = codecs
+    clock["codecs"] = calibration
+    return {**config, "preemption": preemption, "clock": clock}
+
+
+def check_codec_options(name: str, options: dict[str, Any]) -> None:
+    """ValueError unless codec `name` is registered and takes `options` (it is built with
+    them, for a nominal model of 2 layers and 2 KV heads: a plan file must exist)."""
+    if name not in CODECS.names():
+        raise ValueError(f"unknown codec '{name}'; choose one of {CODECS.names()}")
+    try:
+        CODECS.resolve(name).build(options, 2, 2)
+    except TypeError as err:
+        raise ValueError(f"codec '{name}': {err}") from None
+    except ValueError as err:
+        raise ValueError(f"codec '{name}': {err}") from None
 
 
 class ModelConfig(Section):
@@ -105,12 +167,41 @@ class SchedulerConfig(Section):
         return SCHEDULING_POLICIES.check(name)
 
 
+class CodecCalibration(Section):
+    """A codec's host side on the virtual clock; None: the codec's own value."""
+
+    encode_mb_s: float | None = Field(None, ge=0)
+    """Host encode throughput, MB/s of raw KV (0: free)."""
+    decode_mb_s: float | None = Field(None, ge=0)
+    """Host decode throughput, MB/s of raw KV (0: free)."""
+    modelled_ratio: float | None = Field(None, gt=0)
+    """`null` backend (no real KV): the compression ratio assumed (raw / stored bytes)."""
+
+    def over(self, base: CodecCalibration) -> CodecCalibration:
+        """These values where set, `base`'s elsewhere."""
+        return base.model_copy(update=self.model_dump(exclude_none=True))
+
+
 class ClockConfig(Section):
     kind: Literal["virtual", "wall"] = "virtual"
     """`virtual`: step durations from the target's cost model (deterministic)."""
     target: str = "h200-llama3-8b"
     """Deployment the virtual clock models: a built-in name (preempt.core.profiles.TARGETS)
     or a profile file (`*.json`, as `preempt calibrate` writes; docs/clock.md)."""
+
+    codecs: dict[str, CodecCalibration] = Field(default_factory=dict)
+    """The host side of each codec on the virtual clock, by codec name, over that codec's
+    own calibration (`Codec.calibration`, measured by `preempt bench save` on this kind of
+    machine: zstd level 3 + shuffle on one core encodes 480 MB/s and decodes 1000 MB/s and
+    stores real 16-bit KV in 1/1.15 of its bytes; raw, mixed and fp8 cost no host time)."""
+
+    @field_validator("codecs")
+    @classmethod
+    def _known_codecs(cls, codecs: dict[str, CodecCalibration]) -> dict[str, CodecCalibration]:
+        for name in codecs:
+            if name not in CODECS.names():
+                raise ValueError(f"unknown codec '{name}'; choose one of {CODECS.names()}")
+        return codecs
 
     @field_validator("target")
     @classmethod
@@ -309,20 +400,13 @@ class PreemptionConfig(Section):
     slot_size: int | str = Field("256MB", validate_default=True)
     """The largest saved-KV blob the pool takes (`--preemption-slot-size`); the pool
     stores each blob in exactly its own size."""
-    zstd_level: int = Field(3, ge=1, le=22)
-    zstd_threads: int = Field(0, ge=0)
-    zstd_shuffle: bool = True
-    """Byte-shuffle before zstd (high bytes of fp16 together): smaller and faster."""
-    head_plan: str = "random"
-    """`swap_mixed`: which KV heads stay FP16, go FP8 or are dropped. `fp16` / `fp8`
-    (uniform), `random` (seeded by `seed`, shares below: the control), or the path of a
-    JSON plan file (`preempt importance` writes one from gradient head importance)."""
-    head_plan_fp8_share: float = Field(0.5, ge=0, le=1)
-    head_plan_drop_share: float = Field(0.1, ge=0, le=1)
-    """`random` plan shares (docs/design.md §9: 10% dropped; 50% FP8 + 40% FP16 gives the design's
-    0.65x of FP16 bytes)."""
-    mixed_zstd: bool = False
-    """`swap_mixed`: also zstd the packed payload on the host (costs host CPU time)."""
+    codecs: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Options of each codec, by name (`preempt.core.registry.CODECS`): the keyword
+    arguments its class takes, every one with a default, e.g. `zstd: {level: 3, threads: 0,
+    shuffle: true}`, `mixed: {plan: random, fp8_share: 0.5, drop_share: 0.1, zstd: false}`
+    (`plan`: `fp16`, `fp8`, `random` (seeded by `seed`: the control) or a JSON plan file
+    from `preempt importance`; docs/design.md §9), `lz4: {acceleration: 1, shuffle:
+    true}`. Each codec checks its own (a bad name or option is refused at load)."""
     warmup_tokens: int = Field(2, ge=0)
     """After a lossy restore, recompute the last this-many tokens at full precision
     (the design's "1-2 tokens of warm-up")."""
@@ -336,19 +420,6 @@ class PreemptionConfig(Section):
     until the copy ends on the virtual clock; the rest of the batch runs meanwhile. Off:
     the whole step waits for the restore (the baselines, vLLM parity). Virtual clock only,
     and not for the `sglang_*` policies' loop."""
-    codec_encode_mb_s: dict[str, float] = Field(
-        default_factory=lambda: {"raw": 0.0, "zstd": 480.0, "mixed": 0.0}
-    )
-    """Virtual clock: host-side encode throughput per codec (0 = free), calibrated with
-    `preempt bench save` on this kind of machine (zstd L3 + shuffle, one core)."""
-    codec_decode_mb_s: dict[str, float] = Field(
-        default_factory=lambda: {"raw": 0.0, "zstd": 1000.0, "mixed": 0.0}
-    )
-    """`mixed` quantizes on the device (Triton) before the PCIe copy, so it costs no host
-    time unless `mixed_zstd`; then zstd's throughput applies to its (smaller) payload."""
-    modelled_ratio: dict[str, float] = Field(default_factory=lambda: {"raw": 1.0, "zstd": 1.15})
-    """`null` backend (no real KV): compression ratio assumed per codec (measured on the
-    tiny model's KV by `preempt bench save`)."""
 
     @field_validator("mode")
     @classmethod
@@ -360,12 +431,17 @@ class PreemptionConfig(Section):
     def _known_reclaim_codec(cls, name: str) -> str:
         return check_reclaim_codec(name)
 
-    @field_validator("head_plan")
+    @model_validator(mode="before")
     @classmethod
-    def _plan_name_or_file(cls, value: str) -> str:
-        if value not in ("fp16", "fp8", "random") and not Path(value).is_file():
-            raise ValueError(f"'{value}' is neither fp16, fp8, random nor an existing plan file")
-        return value
+    def _moved_keys(cls, data: Any) -> Any:
+        return refuse_moved_keys(data, "preemption", MOVED_PREEMPTION_KEYS)
+
+    @field_validator("codecs")
+    @classmethod
+    def _codec_options(cls, codecs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        for name, options in codecs.items():
+            check_codec_options(name, options)
+        return codecs
 
     @field_validator("host_mem", "slot_size")
     @classmethod
@@ -376,15 +452,6 @@ class PreemptionConfig(Section):
         if size <= 0:
             raise ValueError(f"must be > 0 bytes, got {value!r}")
         return size
-
-    @model_validator(mode="after")
-    def _plan_shares_fit(self) -> PreemptionConfig:
-        if self.head_plan_fp8_share + self.head_plan_drop_share > 1.0 + 1e-9:
-            raise ValueError(
-                f"head_plan_fp8_share + head_plan_drop_share must be <= 1, got "
-                f"{self.head_plan_fp8_share} + {self.head_plan_drop_share}"
-            )
-        return self
 
     @model_validator(mode="after")
     def _slot_fits_pool(self) -> PreemptionConfig:

@@ -82,7 +82,7 @@ class EarlySaveConfig(Section):
     """Prefetch: host bytes that copies decoded ahead of their restore may hold at once."""
     prefetch_decode_threads: int = Field(4, gt=0)
     """Prefetch: host threads decoding ahead, one blob each at the codec's calibrated
-    per-thread rate (`preemption.codec_decode_mb_s`)."""
+    per-thread rate (`clock.codecs.<name>.decode_mb_s`)."""
     host_budget: int | str = Field("1GB", validate_default=True)
     """Host bytes that speculative copies may hold at once; demand saves always come first."""
     max_inflight: int = Field(4, gt=0)

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from preempt.core.config import ConfigError, EngineConfig, PreemptionConfig
+from preempt.core.config import CodecCalibration, ConfigError, EngineConfig
 from preempt.core.cost_model import CostModel
 from preempt.core.registry import save_codec
 from preempt.core.request import Request
@@ -28,19 +28,12 @@ from preempt.kv.kv_cache import KVCache
 from preempt.kv.store import HostStore, SavedCopy, Segment, Worker
 
 
-def codec_options(config: PreemptionConfig, name: str) -> dict:
-    """The options the config gives codec `name` (its class's keyword arguments)."""
-    if name == "zstd":
-        return {"level": config.zstd_level, "threads": config.zstd_threads, "shuffle": config.zstd_shuffle}
-    if name == "mixed":
-        return {
-            "plan": config.head_plan,
-            "fp8_share": config.head_plan_fp8_share,
-            "drop_share": config.head_plan_drop_share,
-            "zstd": config.mixed_zstd,
-            "level": config.zstd_level,
-        }
-    return {}
+def calibration(config: EngineConfig, name: str) -> CodecCalibration:
+    """Codec `name`'s host side on the virtual clock: the config's `clock.codecs.<name>`
+    over the codec's own calibration."""
+    own = CODECS[name].calibration
+    given = config.clock.codecs.get(name)
+    return own if given is None else given.over(own)
 
 
 class EngineCodecs(Mapping[str, Codec]):
@@ -60,11 +53,12 @@ class EngineCodecs(Mapping[str, Codec]):
         codec = self._built.get(name)
         if codec is None:
             try:
-                codec = CODECS[name].build(codec_options(self._config, name), *self._shape, seed=self._seed)
+                options = self._config.codecs.get(name, {})
+                codec = CODECS[name].build(options, *self._shape, seed=self._seed)
                 if self._exact:
                     codec.check_shape(*self._shape)
             except ValueError as err:
-                raise ConfigError(f"config key 'preemption', codec '{name}': {err}") from None
+                raise ConfigError(f"config key 'preemption.codecs.{name}': {err}") from None
             self._built[name] = codec
         return codec
 
@@ -84,6 +78,8 @@ class BlobStore:
     ) -> None:
         p = config.preemption
         self.config = p
+        self._engine_config = config
+        self._ratios: dict[str, float] = {}  # codec -> modelled ratio (null backend)
         target = cost_model.target
         shape = (
             (kv_cache.num_layers, kv_cache.num_kv_heads)
@@ -109,7 +105,7 @@ class BlobStore:
         for name, value in self.__dict__.items():
             if name == "kv_cache":
                 value = None
-            elif name not in ("config", "cost_model"):
+            elif name not in ("config", "_engine_config", "cost_model"):
                 value = copy.deepcopy(value, memo)
             setattr(copied, name, value)
         return copied
@@ -135,10 +131,16 @@ class BlobStore:
         reason if the pool cannot take it; the blob's size comes through `segment.stored`."""
         if self.kv_cache is None:
             segment.nbytes_raw = self.raw_bytes(segment.num_tokens)
-            share = self.codecs[segment.codec].stored_share(self.config.modelled_ratio)
+            share = self.codecs[segment.codec].stored_share(self._modelled_ratio(segment.codec))
             return self.store.reserve(segment, int(segment.nbytes_raw * share))
         worker = self._early_worker if speculative else self._worker
         return self.store.save(segment, self.kv_cache, request.block_ids, worker)
+
+    def _modelled_ratio(self, codec: str) -> float:
+        ratio = self._ratios.get(codec)
+        if ratio is None:
+            ratio = self._ratios[codec] = calibration(self._engine_config, codec).modelled_ratio
+        return ratio
 
     # ----------------------------------------------------------------- load
     def load(self, request: Request, saved: SavedCopy) -> tuple[bool, np.ndarray | None]:

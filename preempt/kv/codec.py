@@ -49,6 +49,7 @@ import threading
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, Protocol
 
 import numpy as np
@@ -56,6 +57,7 @@ import torch
 import zstandard
 
 from preempt.core import registry
+from preempt.core.config import CodecCalibration
 
 try:  # the same CRC-32 as zlib's, faster (module docstring)
     from isal.isal_zlib import crc32
@@ -213,6 +215,9 @@ class Codec(ABC):
     name: ClassVar[str]
     codec_id: ClassVar[int]
     is_lossless: ClassVar[bool] = True
+    calibration: ClassVar[CodecCalibration] = CodecCalibration(encode_mb_s=0, decode_mb_s=0, modelled_ratio=1)
+    """The host side on the virtual clock, measured by `preempt bench save` (the config's
+    `clock.codecs.<name>` overrides it): by default free, and storing every byte."""
 
     @abstractmethod
     def encode_parts(self, kv: torch.Tensor) -> list[bytes | np.ndarray]:
@@ -277,10 +282,10 @@ class Codec(ABC):
         throughputs `mb_s` (codec name -> MB/s; 0 or absent: free)."""
         return _seconds(nbytes, mb_s.get(self.name, 0.0))
 
-    def stored_share(self, modelled_ratio: Mapping[str, float]) -> float:
+    def stored_share(self, modelled_ratio: float) -> float:
         """The share of the raw bytes a blob takes, where no KV data exists to measure it
         (the `null` backend): one over the codec's assumed compression ratio."""
-        return 1 / modelled_ratio[self.name]
+        return 1 / modelled_ratio
 
     @property
     def loses_precision(self) -> bool:
@@ -357,6 +362,8 @@ class ZstdCodec(Codec):
 
     name = "zstd"
     codec_id = 1
+    # `preempt bench save` on this kind of machine: level 3 + shuffle, one core, 16-bit KV
+    calibration = CodecCalibration(encode_mb_s=480, decode_mb_s=1000, modelled_ratio=1.15)
 
     def __init__(self, level: int = 3, threads: int = 0, shuffle: bool = True) -> None:
         if not isinstance(level, int) or not -(2**17) <= level <= zstandard.MAX_COMPRESSION_LEVEL:
@@ -586,7 +593,15 @@ class MixedCodec(Codec):
 
         options = dict(options)
         name = options.pop("plan", "random")
-        fp8_share, drop_share = options.pop("fp8_share", 0.5), options.pop("drop_share", 0.0)
+        # the design's random control (§9): 10% dropped, 50% FP8, 40% FP16 = 0.65x of FP16 bytes
+        fp8_share, drop_share = options.pop("fp8_share", 0.5), options.pop("drop_share", 0.1)
+        for key, share in (("fp8_share", fp8_share), ("drop_share", drop_share)):
+            if not (isinstance(share, int | float) and 0 <= share <= 1):
+                raise ValueError(f"{key} must be a number in [0, 1], got {share!r}")
+        if fp8_share + drop_share > 1.0 + 1e-9:
+            raise ValueError(f"fp8_share + drop_share must be <= 1, got {fp8_share} + {drop_share}")
+        if name not in ("fp16", "fp8", "random") and not Path(str(name)).is_file():
+            raise ValueError(f"plan '{name}' is neither fp16, fp8, random nor an existing plan file")
         if name == "fp16":
             plan = HeadPlan.all_fp16(num_layers, num_kv_heads)
         elif name == "fp8":
@@ -631,7 +646,7 @@ class MixedCodec(Codec):
         seconds = super().host_time_s(nbytes, mb_s)
         return seconds + _seconds(nbytes, mb_s.get("zstd", 0.0)) if self.zstd else seconds
 
-    def stored_share(self, modelled_ratio: Mapping[str, float]) -> float:
+    def stored_share(self, modelled_ratio: float) -> float:
         return self.size_ratio  # the plan fixes it (0 for an all-DROP plan)
 
     @property

@@ -160,7 +160,7 @@ class HostStore:
 
     def __init__(self, pool: HostPool, codecs: Mapping[str, Codec]) -> None:
         self.pool = pool
-        self.codecs = dict(codecs)
+        self.codecs = codecs  # read, never copied: an engine's builds a codec on first use
         self._lock = threading.Lock()  # the stored-byte count, written by the workers too
         self.bytes_stored = 0
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from preempt.core.config import PreemptionConfig
 from preempt.core.cost_model import CostModel
 from preempt.kv.codec import Codec
 from preempt.kv.store import SavedCopy
@@ -26,13 +25,15 @@ from preempt.kv.store import SavedCopy
 class VirtualTiming:
     def __init__(
         self,
-        config: PreemptionConfig,
         cost_model: CostModel,
         codecs: Mapping[str, Codec],
+        encode_mb_s: Mapping[str, float],
+        decode_mb_s: Mapping[str, float],
         staged_restores: bool,
         num_decode_lanes: int,
     ) -> None:
-        self.config = config
+        self.encode_mb_s = encode_mb_s  # codec name -> calibrated host throughput (0: free)
+        self.decode_mb_s = decode_mb_s
         self.cost_model = cost_model
         self.codecs = codecs
         # With restore prefetch on, a restore of a blob still encoding copies back its raw
@@ -59,7 +60,7 @@ class VirtualTiming:
         else:
             start = max(now, self._d2h_free_at)
             self._d2h_free_at = copy_end = start + duration
-        return copy_end, copy_end + self.host_s(copy_bytes, codec, self.config.codec_encode_mb_s)
+        return copy_end, copy_end + self.host_s(copy_bytes, codec, self.encode_mb_s)
 
     # ----------------------------------------------------------------- restores
     def restore_end(self, saved: SavedCopy, now: float, decoded_s: float | None = None) -> float:
@@ -73,7 +74,7 @@ class VirtualTiming:
         for segment in saved.segments:
             device_s, copy_bytes = self.device_side(segment.num_tokens, segment.codec)
             if decoded_s is None:
-                end += self.host_s(copy_bytes, segment.codec, self.config.codec_decode_mb_s)
+                end += self.host_s(copy_bytes, segment.codec, self.decode_mb_s)
             both_ways = max(self._d2h_free_at, self._early_d2h_free_at) > end  # saves still copying out
             end += self.cost_model.copy_time_s(copy_bytes, both_ways=both_ways) + device_s
         self._h2d_free_at = end
@@ -93,7 +94,7 @@ class VirtualTiming:
                 end = max(end, decoded_s)
             else:
                 end = max(end, segment.ready_at_s)
-                end += self.host_s(copy_bytes, segment.codec, self.config.codec_decode_mb_s)
+                end += self.host_s(copy_bytes, segment.codec, self.decode_mb_s)
             both_ways = max(self._d2h_free_at, self._early_d2h_free_at) > end  # saves still copying out
             end += self.cost_model.copy_time_s(copy_bytes, both_ways=both_ways) + device_s
         self._h2d_free_at = end
@@ -112,7 +113,7 @@ class VirtualTiming:
         for segment in saved.segments:
             _, copy_bytes = self.device_side(segment.num_tokens, segment.codec)
             if segment.ready_at_s <= now:
-                end += self.host_s(copy_bytes, segment.codec, self.config.codec_decode_mb_s)
+                end += self.host_s(copy_bytes, segment.codec, self.decode_mb_s)
         self._decode_free_at[lane] = end
         return end
 
@@ -129,5 +130,5 @@ class VirtualTiming:
 
     def needs_decode(self, saved: SavedCopy) -> bool:
         """The copy costs host decode time on restore (zstd; mixed with zstd)."""
-        mb_s = self.config.codec_decode_mb_s
+        mb_s = self.decode_mb_s
         return any(self.host_s(1.0, segment.codec, mb_s) > 0 for segment in saved.segments)

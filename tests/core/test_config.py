@@ -1,10 +1,11 @@
 import json
+import re
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from preempt.core.config import ConfigError, EngineConfig
+from preempt.core.config import ConfigError, EngineConfig, build_config
 from preempt.core.config_files import BUNDLED_CONFIGS, find_config_file, load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -110,3 +111,56 @@ def test_a_missing_config_names_every_place_looked(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as err:
         load_config(tmp_path / "engine_quick.yaml")
     assert str(BUNDLED_CONFIGS) not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "new"),
+    [
+        ("zstd_level", 5, "preemption.codecs.zstd.level"),
+        ("head_plan", "fp8", "preemption.codecs.mixed.plan"),
+        ("codec_encode_mb_s", {"zstd": 100.0}, "clock.codecs.<codec>.encode_mb_s"),
+    ],
+)
+def test_a_moved_key_is_refused_with_its_new_place(key, value, new):
+    with pytest.raises(ConfigError, match=f"key 'preemption.{key}' has moved: set '{re.escape(new)}'"):
+        build_config({"preemption": {key: value}})
+
+
+def test_codec_options_and_calibration_are_checked_by_the_codec():
+    config = build_config(
+        {"preemption": {"codecs": {"zstd": {"level": 5}}}, "clock": {"codecs": {"zstd": {"encode_mb_s": 90}}}}
+    )
+    assert config.preemption.codecs == {"zstd": {"level": 5}}
+    assert config.clock.codecs["zstd"].encode_mb_s == 90
+    for bad, message in [
+        ({"preemption": {"codecs": {"gzip": {}}}}, "unknown codec 'gzip'"),
+        ({"preemption": {"codecs": {"zstd": {"levle": 5}}}}, "codec 'zstd'.*levle"),
+        ({"preemption": {"codecs": {"mixed": {"plan": "nowhere.json"}}}}, "neither fp16, fp8, random"),
+        ({"clock": {"codecs": {"zstd": {"encode_mb_s": -1}}}}, "clock.codecs.zstd.encode_mb_s"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            build_config(bad)
+
+
+def test_stored_configs_are_read_in_todays_layout():
+    from preempt.core.config import upgrade_config
+
+    old = {
+        "seed": 0,
+        "clock": {"kind": "virtual"},
+        "preemption": {
+            "mode": "swap_mixed",
+            "head_plan": "fp8",
+            "zstd_level": 3,
+            "codec_encode_mb_s": {"raw": 0.0, "zstd": 480.0},
+        },
+    }
+    new = upgrade_config(old)
+    assert new["preemption"] == {
+        "mode": "swap_mixed",
+        "codecs": {"mixed": {"plan": "fp8"}, "zstd": {"level": 3}},
+    }
+    assert new["clock"]["codecs"] == {"raw": {"encode_mb_s": 0.0}, "zstd": {"encode_mb_s": 480.0}}
+    assert "head_plan" in old["preemption"]  # the stored dict is left as it was
+    today = build_config({}).model_dump(mode="json")
+    assert upgrade_config(today) is today

@@ -27,7 +27,7 @@ def _logical_kv(engine, request, num_tokens):
 
 @pytest.mark.parametrize("mode", ["swap", "swap_zstd", "swap_mixed"])
 def test_incremental_early_saves_plus_tail_restore_bit_identical_kv(mode):
-    engine = Engine(small_config(preemption={"mode": mode, "head_plan": "fp16"}))
+    engine = Engine(small_config(preemption={"mode": mode, "codecs": {"mixed": {"plan": "fp16"}}}))
     saver, pool = engine.saver, engine.block_pool
     request = make_request(0, 21, 60)
     engine.add_request(request)

@@ -58,7 +58,7 @@ def check_accounting(engine):
 @pytest.mark.parametrize("mode", ["swap", "swap_zstd", "swap_mixed"])
 def test_prefetch_changes_no_lossless_output(mode):
     _, unpreempted_requests = _run("recompute", policy="vllm_fcfs")
-    extra = {"head_plan": "fp16"} if mode == "swap_mixed" else {}
+    extra = {"codecs": {"mixed": {"plan": "fp16"}}} if mode == "swap_mixed" else {}
     config = _config(mode)
     config = config.model_copy(update={"preemption": config.preemption.model_copy(update=extra)})
     engine = Engine(config)
@@ -152,7 +152,8 @@ def test_prefetch_hides_restore_stall_on_the_virtual_clock():
             cache={"num_blocks": 64},
             scheduler={"max_num_seqs": 4, "policy": "priority_score"},
             # a slow host decode, so that restores cost something to hide
-            preemption={"mode": "swap_zstd", **AGGRESSIVE, "codec_decode_mb_s": {"zstd": 50.0}},
+            preemption={"mode": "swap_zstd", **AGGRESSIVE},
+            clock={"codecs": {"zstd": {"decode_mb_s": 50.0}}},
             early_save={"prefetch": prefetch},
         )
         engine = Engine(config)

@@ -133,7 +133,7 @@ def test_an_idle_batch_waits_for_the_restore_and_counts_it_as_stall():
 
 def test_lossy_async_restores_recompute_their_warmup(monkeypatch):
     engine = Engine(
-        _config("swap_mixed", head_plan="random", head_plan_fp8_share=0.5, head_plan_drop_share=0.25)
+        _config("swap_mixed", codecs={"mixed": {"plan": "random", "fp8_share": 0.5, "drop_share": 0.25}})
     )
     watch = ReadyWatch(engine, monkeypatch)
     computed_at_park = {}

@@ -35,7 +35,7 @@ CONFIGS = {
         "clock": {"kind": "wall"},
         "early_save": {"policy": "rule"},
     },
-    "tiny-swap_mixed": {"preemption": {"mode": "swap_mixed", "head_plan": "fp8"}},
+    "tiny-swap_mixed": {"preemption": {"mode": "swap_mixed", "codecs": {"mixed": {"plan": "fp8"}}}},
     "tiny-pause": {"preemption": {"mode": "pause"}},
     "null-swap-lookahead-prefetch": {
         "model": {"backend": "null"},

@@ -30,7 +30,7 @@ def unpreempted():
 def _run_with_plan(tmp_path, plan: HeadPlan):
     path = tmp_path / "plan.json"
     plan.save(path)
-    return _run("swap_mixed", head_plan=str(path))
+    return _run("swap_mixed", codecs={"mixed": {"plan": str(path)}})
 
 
 def test_kivi_plan_preempts_restores_and_finishes_every_request(tmp_path, unpreempted):

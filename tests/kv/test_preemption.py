@@ -67,7 +67,7 @@ LOSSLESS_MODES = [
     ("swap", {}),
     ("swap_zstd", {}),
     ("pause", {}),
-    ("swap_mixed", {"head_plan": "fp16"}),  # all heads kept: lossless, no warm-up needed
+    ("swap_mixed", {"codecs": {"mixed": {"plan": "fp16"}}}),  # all heads kept: lossless, no warm-up needed
 ]
 
 
@@ -191,7 +191,7 @@ def test_consecutive_preemption_limit():
 
 
 @pytest.mark.parametrize(
-    "preemption", [{}, {"mode": "swap_mixed", "head_plan": "fp16"}], ids=["raw", "mixed"]
+    "preemption", [{}, {"mode": "swap_mixed", "codecs": {"mixed": {"plan": "fp16"}}}], ids=["raw", "mixed"]
 )
 def test_corrupted_blob_falls_back_to_recompute(preemption, unpreempted):
     engine = _swap_engine(**preemption)
@@ -218,7 +218,7 @@ def test_corrupted_blob_falls_back_to_recompute(preemption, unpreempted):
 
 def test_lossy_mixed_mode_ends_every_request_and_masks_dropped_prefixes():
     engine, requests = _run(
-        "swap_mixed", head_plan="random", head_plan_fp8_share=0.5, head_plan_drop_share=0.25
+        "swap_mixed", codecs={"mixed": {"plan": "random", "fp8_share": 0.5, "drop_share": 0.25}}
     )
     plan = engine.saver.plan
     assert plan.num_drop == 1 and plan.num_fp8 == 2  # 2 layers x 2 KV heads
@@ -246,7 +246,7 @@ def test_lossy_mixed_mode_ends_every_request_and_masks_dropped_prefixes():
 def test_mixed_restore_dequantizes_into_new_blocks_and_asks_for_warmup():
     from preempt.kernels.plan import HeadClass, HeadPlan
 
-    engine = Engine(small_config(preemption={"mode": "swap_mixed", "head_plan": "fp8"}))
+    engine = Engine(small_config(preemption={"mode": "swap_mixed", "codecs": {"mixed": {"plan": "fp8"}}}))
     saver = engine.saver
     plan = HeadPlan.from_codes([[HeadClass.FP16, HeadClass.FP8], [HeadClass.DROP, HeadClass.FP16]])
     saver.blobs.codecs["mixed"].plan = plan
@@ -294,7 +294,7 @@ def test_mixed_restore_dequantizes_into_new_blocks_and_asks_for_warmup():
 def test_mixed_mode_on_the_null_backend_stores_the_plans_share():
     config = small_config(
         model={"backend": "null"},
-        preemption={"mode": "swap_mixed", "head_plan": "random", "head_plan_drop_share": 0.1},
+        preemption={"mode": "swap_mixed", "codecs": {"mixed": {"plan": "random", "drop_share": 0.1}}},
     )
     engine = Engine(config)
     plan = engine.saver.plan

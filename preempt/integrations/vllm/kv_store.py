@@ -132,7 +132,9 @@ def make_store_codec(settings: ConnectorSettings, num_layers: int, num_kv_heads:
     from preempt.kernels.plan import HeadClass
 
     options = (
-        {"plan": settings.head_plan, "fp8_share": settings.fp8_share} if settings.codec == "mixed" else {}
+        {"plan": settings.head_plan, "fp8_share": settings.fp8_share, "drop_share": 0.0}
+        if settings.codec == "mixed"
+        else {}
     )
     try:
         codec = CODECS.resolve(settings.codec).build(options, num_layers, num_kv_heads)
