@@ -30,7 +30,7 @@ import torch
 
 from preempt.core.sizes import format_size, parse_size
 
-OOMReason = Literal["pool_full", "slot_too_small"]
+OOMReason = Literal["pool_full", "blob_too_large"]
 Blob = bytes | bytearray | memoryview | np.ndarray | torch.Tensor
 
 
@@ -38,7 +38,7 @@ class PreemptionHandlerOOM(RuntimeError):
     """The host pool cannot take a KV blob: a load condition, answered by the fallback (docs/design.md §7).
 
     `reason` is "pool_full" (no free extent large enough: raise --preemption-host-mem) or
-    "slot_too_small" (the blob is larger than --preemption-slot-size allows).
+    "blob_too_large" (the blob is larger than --preemption-slot-size allows).
     """
 
     def __init__(self, reason: OOMReason, message: str, *, nbytes: int) -> None:
@@ -61,11 +61,11 @@ def _extent(nbytes: int) -> int:
 
 
 @dataclass(frozen=True)
-class SlotHandle:
+class BlobHandle:
     """Where a stored blob lives: its extent [offset, offset + extent) in the arena, of which
     the first `nbytes` are the blob. `generation` tells a live handle from a stale one whose
     extent was freed and reused, so a late `load`/`free` fails loudly instead of reading
-    another request's KV. (The name is historical: blobs no longer take fixed slots.)"""
+    another request's KV."""
 
     offset: int
     nbytes: int
@@ -206,7 +206,7 @@ class HostPool:
 
     # ---- store / load / free ----------------------------------------------------------------
 
-    def store(self, blob: Blob | list[Blob] | tuple[Blob, ...], into: SlotHandle | None = None) -> SlotHandle:
+    def store(self, blob: Blob | list[Blob] | tuple[Blob, ...], into: BlobHandle | None = None) -> BlobHandle:
         """Copy `blob` into the pool. Raises PreemptionHandlerOOM (and holds nothing) when the
         blob is larger than `slot_bytes` (checked first: no amount of waiting fixes it) or no
         free extent is large enough.
@@ -242,13 +242,13 @@ class HostPool:
             raise
         return handle
 
-    def reserve(self, nbytes: int) -> SlotHandle:
+    def reserve(self, nbytes: int) -> BlobHandle:
         """Claim an extent for `nbytes` without copying anything: `store` uses it, and so does
         the `null` backend, which models KV sizes but has no KV data. Same errors as
         `store`; accounting is identical."""
         if nbytes > self.slot_bytes:
             raise PreemptionHandlerOOM(
-                "slot_too_small",
+                "blob_too_large",
                 f"KV blob larger than the largest allowed: raise --preemption-slot-size "
                 f"(blob {format_size(nbytes)} > {format_size(self.slot_bytes)})",
                 nbytes=nbytes,
@@ -277,23 +277,23 @@ class HostPool:
             self._bytes_used += nbytes
             self._bytes_reserved += extent
             self._peak_bytes_used = max(self._peak_bytes_used, self._bytes_used)
-            return SlotHandle(offset=offset, nbytes=nbytes, extent=extent, generation=self._generation)
+            return BlobHandle(offset=offset, nbytes=nbytes, extent=extent, generation=self._generation)
 
-    def load(self, handle: SlotHandle) -> memoryview:
+    def load(self, handle: BlobHandle) -> memoryview:
         """A read-only view of exactly the stored bytes, no copy. Valid until `free(handle)`:
         consume (decode) it before freeing."""
         with self._lock:
             self._validate(handle, "load")
         return memoryview(self._array[handle.offset : handle.offset + handle.nbytes]).toreadonly()
 
-    def load_tensor(self, handle: SlotHandle) -> torch.Tensor:
+    def load_tensor(self, handle: BlobHandle) -> torch.Tensor:
         """The stored bytes as a (nbytes,) uint8 tensor view of the (pinned) buffer, no copy: the
         source for a non_blocking host-to-device copy. Same lifetime rule as `load`."""
         with self._lock:
             self._validate(handle, "load")
         return self._buffer[handle.offset : handle.offset + handle.nbytes]
 
-    def free(self, handle: SlotHandle) -> None:
+    def free(self, handle: BlobHandle) -> None:
         """Give the extent back. Freeing twice, or freeing a stale handle, raises HostPoolError."""
         with self._lock:
             self._validate(handle, "free")
@@ -334,7 +334,7 @@ class HostPool:
             if empty_host_cache is not None:
                 empty_host_cache()
 
-    def _shrink(self, reservation: SlotHandle, nbytes: int) -> SlotHandle:
+    def _shrink(self, reservation: BlobHandle, nbytes: int) -> BlobHandle:
         """The reserved extent, now holding `nbytes` (<= its reservation); the unused tail
         (whole ALIGN units) goes back to the free list."""
         with self._lock:
@@ -342,7 +342,7 @@ class HostPool:
             if nbytes > reservation.nbytes:
                 self._release(reservation.offset)
                 raise PreemptionHandlerOOM(
-                    "slot_too_small",
+                    "blob_too_large",
                     f"KV blob of {format_size(nbytes)} exceeds its reservation of "
                     f"{format_size(reservation.nbytes)}",
                     nbytes=nbytes,
@@ -353,11 +353,11 @@ class HostPool:
             self._live[reservation.offset] = (nbytes, extent, reservation.generation)
             self._bytes_used -= reservation.nbytes - nbytes
             self._bytes_reserved -= reservation.extent - extent
-            return SlotHandle(reservation.offset, nbytes, extent, reservation.generation)
+            return BlobHandle(reservation.offset, nbytes, extent, reservation.generation)
 
     # ---- internals (call with the lock held) ------------------------------------------------
 
-    def _validate(self, handle: SlotHandle, action: str) -> None:
+    def _validate(self, handle: BlobHandle, action: str) -> None:
         if self.closed and action != "free":
             raise HostPoolError(f"cannot {action} {handle}: the host pool is closed")
         held = self._live.get(handle.offset)

@@ -44,7 +44,7 @@ class PreemptionRecord:
     challenger_id: int | None = None
     slice_used_s: float = 0.0  # the victim's executed time since it last started running
     slice_s: float = 0.0  # its time slice at the decision
-    # Why the fallback was taken: "pool_full" | "slot_too_small" | "consecutive_limit". With
+    # Why the fallback was taken: "pool_full" | "blob_too_large" | "consecutive_limit". With
     # action "none" the victim kept running; otherwise (a forced preemption) it was still
     # preempted and is now PREEMPTION_FAILED: protected from later preemptions.
     failure: str | None = None

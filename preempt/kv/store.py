@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from preempt.kv.codec import Codec, CorruptBlobError, PagedCache
-from preempt.kv.host_pool import HostPool, HostPoolError, PreemptionHandlerOOM, SlotHandle
+from preempt.kv.host_pool import BlobHandle, HostPool, HostPoolError, PreemptionHandlerOOM
 
 
 def done_future(value: int = 0) -> Future:
@@ -52,12 +52,12 @@ class Segment:
     start: int  # first token; block-aligned
     num_tokens: int
     codec: str
-    handle: SlotHandle | Future | None = None  # a Future while a worker is still encoding
+    handle: BlobHandle | Future | None = None  # a Future while a worker is still encoding
     nbytes_raw: int = 0
     # The blob's size in the pool, set by whoever stores it (a worker on the wall clock);
     # 0 when nothing was stored (an empty segment, or a store that failed: `error` says why).
     stored: Future = field(default_factory=Future)
-    error: str | None = None  # "pool_full", "slot_too_small", "closed", "encode: ..."
+    error: str | None = None  # "pool_full", "blob_too_large", "closed", "encode: ..."
     seconds: float = 0.0  # wall clock: from the gather until the blob was stored
     # The engine's virtual clock (preempt.kv.timing):
     ready_at_s: float = 0.0  # when the host copy is complete
@@ -121,7 +121,7 @@ def gather_stored(segments: list[Segment]) -> Future:
     return total
 
 
-def resolve(handle: SlotHandle | Future | None) -> SlotHandle | None:
+def resolve(handle: BlobHandle | Future | None) -> BlobHandle | None:
     """The pool handle of a blob, waiting for its worker if it is still encoding."""
     return handle.result() if isinstance(handle, Future) else handle
 
@@ -197,7 +197,7 @@ class HostStore:
             segment.stored.set_result(0)
             return err.reason
 
-        def work() -> SlotHandle | None:  # None: lost (pool) or failed (encode): the restore recomputes
+        def work() -> BlobHandle | None:  # None: lost (pool) or failed (encode): the restore recomputes
             try:
                 return self._store(segment, codec, gathered, began, into=reservation)
             finally:
@@ -208,8 +208,8 @@ class HostStore:
         return None
 
     def _store(
-        self, segment: Segment, codec: Codec, gathered: object, began: float, into: SlotHandle | None = None
-    ) -> SlotHandle | None:
+        self, segment: Segment, codec: Codec, gathered: object, began: float, into: BlobHandle | None = None
+    ) -> BlobHandle | None:
         """Encode and store the segment's blob (into the reserved extent `into`, if given):
         its handle, or None with the reason in `segment.error`. No failure escapes: a
         worker's must fail this copy, not the thread."""

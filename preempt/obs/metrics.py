@@ -53,7 +53,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OTHER_SLA_LEVEL = "other"  # the label of every SLA level the config does not name
 RATE_WINDOW_S = 60.0
 # Failures of the save itself: the scheduler kept no host copy (see Saver.save).
-_SAVE_FAILURES = ("pool_full", "slot_too_small")
+_SAVE_FAILURES = ("pool_full", "blob_too_large")
 
 _LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
@@ -217,7 +217,7 @@ class PreemptionMetrics:
         # Known label values start at 0, so `grep preemption` shows them before any event.
         for reason in ("priority", "memory"):
             self.preemptions.labels(reason=reason)
-        for reason in ("pool_full", "slot_too_small", "consecutive_limit"):
+        for reason in ("pool_full", "blob_too_large", "consecutive_limit"):
             self.failures.labels(reason=reason)
         for kind in ("raw", "stored"):
             self.saved_bytes.labels(kind=kind)

@@ -162,7 +162,7 @@ class _FailingMover(KVMover):
     """Every save fails as a blob over one host slot would."""
 
     def save(self, request, codec, now):
-        return SaveResult("slot_too_small")
+        return SaveResult("blob_too_large")
 
     def restore(self, request, now, *, background=False):
         raise AssertionError("nothing was saved")
@@ -189,5 +189,5 @@ def test_a_priority_victim_whose_save_fails_keeps_its_seat():
     complete(s, s.schedule())
     s.add_request(make_request(9, 6, 5, arrival_s=5.0, sla_level=1))
     out = s.schedule()
-    assert [r.failure for r in out.records] == ["slot_too_small"]  # the attempt, kept running
+    assert [r.failure for r in out.records] == ["blob_too_large"]  # the attempt, kept running
     assert not out.preempted and len(s.running) == 2 and kinds(out) == {"decode"}

@@ -122,7 +122,7 @@ def test_full_pool_and_oversized_copy_fail_the_copy_and_hold_nothing():
         kv_store.save(request_id, paged, [0, 1], 0, 64)
     for request_id in ("big", "a", "b", "c"):
         kv_store.wait(request_id)
-    assert kv_store.stored("big") == (96, "slot_too_small")
+    assert kv_store.stored("big") == (96, "blob_too_large")
     assert [kv_store.stored(r)[1] for r in "abc"] == [None, None, "pool_full"]
     for request_id in ("big", "a", "b", "c"):
         kv_store.discard(request_id)

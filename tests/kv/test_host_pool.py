@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from preempt.kv.host_pool import (
     ALIGN,
+    BlobHandle,
     HostPool,
     HostPoolError,
     PreemptionHandlerOOM,
-    SlotHandle,
     format_size,
     parse_size,
 )
@@ -162,12 +162,12 @@ def test_freed_neighbours_coalesce_into_a_largest_blob():
     pool.check()
 
 
-def test_oversize_blob_raises_slot_too_small_first():
+def test_oversize_blob_raises_blob_too_large_first():
     pool = HostPool(256 * 10**3, 256 * 10**3, pin_memory=False)
     pool.store(b"x" * 255_000)  # pool nearly full: the size check must still win
     with pytest.raises(PreemptionHandlerOOM) as info:
         pool.store(np.zeros(300 * 10**3, np.uint8))
-    assert info.value.reason == "slot_too_small"
+    assert info.value.reason == "blob_too_large"
     assert info.value.nbytes == 300 * 10**3
     assert "raise --preemption-slot-size (blob 300 KB > 256 KB)" in str(info.value)
     assert pool.bytes_used == 255_000
@@ -188,7 +188,7 @@ def test_double_free_and_stale_handles_raise():
     with pytest.raises(HostPoolError, match="stale"):
         pool.load(handle)
     with pytest.raises(HostPoolError):
-        pool.free(SlotHandle(offset=7 * ALIGN, nbytes=1, extent=ALIGN, generation=1))
+        pool.free(BlobHandle(offset=7 * ALIGN, nbytes=1, extent=ALIGN, generation=1))
     assert bytes(pool.load(reused)) == b"defg"
     pool.check()
 
@@ -212,7 +212,7 @@ def test_accounting_exact_with_mixed_blob_sizes(ops):
     bytes_used and bytes_reserved are exact sums, a store is refused as pool_full only when
     no free extent can hold it, and check() holds after every operation."""
     pool = HostPool(16 * ALIGN, 600, pin_memory=False)
-    live: dict[SlotHandle, bytes] = {}
+    live: dict[BlobHandle, bytes] = {}
     peak = 0
     for is_store, nbytes, pick in ops:
         if is_store:
@@ -247,7 +247,7 @@ def test_accounting_exact_with_mixed_blob_sizes(ops):
 def test_concurrent_store_and_free_keep_accounting_exact():
     """A save worker stores while the engine thread frees: nothing lost, nothing corrupted."""
     pool = HostPool(8 * 4096, 4096, pin_memory=False)  # blobs of 1..4096 B, mixed
-    stored: list[tuple[SlotHandle, int]] = []
+    stored: list[tuple[BlobHandle, int]] = []
     cond = threading.Condition()
     num_blobs = 2000
     errors: list[BaseException] = []
@@ -328,7 +328,7 @@ def test_store_into_a_reservation_shrinks_it_to_the_blob():
     too_small = pool.reserve(100)
     with pytest.raises(PreemptionHandlerOOM, match="exceeds its reservation") as err:
         pool.store(b"y" * 101, into=too_small)
-    assert err.value.reason == "slot_too_small"
+    assert err.value.reason == "blob_too_large"
     assert pool.num_free_slots == 4 and pool.bytes_used == 0  # nothing leaked
     with pytest.raises(HostPoolError, match="already freed"):
         pool.store(b"z", into=too_small)

@@ -173,7 +173,7 @@ def test_request_larger_than_a_slot_takes_the_fallback():
     requests = _workload()
     engine.run(requests)
     failures = {r.failure for r in engine.scheduler.records if r.failure}
-    assert failures == {"slot_too_small"}
+    assert failures == {"blob_too_large"}
     assert all(r.state is RequestState.FINISHED for r in requests)
     assert engine.saver.bytes_raw == 0
 

@@ -25,7 +25,7 @@ AGGRESSIVE = {
     "max_preemption_per_min": None,
     "max_consecutive_preemptions": 100,
 }
-SAVE_FAILURES = ("pool_full", "slot_too_small")
+SAVE_FAILURES = ("pool_full", "blob_too_large")
 
 
 def parse(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -86,7 +86,7 @@ def assert_agrees(samples: dict, stats: dict, records: Iterable[PreemptionRecord
     for reason in ("priority", "memory"):
         expected = sum(r.reason == reason for r in preempted)
         assert total(samples, "preempt_preemptions_total", reason=reason) == expected
-    for failure in ("pool_full", "slot_too_small", "consecutive_limit"):
+    for failure in ("pool_full", "blob_too_large", "consecutive_limit"):
         expected = sum(r.failure == failure for r in records)
         assert total(samples, "preempt_preemption_failures_total", reason=failure) == expected
     assert total(samples, "preempt_preemption_failed_requests_total") == stats["num_preemption_failed"]

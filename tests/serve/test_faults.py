@@ -175,7 +175,7 @@ def test_backoff_429_then_graceful_shutdown_frees_everything() -> None:
         left = live.on_engine(lambda e: e.scheduler.backoff_until_s - e.clock.now())
         assert 20 < left <= retry_after <= left + 2
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
-        assert 'preempt_preemption_failures_total{reason="slot_too_small"} 1.0' in metrics
+        assert 'preempt_preemption_failures_total{reason="blob_too_large"} 1.0' in metrics
 
         # SIGTERM path: in-flight requests are aborted at once, then uvicorn stops.
         live.server.handle_exit(signal.SIGTERM, None)

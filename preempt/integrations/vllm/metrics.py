@@ -118,7 +118,7 @@ CONNECTOR_HISTOGRAMS = (
     ("preempt:kv_save_seconds", "From a preemption to its copy stored (gather, encode, store)", "save_s"),
     ("preempt:kv_load_seconds", "Decoding a copy into the resumed request's blocks", "load_s"),
 )
-FALLBACKS = ("pool_full", "slot_too_small", "corrupt", "encode", "cost", "prefix_cache")
+FALLBACKS = ("pool_full", "blob_too_large", "corrupt", "encode", "cost", "prefix_cache")
 
 
 @dataclass
@@ -128,7 +128,7 @@ class ConnectorMetrics:
     saves: int = 0
     loads: int = 0
     fallbacks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FALLBACKS, 0))
-    """`pool_full`, `slot_too_small`: the host pool refused the copy; `corrupt`: a copy
+    """`pool_full`, `blob_too_large`: the host pool refused the copy; `corrupt`: a copy
     failed its checksum on load; `encode`: the codec failed; `cost`: the plugin chose to
     recompute (`saves: cost`); `prefix_cache`: vLLM's prefix cache held the whole copy."""
     stored_bytes: int = 0
