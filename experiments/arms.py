@@ -183,6 +183,13 @@ STANDARD_ARMS: dict[str, Arm] = _arms(
         "the design saving raw KV: isolates what zstd costs on the critical path",
     ),
     Arm(
+        "swap_lz4",
+        "swap_zstd",
+        {"preemption.mode": "swap_lz4"},
+        "swap_zstd with LZ4 instead (preempt/kv/lz4.py): a host codec several times faster than "
+        "zstd and compressing less: does a faster CPU codec pay for itself on the critical path?",
+    ),
+    Arm(
         "swap_raw_sync",
         "swap_raw",
         {"preemption.async_restore": False},

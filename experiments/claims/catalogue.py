@@ -18,6 +18,7 @@ from experiments.claims.rules import (
     dynamic_slices,
     early_warning,
     front,
+    lz4_critical_path,
     mixed_bytes,
     oracle_share,
     rate_limit,
@@ -223,6 +224,16 @@ CLAIMS: list[Claim] = [
         "restore) of `swap_zstd` - `swap_raw`, paired by seed: interval above 0",
         zstd_critical_path,
         regime="every regime with saves (regimes.yaml)",
+    ),
+    Claim(
+        "lz4_critical_path",
+        "docs/codec.md",
+        "a faster CPU codec does not change zstd's verdict: LZ4 (several times zstd's speed, "
+        "little compression on 16-bit KV) on the critical path also costs more than it saves",
+        "time waiting on KV of `swap_lz4` - `swap_raw`, paired by seed: interval above 0 "
+        "(preempt/configs/codecs.yaml runs the three arms)",
+        lz4_critical_path,
+        regime="the quick point (a minute of azure-conv at 4x, virtual H200): codecs.yaml",
     ),
     Claim(
         "zstd_ratio",

@@ -342,22 +342,33 @@ def _kv_wait(row: dict[str, Any]) -> float:
     return row["preemption_stall_s"] + row["preemption_restore_wait_s"]
 
 
-def zstd_critical_path(arms: Arms) -> Finding:
-    rows = paired(arms, "swap_raw", "swap_zstd")
+def _host_codec_on_critical_path(arms: Arms, codec: str) -> Finding:
+    """The `swap_<codec>` arm against `swap_raw`, paired by seed: does its host time (encode
+    on save, decode on restore) cost more KV wait than its smaller copies save?"""
+    arm = f"swap_{codec}"
+    rows = paired(arms, "swap_raw", arm)
     if rows is None:
-        return missing(arms, "swap_raw", "swap_zstd")
-    raw, zstd = rows
-    diff = paired_interval(zstd, raw, lambda x, y: _kv_wait(x) - _kv_wait(y))
+        return missing(arms, "swap_raw", arm)
+    raw, coded = rows
+    diff = paired_interval(coded, raw, lambda x, y: _kv_wait(x) - _kv_wait(y))
     stall, wait = "preemption_stall_s", "preemption_restore_wait_s"
     measured = (
         f"stall {show(raw, stall)} s + restore wait {show(raw, wait)} s "
-        f"(raw) vs {show(zstd, stall)} s + {show(zstd, wait)} s "
-        f"(zstd), difference {fmt(diff)} s; goodput {show(raw, 'goodput_req_s')} vs "
-        f"{show(zstd, 'goodput_req_s')} req/s ({n_seeds(raw)})"
+        f"(raw) vs {show(coded, stall)} s + {show(coded, wait)} s "
+        f"({codec}), difference {fmt(diff)} s; goodput {show(raw, 'goodput_req_s')} vs "
+        f"{show(coded, 'goodput_req_s')} req/s ({n_seeds(raw)})"
     )
-    if not any(r["num_saves"] for r in zstd):
+    if not any(r["num_saves"] for r in coded):
         return Finding(measured + "; nothing saved", IDLE)
     return Finding(measured, compare(diff, 0.0, claimed="above") or INCONCLUSIVE)
+
+
+def zstd_critical_path(arms: Arms) -> Finding:
+    return _host_codec_on_critical_path(arms, "zstd")
+
+
+def lz4_critical_path(arms: Arms) -> Finding:
+    return _host_codec_on_critical_path(arms, "lz4")
 
 
 def zstd_ratio(arms: Arms) -> Finding:

@@ -193,7 +193,8 @@ class ClockConfig(Section):
     """The host side of each codec on the virtual clock, by codec name, over that codec's
     own calibration (`Codec.calibration`, measured by `preempt bench save` on this kind of
     machine: zstd level 3 + shuffle on one core encodes 480 MB/s and decodes 1000 MB/s and
-    stores real 16-bit KV in 1/1.15 of its bytes; raw, mixed and fp8 cost no host time)."""
+    stores real 16-bit KV in 1/1.15 of its bytes; lz4 4160 / 2880 MB/s and 1.04 (relative to
+    zstd in the same run, preempt/kv/lz4.py); raw, mixed and fp8 cost no host time)."""
 
     @field_validator("codecs")
     @classmethod
@@ -406,7 +407,7 @@ class PreemptionConfig(Section):
     shuffle: true}`, `mixed: {plan: random, fp8_share: 0.5, drop_share: 0.1, zstd: false}`
     (`plan`: `fp16`, `fp8`, `random` (seeded by `seed`: the control) or a JSON plan file
     from `preempt importance`; docs/design.md §9), `lz4: {acceleration: 1, shuffle:
-    true}`. Each codec checks its own (a bad name or option is refused at load)."""
+    false}`. Each codec checks its own (a bad name or option is refused at load)."""
     warmup_tokens: int = Field(2, ge=0)
     """After a lossy restore, recompute the last this-many tokens at full precision
     (the design's "1-2 tokens of warm-up")."""

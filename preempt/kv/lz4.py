@@ -1,10 +1,19 @@
-"""`lz4`: LZ4 block compression of the KV's bytes, byte-shuffled first (as `zstd`).
+"""`lz4`: LZ4 block compression of the KV's bytes (optionally byte-shuffled first, as `zstd`).
 
-LZ4 gives up ratio for speed: it runs several times faster than zstd level 3 on one core,
-so it is the lossless codec to try where zstd's host time is what hurts (the project's
-`zstd_critical_path` claim: CPU zstd costs more stall than its smaller blobs save).
-`preempt bench save` measures its throughput and ratio on the tiny model's KV beside the
-others'; `preemption.mode: swap_lz4` saves with it.
+LZ4 gives up ratio for speed: no entropy coder, so 16-bit KV barely compresses, but it runs
+several times faster than zstd level 3 on one core. It is the lossless codec to try where
+zstd's host time is what hurts (the `zstd_critical_path` claim: CPU zstd costs more KV wait
+than its smaller blobs save); `lz4_critical_path` asks whether a faster codec changes that
+(`preempt ablate --config preempt/configs/codecs.yaml`, docs/codec.md).
+
+Calibration (`preempt bench save`, 2026-12-07, this 2-core machine, bfloat16 KV of the tiny
+model, 16 MB), relative to zstd (level 3, shuffled: the default) in the same run and scaled
+onto zstd's calibrated numbers (480 / 1000 MB/s, ratio 1.15):
+- save 2374.5 MB/s against zstd's 274.2 (8.66x) -> encode 4160 MB/s;
+- restore 3298.9 MB/s against zstd's 1144.5 (2.88x) -> decode 2880 MB/s;
+- ratio 1.278 against zstd's 2.005 on the same bytes: 28% of zstd's gain -> 1.04.
+Shuffled, LZ4 compresses more (1.68) but the numpy shuffle makes it as slow as zstd
+(451 MB/s): off by default.
 
 Payload: one LZ4 block of the (shuffled) bytes, without LZ4's own size prefix: the blob's
 header holds the raw length, which bounds the decompression. python-lz4 releases the GIL
@@ -17,6 +26,7 @@ import lz4.block
 import numpy as np
 import torch
 
+from preempt.core.config import CodecCalibration
 from preempt.kv.codec import (
     FLAG_SHUFFLED,
     Codec,
@@ -37,8 +47,9 @@ class Lz4Codec(Codec):
 
     name = "lz4"
     codec_id = 4
+    calibration = CodecCalibration(encode_mb_s=4160, decode_mb_s=2880, modelled_ratio=1.04)  # see above
 
-    def __init__(self, acceleration: int = 1, shuffle: bool = True) -> None:
+    def __init__(self, acceleration: int = 1, shuffle: bool = False) -> None:
         if not isinstance(acceleration, int) or acceleration < 1:
             raise ValueError(f"lz4 acceleration must be an int >= 1, got {acceleration!r}")
         self.acceleration = acceleration
