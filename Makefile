@@ -98,7 +98,7 @@ results: headline sweeps
 # Wheels for the GPU machine, which reaches no registry and lacks these (its Python is
 # 3.12 on x86-64; it has torch, triton, numpy, pyyaml, pytest, hypothesis). The versions are
 # this venv's; scripts/gpu_check.sh installs them from .whl/ with --no-index.
-GPU_WHEELS ?= pydantic pydantic_core annotated_types typing_inspection typing_extensions zstandard isal
+GPU_WHEELS ?= pydantic pydantic_core annotated_types typing_inspection typing_extensions zstandard isal lz4
 gpu-wheels: $(STAMP)
 	mkdir -p .whl
 	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
