@@ -11,6 +11,8 @@ classes. A codec is one class with two sides:
   connector's view of vLLM's) and what it costs on the virtual clock (`device_time`,
   `host_time_s`, `stored_share`). By default a save copies the cache's bytes to the host
   and encodes them there; `mixed` quantizes on the device, fused with the block gather.
+A lossless codec of bytes (zstd, lz4) subclasses `ShuffledBytesCodec` and only compresses
+and decompresses; its class names its `calibration` on the virtual clock.
 
 It must never: hold state between blobs (every blob decodes on its own, with any instance of
 its codec), keep a block table (callers pass one per call), or trust a header it has not
@@ -350,7 +352,43 @@ class RawCodec(Codec):
         return bytes_to_tensor(out, header)
 
 
-class ZstdCodec(Codec):
+class ShuffledBytesCodec(Codec):
+    """A lossless codec of the tensor's bytes, byte-shuffled first when `shuffle` (byte 0 of
+    every element, then byte 1, ...; a no-op for 1-byte dtypes; header flag
+    FLAG_SHUFFLED): a subclass only compresses and decompresses bytes (zstd, lz4)."""
+
+    shuffle: bool = True
+
+    @abstractmethod
+    def compress(self, data: np.ndarray) -> bytes:
+        """The payload of `data`, (n,) uint8."""
+
+    @abstractmethod
+    def decompress(self, payload: memoryview, raw_nbytes: int) -> np.ndarray:
+        """(raw_nbytes,) writable uint8 from a payload whose header was validated;
+        CorruptBlobError if it does not decompress to exactly that many bytes."""
+
+    def encode_parts(self, kv: torch.Tensor) -> list[bytes | np.ndarray]:
+        data = tensor_bytes(kv)
+        itemsize = kv.dtype.itemsize
+        is_shuffled = self.shuffle and itemsize > 1
+        if is_shuffled:
+            data = byte_shuffle(data, itemsize)
+        payload = self.compress(data)
+        flags = FLAG_SHUFFLED if is_shuffled else 0
+        return [pack_header(self.codec_id, flags, kv.dtype, tuple(kv.shape), payload), payload]
+
+    def decode(self, blob: bytes | bytearray | memoryview | np.ndarray) -> torch.Tensor:
+        header, payload = unpack_blob(blob, self.codec_id)
+        if header.flags & ~FLAG_SHUFFLED:
+            raise CorruptBlobError(f"unknown flags {header.flags:#x} for codec '{self.name}'")
+        out = self.decompress(payload, header.raw_nbytes)
+        if header.flags & FLAG_SHUFFLED:
+            out = byte_unshuffle(out, header.dtype.itemsize)
+        return bytes_to_tensor(out, header)
+
+
+class ZstdCodec(ShuffledBytesCodec):
     """zstd over the tensor's bytes, optionally byte-shuffled first.
 
     `shuffle` groups byte 0 of every element, then byte 1, ... (for fp16/bf16 the sign+exponent
@@ -395,37 +433,25 @@ class ZstdCodec(Codec):
             self._local.decompressor = decompressor
         return decompressor
 
-    def encode_parts(self, kv: torch.Tensor) -> list[bytes | np.ndarray]:
-        data = tensor_bytes(kv)
-        itemsize = kv.dtype.itemsize
-        is_shuffled = self.shuffle and itemsize > 1
-        if is_shuffled:
-            data = byte_shuffle(data, itemsize)
-        payload = self._compressor().compress(data)
-        flags = FLAG_SHUFFLED if is_shuffled else 0
-        return [pack_header(self.codec_id, flags, kv.dtype, tuple(kv.shape), payload), payload]
+    def compress(self, data: np.ndarray) -> bytes:
+        return self._compressor().compress(data)
 
-    def decode(self, blob: bytes | bytearray | memoryview | np.ndarray) -> torch.Tensor:
-        header, payload = unpack_blob(blob, self.codec_id)
-        if header.flags & ~FLAG_SHUFFLED:
-            raise CorruptBlobError(f"unknown flags {header.flags:#x} for codec 'zstd'")
-        # The header was validated, so raw_nbytes bounds the output: decompress straight into a
-        # buffer of that size (2x faster here than decompress(), which builds a bytes object).
-        out = np.empty(header.raw_nbytes, dtype=np.uint8)
+    def decompress(self, payload: memoryview, raw_nbytes: int) -> np.ndarray:
+        # raw_nbytes bounds the output: decompress straight into a buffer of that size (2x
+        # faster here than decompress(), which builds a bytes object).
+        out = np.empty(raw_nbytes, dtype=np.uint8)
         try:
             reader = self._decompressor().stream_reader(payload, read_across_frames=False)
             filled = _readinto_full(reader, memoryview(out))
             has_extra = reader.read(1) != b""
         except zstandard.ZstdError as exc:
             raise CorruptBlobError(f"zstd payload does not decompress: {exc}") from exc
-        if filled != header.raw_nbytes or has_extra:
+        if filled != raw_nbytes or has_extra:
             raise CorruptBlobError(
                 f"shape/length mismatch: zstd payload decompresses to "
-                f"{'more than ' if has_extra else ''}{filled} bytes, shape needs {header.raw_nbytes}"
+                f"{'more than ' if has_extra else ''}{filled} bytes, shape needs {raw_nbytes}"
             )
-        if header.flags & FLAG_SHUFFLED:
-            out = byte_unshuffle(out, header.dtype.itemsize)
-        return bytes_to_tensor(out, header)
+        return out
 
 
 class MixedCodec(Codec):

@@ -24,23 +24,12 @@ from __future__ import annotations
 
 import lz4.block
 import numpy as np
-import torch
 
 from preempt.core.config import CodecCalibration
-from preempt.kv.codec import (
-    FLAG_SHUFFLED,
-    Codec,
-    CorruptBlobError,
-    byte_shuffle,
-    byte_unshuffle,
-    bytes_to_tensor,
-    pack_header,
-    tensor_bytes,
-    unpack_blob,
-)
+from preempt.kv.codec import CorruptBlobError, ShuffledBytesCodec
 
 
-class Lz4Codec(Codec):
+class Lz4Codec(ShuffledBytesCodec):
     """LZ4 over the tensor's bytes; `shuffle` groups byte 0 of every element, then byte 1,
     ... first (a no-op for 1-byte dtypes); `acceleration` > 1 trades ratio for speed
     (LZ4's fast mode)."""
@@ -58,34 +47,19 @@ class Lz4Codec(Codec):
     def __repr__(self) -> str:
         return f"Lz4Codec(acceleration={self.acceleration}, shuffle={self.shuffle})"
 
-    def encode_parts(self, kv: torch.Tensor) -> list[bytes | np.ndarray]:
-        data = tensor_bytes(kv)
-        is_shuffled = self.shuffle and kv.dtype.itemsize > 1
-        if is_shuffled:
-            data = byte_shuffle(data, kv.dtype.itemsize)
-        payload = lz4.block.compress(data, mode="fast", acceleration=self.acceleration, store_size=False)
-        flags = FLAG_SHUFFLED if is_shuffled else 0
-        return [pack_header(self.codec_id, flags, kv.dtype, tuple(kv.shape), payload), payload]
+    def compress(self, data: np.ndarray) -> bytes:
+        return lz4.block.compress(data, mode="fast", acceleration=self.acceleration, store_size=False)
 
-    def decode(self, blob: bytes | bytearray | memoryview | np.ndarray) -> torch.Tensor:
-        header, payload = unpack_blob(blob, self.codec_id)
-        if header.flags & ~FLAG_SHUFFLED:
-            raise CorruptBlobError(f"unknown flags {header.flags:#x} for codec 'lz4'")
-        if header.raw_nbytes == 0:
-            out = np.empty(0, dtype=np.uint8)
-        else:
-            try:  # the header was validated: raw_nbytes bounds the output
-                data = lz4.block.decompress(
-                    payload, uncompressed_size=header.raw_nbytes, return_bytearray=True
-                )
-            except lz4.block.LZ4BlockError as exc:
-                raise CorruptBlobError(f"lz4 payload does not decompress: {exc}") from exc
-            if len(data) != header.raw_nbytes:
-                raise CorruptBlobError(
-                    f"shape/length mismatch: lz4 payload decompresses to {len(data)} bytes, "
-                    f"shape needs {header.raw_nbytes}"
-                )
-            out = np.frombuffer(data, dtype=np.uint8)  # writable: a bytearray the tensor then owns
-        if header.flags & FLAG_SHUFFLED:
-            out = byte_unshuffle(out, header.dtype.itemsize)
-        return bytes_to_tensor(out, header)
+    def decompress(self, payload: memoryview, raw_nbytes: int) -> np.ndarray:
+        if raw_nbytes == 0:
+            return np.empty(0, dtype=np.uint8)
+        try:  # raw_nbytes bounds the output
+            data = lz4.block.decompress(payload, uncompressed_size=raw_nbytes, return_bytearray=True)
+        except lz4.block.LZ4BlockError as exc:
+            raise CorruptBlobError(f"lz4 payload does not decompress: {exc}") from exc
+        if len(data) != raw_nbytes:
+            raise CorruptBlobError(
+                f"shape/length mismatch: lz4 payload decompresses to {len(data)} bytes, "
+                f"shape needs {raw_nbytes}"
+            )
+        return np.frombuffer(data, dtype=np.uint8)  # writable: a bytearray the tensor then owns
