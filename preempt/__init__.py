@@ -11,7 +11,7 @@ Subpackages by role, bottom to top; each imports only the layers below it
     core/          requests, KV blocks, the config, clocks, the cost model, workloads
     model/         the tiny Llama with paged attention
     kernels/       Triton kernels + torch references (beside model/, the same layer)
-    kv/            where a preempted request's KV goes: record, saver, codec, host pool
+    kv/            where a preempted request's KV goes: record, store, saver, codec, host pool
     engine/        who runs and who is preempted (scheduler, policies, the waiting
                    queue), the step
     early/         early saves and restores ahead: hooks the step calls by name
@@ -30,6 +30,12 @@ from __future__ import annotations
 
 import importlib
 from typing import Any
+
+# Each layer adds its own plug-in names (policies, early-save policies and hooks, codecs)
+# to preempt.core.registry when its package is imported: strings only, nothing heavy.
+# Importing them here, where any `import preempt...` starts, makes every built-in name
+# known before a config is validated.
+from preempt import early, engine, kv  # noqa: F401
 
 _EXPORTS = {
     "Engine": "preempt.engine.engine",

@@ -1,10 +1,14 @@
 """Registries: the one home of each kind of plug-in's names.
 
 A registry maps a name (what a config says: `scheduler.policy: priority_score`) to the
-import path of its class ("preempt.engine.policies:PriorityScorePolicy"). Config
-validation reads the names without importing the engine (`check`); the engine imports a
-class when it builds one (`resolve`). A user's own class lives in the user's own file and
-is used without editing preempt, in either of two ways:
+import path of its class (`module:Class`). Config validation reads the names without
+importing the class (`check`); the engine imports a class when it builds one (`resolve`).
+
+The ground floor names no module above it: every layer adds its own names when its
+package is imported (`Registry.add`, in `preempt/kv/__init__.py`, `preempt/engine/__init__.py`,
+`preempt/early/__init__.py`: strings only, nothing heavy), and the package root imports
+those packages, so any `import preempt...` sees every built-in name. A user's own class
+lives in the user's own file and is used without editing preempt, in either of two ways:
 
 - an import path as the name, as vLLM's `--scheduler-cls` takes one:
   `scheduler.policy: my_policies:ShortestFirst` (`module:Class`, or `module.Class`);
@@ -31,14 +35,21 @@ class Registry:
     no one key chooses them; `noun`: what its errors call one, the config error names the
     key) -> import paths."""
 
-    def __init__(self, kind: str, noun: str, entries: dict[str, str | None]) -> None:
+    def __init__(self, kind: str, noun: str, entries: dict[str, str | None] | None = None) -> None:
         self.kind = kind
         self.noun = noun
-        self._paths: dict[str, str | None] = dict(entries)  # None: a name that builds nothing
+        self._paths: dict[str, str | None] = dict(entries or {})  # None: a name that builds nothing
         self._classes: dict[str, Any] = {}
 
     def names(self) -> list[str]:
         return list(self._paths)
+
+    def add(self, name: str, path: str | None) -> None:
+        """Name the class at `path` (`module:Class`, imported when first built; None: a name
+        that builds nothing). How a package registers its own names without importing them."""
+        if self._paths.get(name, path) != path:
+            raise ValueError(f"{self.kind}: {self.noun} '{name}' is already registered")
+        self._paths[name] = path
 
     def register(self, name: str) -> Callable[[type], type]:
         """A class decorator: `@SCHEDULING_POLICIES.register("mine")`."""
@@ -88,65 +99,22 @@ def _is_path(name: str) -> bool:
     return ":" in name or "." in name
 
 
-SCHEDULING_POLICIES = Registry(
-    "scheduler.policy",
-    "policy",
-    {
-        "vllm_fcfs": "preempt.engine.policies:VllmFcfsPolicy",
-        "vllm_priority": "preempt.engine.policies:VllmPriorityPolicy",
-        "vllm_lcf": "preempt.engine.policies:VllmLcfPolicy",
-        "sglang_fcfs": "preempt.engine.policies:SglangFcfsPolicy",
-        "sglang_priority": "preempt.engine.policies:SglangPriorityPolicy",
-        "uniboost": "preempt.engine.policies:UniBoostPolicy",
-        "priority_score": "preempt.engine.policies:PriorityScorePolicy",
-        "priority_score_class": "preempt.engine.policies:ClassStrictScorePolicy",
-        "fastserve_mlfq": "preempt.engine.policies:FastServeMlfqPolicy",
-        "srpt": "preempt.engine.policies:SrptPolicy",
-    },
-)
-"""`scheduler.policy`: whom to admit and whom to preempt (preempt.engine.policies)."""
+SCHEDULING_POLICIES = Registry("scheduler.policy", "policy")
+"""`scheduler.policy`: whom to admit and whom to preempt (the engine's policies)."""
 
-EARLY_SAVE_POLICIES = Registry(
-    "early_save.policy",
-    "early-save policy",
-    {
-        "none": None,
-        "always": "preempt.early.early_save:AlwaysPolicy",
-        "rule": "preempt.early.early_save:RulePolicy",
-        "lstm": "preempt.early.early_save:LSTMPolicy",
-        "oracle": "preempt.early.early_save:OraclePolicy",
-        "lookahead": "preempt.early.early_save:LookaheadPolicy",
-        "forecast": "preempt.early.early_save:ForecastPolicy",
-        "projection": "preempt.early.early_save:ProjectionPolicy",
-    },
-)
-"""`early_save.policy`: whom to copy to the host before a preemption (preempt.early.early_save)."""
+EARLY_SAVE_POLICIES = Registry("early_save.policy", "early-save policy")
+"""`early_save.policy`: whom to copy to the host before a preemption."""
 
-STEP_HOOKS = Registry(
-    "step hook",  # no config key: `early_save.policy` and `early_save.prefetch` turn them on
-    "step hook",
-    {
-        "early_saver": "preempt.early.early_save:build_early_saver",
-        "prefetcher": "preempt.early.prefetch:Prefetcher",
-    },
-)
-"""What the engine calls with its view after each step, built from the `early_save` config
-(preempt.early): the engine reaches the package above it only through these names."""
+# No config key of its own: `early_save.policy` and `early_save.prefetch` turn them on.
+STEP_HOOKS = Registry("step hook", "step hook")
+"""What the engine calls with its view after each step, built from the `early_save` config:
+the engine reaches the layer above it only through these names."""
 
-CODECS = Registry(
-    "kv codec",  # no config key of its own: `preemption.mode` and `reclaim_codec` choose one
-    "codec",
-    {
-        "raw": "preempt.kv.codec:RawCodec",
-        "zstd": "preempt.kv.codec:ZstdCodec",
-        "mixed": "preempt.kv.codec:MixedCodec",
-        "fp8": "preempt.kv.codec:Fp8Codec",
-        "lz4": "preempt.kv.lz4:Lz4Codec",
-    },
-)
-"""KV codecs: how a saved request's KV becomes a host blob and back (preempt.kv.codec,
-whose `CODECS` and `make_codec` read this). A new codec registers here, or with
-`@CODECS.register("name")`, with a `codec_id` no other codec uses."""
+# No config key of its own: `preemption.mode` and `reclaim_codec` choose one.
+CODECS = Registry("kv codec", "codec")
+"""KV codecs: how a saved request's KV becomes a host blob and back (preempt.kv.codec's
+`CODECS` and `make_codec` read this). A new codec adds its name beside the others, or
+registers with `@CODECS.register("name")`, with a `codec_id` no other codec uses."""
 
 PREEMPTION_MODES: dict[str, str | None] = {
     "recompute": None,

@@ -13,3 +13,18 @@ prefetcher by name (`preempt.core.registry.STEP_HOOKS`) and calls them with the 
 view (`preempt.engine.view.EngineView`). Imports `preempt.core`, `preempt.kv` and
 `preempt.engine`; never `preempt.obs` or anything above it.
 """
+
+from preempt.core.registry import EARLY_SAVE_POLICIES, STEP_HOOKS
+
+# The early-save policies, by the name `early_save.policy` gives them, and the hooks the
+# engine builds by name (imported when first built).
+EARLY_SAVE_POLICIES.add("none", None)
+EARLY_SAVE_POLICIES.add("always", "preempt.early.early_save:AlwaysPolicy")
+EARLY_SAVE_POLICIES.add("rule", "preempt.early.early_save:RulePolicy")
+EARLY_SAVE_POLICIES.add("lstm", "preempt.early.early_save:LSTMPolicy")
+EARLY_SAVE_POLICIES.add("oracle", "preempt.early.early_save:OraclePolicy")
+EARLY_SAVE_POLICIES.add("lookahead", "preempt.early.early_save:LookaheadPolicy")
+EARLY_SAVE_POLICIES.add("forecast", "preempt.early.early_save:ForecastPolicy")
+EARLY_SAVE_POLICIES.add("projection", "preempt.early.early_save:ProjectionPolicy")
+STEP_HOOKS.add("early_saver", "preempt.early.early_save:build_early_saver")
+STEP_HOOKS.add("prefetcher", "preempt.early.prefetch:Prefetcher")

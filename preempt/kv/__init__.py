@@ -20,3 +20,12 @@ Acting code: it moves bytes when told to. Who is saved, restored or prefetched i
 in `preempt.engine.engine` (scheduler, early-save policies, prefetcher), which imports this
 package; this package never imports `preempt.engine.engine`.
 """
+
+from preempt.core.registry import CODECS
+
+# The codecs, by the name a config gives them (imported when first built).
+CODECS.add("raw", "preempt.kv.codec:RawCodec")
+CODECS.add("zstd", "preempt.kv.codec:ZstdCodec")
+CODECS.add("mixed", "preempt.kv.codec:MixedCodec")
+CODECS.add("fp8", "preempt.kv.codec:Fp8Codec")
+CODECS.add("lz4", "preempt.kv.lz4:Lz4Codec")
