@@ -127,10 +127,12 @@ def summarize_llm(result: dict) -> dict[str, Any]:
 
 
 def decision_jobs(
-    names: Sequence[str], variants: Sequence[str] = tuple(DECISION_SETTINGS)
+    names: Sequence[str], variants: Sequence[str] = tuple(DECISION_SETTINGS), async_scheduler: bool = False
 ) -> tuple[list[dict], list]:
     """Per workload and settings variant: the plugin's job and preempt's engine run, both
-    with the same effective `preemption` section (the plugin's, laid over its defaults)."""
+    with the same effective `preemption` section (the plugin's, laid over its defaults).
+    `async_scheduler`: the plugin's class on vLLM's `AsyncScheduler` (driven step by step,
+    it must decide as the plain one does)."""
     jobs, ours = [], []
     for variant in variants:
         extra = DECISION_SETTINGS[variant]
@@ -142,7 +144,8 @@ def decision_jobs(
             ours.append((workload, variant, timed))
             jobs.append(
                 {"kind": "decisions", "workload": workload.model_dump(), "settings": settings,
-                 "clock": {"starts_s": timed.starts_s, "durations_s": timed.durations_s}}
+                 "clock": {"starts_s": timed.starts_s, "durations_s": timed.durations_s},
+                 "async_scheduler": async_scheduler}
             )  # fmt: skip
     return jobs, ours
 

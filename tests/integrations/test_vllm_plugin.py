@@ -21,12 +21,19 @@ WORKLOADS = ("priority-mix", "burst-tight")
 @pytest.fixture(scope="module")
 def peer_run(peer, tmp_path_factory):  # noqa: F811
     jobs, ours = decision_jobs(WORKLOADS)
+    # The same policy on vLLM's AsyncScheduler (what the plugin runs where vLLM schedules
+    # asynchronously), on the workload that exercises every seam.
+    async_jobs, async_ours = decision_jobs(WORKLOADS[:1], ("plugin_defaults",), async_scheduler=True)
     job = llm_job(tmp_path_factory.mktemp("tiny-llama"), quick=True)
     job["arms"] = [arm for arm in job["arms"] if arm["name"] in ("vllm_fcfs", "plugin")]
-    report = run_vllm([*jobs, job], peer, module=PEER_MODULE)
+    report = run_vllm([*jobs, *async_jobs, job], peer, module=PEER_MODULE)
     *decisions, llm = report["results"]
     assert "error" not in llm, llm.get("error")
-    return {"decisions": summarize_decisions(decisions, ours), "arms": {a["name"]: a for a in llm["arms"]}}
+    return {
+        "decisions": summarize_decisions(decisions[: len(jobs)], ours),
+        "async_decisions": summarize_decisions(decisions[len(jobs) :], async_ours),
+        "arms": {a["name"]: a for a in llm["arms"]},
+    }
 
 
 def test_plugin_makes_preempts_decisions_step_by_step(peer_run):
@@ -41,6 +48,13 @@ def test_plugin_makes_preempts_decisions_step_by_step(peer_run):
         assert mix[variant]["plugin_metrics"]["preemptions"]["priority"] > 0
         assert mix[variant]["plugin_metrics"]["failures"]["consecutive_limit"] > 0
     assert mix["engine_defaults"]["plugin_metrics"]["rate_limited"] > 0
+
+
+def test_the_plugin_on_vllms_async_scheduler_decides_the_same(peer_run):
+    (row,) = peer_run["async_decisions"]
+    assert "error" not in row, row
+    assert row["identical"], (row["workload"], row["first_divergence"])
+    assert row["plugin_metrics"]["preemptions"]["priority"] > 0
 
 
 def test_greedy_outputs_equal_vllm_default_for_every_request(peer_run):

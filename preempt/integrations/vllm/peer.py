@@ -7,7 +7,8 @@ stdout, one result per job (`{"error": ...}` for a job that failed; the others s
 - `{"kind": "decisions", "workload": {...}, "settings": {...}, "clock": {"starts_s": [...],
   "durations_s": [...]}}`: the plugin scheduler driven without a model, exactly as
   `preempt.parity.vllm_peer` drives vLLM's own (same requests, same fake model output),
-  on a replay of preempt's engine clock. Result: `{"trace": [...], "metrics": {...}}`.
+  on a replay of preempt's engine clock; `"async_scheduler": true` drives the plugin's
+  `AsyncScheduler` class instead. Result: `{"trace": [...], "metrics": {...}}`.
 - `{"kind": "llm", "model_dir": D, "engine": {...}, "requests": [...], "arms": [...]}`: a
   real `vllm.LLM` per arm on a tiny local checkpoint (written with transformers when D
   has none), requests added at their `arrival_step` and the engine stepped by hand.
@@ -34,7 +35,7 @@ from preempt.model.random_llama import write_random_llama
 # ----------------------------------------------------------------- decisions
 def run_decisions(job: dict, model_dir: str) -> dict:
     from preempt.integrations.vllm.clock import ReplayClock
-    from preempt.integrations.vllm.scheduler import PreemptScheduler
+    from preempt.integrations.vllm.scheduler import PreemptAsyncScheduler, PreemptScheduler
     from preempt.parity.vllm_peer import _build_scheduler, run_job
 
     holder = {}
@@ -44,7 +45,8 @@ def run_decisions(job: dict, model_dir: str) -> dict:
             workload,
             "priority",  # requests carry priorities; the plugin orders and picks victims itself
             directory,
-            scheduler_cls=PreemptScheduler,
+            # the same policy on vLLM's AsyncScheduler, driven one step at a time
+            scheduler_cls=PreemptAsyncScheduler if job.get("async_scheduler") else PreemptScheduler,
             additional_config={"preempt": job.get("settings", {})},
         )
         clock = job["clock"]

@@ -59,12 +59,19 @@ def register() -> None:
 def check_config(vllm_config) -> None:
     """Raise the error the engine core would raise for preempt's settings in `vllm_config`
     (`SettingsError`, `ConnectorSettingsError`); nothing when it names neither the plugin
-    scheduler nor preempt's connector."""
-    scheduler = vllm_config.scheduler_config.scheduler_cls
+    scheduler nor preempt's connector. A plugin scheduler named by its string is set to the
+    class of vLLM's async setting: vLLM keeps `async_scheduling` whatever class is named,
+    and only the `AsyncScheduler` one keeps up with it (scheduler.py)."""
+    scheduler_config = vllm_config.scheduler_config
+    scheduler = scheduler_config.scheduler_cls
     if scheduler is not None and _is_plugin_scheduler(scheduler):
-        from preempt.integrations.vllm.settings import load_settings
+        from preempt.integrations.vllm.settings import ASYNC_PLUGIN_CLS, PLUGIN_CLS, load_settings
 
         load_settings(vllm_config.additional_config)
+        if isinstance(scheduler, str):
+            scheduler_config.scheduler_cls = (
+                ASYNC_PLUGIN_CLS if scheduler_config.async_scheduling else PLUGIN_CLS
+            )
     transfer = vllm_config.kv_transfer_config
     module_path = getattr(transfer, "kv_connector_module_path", None) or ""
     if module_path.startswith(PLUGIN_PACKAGE):
@@ -78,10 +85,9 @@ def check_config(vllm_config) -> None:
 def _is_plugin_scheduler(scheduler: str | type) -> bool:
     # A name (what --scheduler-cls gives), or a class: preempt's or a subclass of it. Compared
     # by name: no scheduler module is imported here (vLLM imports it in the engine core).
-    from preempt.integrations.vllm.settings import PLUGIN_CLS
+    from preempt.integrations.vllm.settings import ASYNC_PLUGIN_CLS, PLUGIN_CLS
 
+    names = (PLUGIN_CLS, ASYNC_PLUGIN_CLS)
     if isinstance(scheduler, str):
-        return scheduler == PLUGIN_CLS
-    return any(
-        f"{cls.__module__}.{cls.__qualname__}" == PLUGIN_CLS for cls in getattr(scheduler, "__mro__", ())
-    )
+        return scheduler in names
+    return any(f"{cls.__module__}.{cls.__qualname__}" in names for cls in getattr(scheduler, "__mro__", ()))

@@ -4,6 +4,14 @@ Runs inside vLLM (the peer virtualenv, or any vLLM 0.32 install with `preempt` o
 path): `--scheduler-cls preempt.integrations.vllm.scheduler.PreemptScheduler`. Imports
 vLLM; never import it from preempt's own code paths.
 
+Two classes, one policy code (`PreemptDecisions`): `PreemptScheduler` on vLLM's
+`Scheduler`, `PreemptAsyncScheduler` on its `AsyncScheduler` (which keeps the output
+placeholders a step scheduled while the previous one still runs needs). vLLM keeps its
+`async_scheduling` as its config decided whatever class `--scheduler-cls` names, and only
+an `AsyncScheduler` keeps up with it; so preempt's general plugin (plugin.py) puts the
+async class in the config wherever vLLM chose async scheduling (on GPUs by default; vLLM's
+CPU platform turns it off for every scheduler) and the plain one elsewhere.
+
 vLLM's `schedule()` runs unchanged; the plugin decides around it, at three seams:
 
 1. Admission order: both waiting queues are a heap by preempt's `admission_key` (the
@@ -25,7 +33,6 @@ vLLM's `schedule()` runs unchanged; the plugin decides around it, at three seams
 Time slices are charged in `update_from_output` from the plugin's clock (settings.clock).
 With preempt's KV connector loaded (`connector.py`), a `SavePlanner` (`saves.py`) tells it
 whom to save and whom to copy early.
-Async scheduling is off for a `Scheduler` subclass (vLLM says so when it loads one).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import RequestQueue
 from vllm.v1.core.sched.request_queue import SchedulingPolicy as VllmPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -105,7 +113,10 @@ class PolicyQueue(RequestQueue):
         return iter([entry[2] for entry in sorted(self._heap, key=lambda e: (e[0], e[1]))])
 
 
-class PreemptScheduler(StepLogging, Scheduler):
+class PreemptDecisions:
+    """preempt's seams in vLLM's scheduler (module docstring), over whichever of vLLM's
+    scheduler classes comes after it in the class's bases."""
+
     def __init__(self, vllm_config, kv_cache_config, structured_output_manager, block_size, **kwargs) -> None:
         super().__init__(vllm_config, kv_cache_config, structured_output_manager, block_size, **kwargs)
         self._open_step_log()  # every step's shape and wall time, with additional_config.step_log
@@ -239,3 +250,11 @@ class PreemptScheduler(StepLogging, Scheduler):
 
     def plugin_metrics(self) -> dict:
         return self.decider.metrics.snapshot()
+
+
+class PreemptScheduler(PreemptDecisions, StepLogging, Scheduler):
+    """preempt's policy on vLLM's synchronous `Scheduler`."""
+
+
+class PreemptAsyncScheduler(PreemptDecisions, StepLogging, AsyncScheduler):
+    """preempt's policy on vLLM's `AsyncScheduler` (for `async_scheduling`)."""

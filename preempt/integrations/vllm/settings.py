@@ -48,6 +48,9 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 
 PLUGIN_CLS = "preempt.integrations.vllm.scheduler.PreemptScheduler"
 """What `--scheduler-cls` names (a string: vLLM imports the class itself)."""
+ASYNC_PLUGIN_CLS = "preempt.integrations.vllm.scheduler.PreemptAsyncScheduler"
+"""The same policy on vLLM's `AsyncScheduler`: what the general plugin (plugin.py) puts in
+the config, for either name, wherever vLLM chose async scheduling."""
 ENV_VAR = "PREEMPT_VLLM_CONFIG"
 ADDITIONAL_CONFIG_KEY = "preempt"
 
