@@ -37,10 +37,15 @@ def forced_preemptions(
     ]  # fmt: skip
 
 
+ABORTED = {1: 20, 4: 40, 7: 60, 10: 80}  # request id -> the step its client goes away
+
+
 def arm(name: str, **connector) -> dict:
     out = {"name": name, "scheduler": "preempt", "policy": "priority", "settings": {}, "connector": connector}
     if connector.pop("corrupt", False):
         out.update(connector_module="tests.integrations.vllm_faults", connector_cls="CorruptingConnector")
+    if connector.pop("slow_store", False):
+        out.update(connector_module="tests.integrations.vllm_faults", connector_cls="SlowStoringConnector")
     return out
 
 
@@ -67,6 +72,7 @@ def arms(peer, tmp_path_factory):  # noqa: F811
             arm("raw_early", codec="raw", early=True),
             arm("full_pool", codec="raw", host_pool="64KiB", slot_size="64KiB"),
             arm("corrupt", codec="raw", corrupt=True),
+            arm("slow_store", codec="raw", slow_store=True),
         ],
     }
     # vLLM's prefix cache on: loaded blocks meet cached ones; lossy ones must not be cached
@@ -80,7 +86,18 @@ def arms(peer, tmp_path_factory):  # noqa: F811
             arm("fp8_prefix", codec="fp8"),
         ],
     }
-    report = run_vllm([job, cached], peer, module=PEER_MODULE)
+    # clients that go away mid-run, while their requests run, wait preempted, or wait for a
+    # copy still being stored: the others finish as before, nothing is left behind
+    requests = forced_preemptions()
+    for request in requests:
+        if request["id"] in ABORTED:
+            request["abort_step"] = ABORTED[request["id"]]
+    aborted = {
+        **job,
+        "requests": requests,
+        "arms": [arm("abort_raw", codec="raw"), arm("abort_slow_store", codec="raw", slow_store=True)],
+    }
+    report = run_vllm([job, cached, aborted], peer, module=PEER_MODULE)
     for result in report["results"]:
         assert "error" not in result, result.get("error")
     return {a["name"]: a for result in report["results"] for a in result["arms"]}
@@ -142,6 +159,25 @@ def test_corrupt_copy_is_recomputed_and_the_request_finishes(arms):
     fallbacks = {k: v for k, v in corrupt["prometheus"].items() if k.startswith("preempt:kv_fallbacks_total")}
     assert fallbacks.get("preempt:kv_fallbacks_total{reason=corrupt}", 0) > 0
     assert metric(corrupt, "preempt:kv_loads_total") > 0  # the others loaded
+
+
+def test_resuming_while_a_copy_is_still_stored_waits_then_loads(arms):
+    slow = arms["slow_store"]
+    assert metric(slow, "preempt:kv_resume_waits_total") > 0  # vLLM was ready before the store was
+    assert outputs(slow) == outputs(arms["vllm"])  # never admitted on a half-stored copy
+    assert metric(slow, "preempt:kv_loads_total") > 0
+
+
+def test_aborted_clients_leave_the_others_as_they_were(arms):
+    plain = outputs(arms["vllm"])
+    for name in ("abort_raw", "abort_slow_store"):
+        run = arms[name]
+        aborted = {r["id"] for r in run["requests"] if r["aborted"]}
+        assert aborted == set(ABORTED), name  # each went away before it finished
+        kept = {k: v for k, v in outputs(run).items() if k not in aborted}
+        assert kept == {k: v for k, v in plain.items() if k not in aborted}, name
+        assert all(r["finish_step"] is not None for r in run["requests"]), name
+        assert metric(run, "preempt:kv_loads_total") > 0, name
 
 
 def test_with_vllms_prefix_cache(arms):

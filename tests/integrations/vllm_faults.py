@@ -3,8 +3,14 @@
 
 from __future__ import annotations
 
+import time
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
 from preempt.integrations.vllm.connector import PreemptKVConnector
 from preempt.kv.store import resolve
+
+STORE_DELAY_S = 0.3
 
 
 class CorruptingConnector(PreemptKVConnector):
@@ -22,3 +28,21 @@ class CorruptingConnector(PreemptKVConnector):
                 self.store.pool._array[handle.offset + handle.nbytes // 2] ^= 0xFF
             self.num_loads += 1
         super().start_load_kv(forward_context, **kwargs)
+
+
+class SlowStoringConnector(PreemptKVConnector):
+    """Every store takes `STORE_DELAY_S` more on the encode worker, so vLLM is ready to
+    resume victims whose copies are still being stored (vLLM #46014's assert on
+    re-admission while a store is in flight): they must wait, then load."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.WORKER:
+            host = self.store.store
+            store = host._store
+
+            def slow_store(*args, **kwargs):
+                time.sleep(STORE_DELAY_S)
+                return store(*args, **kwargs)
+
+            host._store = slow_store

@@ -165,6 +165,7 @@ class PreemptKVConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         request_id = request.request_id
         if request_id in self.saving:
+            self.metrics.resume_waits += 1
             return None, False  # its copy is still being stored: ask again next step
         saved = self.saved.get(request_id)
         if saved is None:

@@ -113,6 +113,12 @@ CONNECTOR_COUNTERS = (
         None,
         "early_wasted",
     ),
+    (
+        "preempt:kv_resume_waits",
+        "Steps a preempted request could have resumed but its copy was still being stored",
+        None,
+        "resume_waits",
+    ),
 )
 CONNECTOR_HISTOGRAMS = (
     ("preempt:kv_save_seconds", "From a preemption to its copy stored (gather, encode, store)", "save_s"),
@@ -137,6 +143,9 @@ class ConnectorMetrics:
     loaded_tokens: int = 0
     early_tokens: int = 0
     early_wasted: int = 0
+    resume_waits: int = 0
+    """vLLM asked to resume a victim whose store was in flight: told to ask again next step
+    (vLLM #46014's case: never admitted on a half-stored copy)."""
     save_s: dict = field(default_factory=lambda: empty_histogram())
     load_s: dict = field(default_factory=lambda: empty_histogram())
     observed: list[tuple[str, float]] = field(default_factory=list)

@@ -11,7 +11,8 @@ stdout, one result per job (`{"error": ...}` for a job that failed; the others s
   `AsyncScheduler` class instead. Result: `{"trace": [...], "metrics": {...}}`.
 - `{"kind": "llm", "model_dir": D, "engine": {...}, "requests": [...], "arms": [...]}`: a
   real `vllm.LLM` per arm on a tiny local checkpoint (written with transformers when D
-  has none), requests added at their `arrival_step` and the engine stepped by hand.
+  has none), requests added at their `arrival_step` (and aborted at their `abort_step`, if
+  any, as a client that goes away) and the engine stepped by hand.
   An arm is `{"name": ..., "scheduler": "default" | "preempt", "policy": "fcfs" |
   "priority", "settings": {...}}`. Result per arm: per request its output token ids,
   arrival, first-token and finish steps; totals (steps, preemptions and recomputed
@@ -129,7 +130,7 @@ def run_arm(job: dict, arm: dict, model_dir: str) -> dict:
     names = ("vllm:num_preemptions_total", "preempt:preemptions_total", "preempt:recomputed_tokens_total",
              "preempt:kv_saves_total", "preempt:kv_loads_total", "preempt:kv_fallbacks_total",
              "preempt:kv_preempted_tokens_total", "preempt:kv_loaded_tokens_total",
-             "preempt:kv_early_tokens_total")  # fmt: skip
+             "preempt:kv_early_tokens_total", "preempt:kv_resume_waits_total")  # fmt: skip
     before = _metric_values(names)  # counters are per process: arms before this one added to them
     uses_priority = arm["scheduler"] == "preempt" or arm.get("policy") == "priority"
     pending = sorted(job["requests"], key=lambda r: (r["arrival_step"], r["id"]))
@@ -158,7 +159,15 @@ def run_arm(job: dict, arm: dict, model_dir: str) -> dict:
                 "first_token_step": None,
                 "finish_step": None,
                 "token_ids": [],
+                "abort_step": spec.get("abort_step"),
+                "aborted": False,
             }
+        # a client that goes away: the request is aborted between steps, as vLLM's server does
+        aborts = [rid for rid, r in records.items() if r["abort_step"] == step and r["finish_step"] is None]
+        if aborts:
+            engine_obj.abort_request(aborts)
+            for rid in aborts:
+                records[rid].update(aborted=True, finish_step=step)
         for out in engine_obj.step():
             record = records[out.request_id]
             token_ids = list(out.outputs[0].token_ids)
