@@ -77,9 +77,9 @@ class BlobStore:
         self, config: EngineConfig, kv_cache: KVCache | None, cost_model: CostModel, block_size: int
     ) -> None:
         p = config.preemption
-        self.config = p
-        self._engine_config = config
-        self._ratios: dict[str, float] = {}  # codec -> modelled ratio (null backend)
+        # Every codec's host side on the virtual clock, once: the timing and the null
+        # backend's modelled sizes read it.
+        self.calibration = {name: calibration(config, name) for name in CODECS}
         target = cost_model.target
         shape = (
             (kv_cache.num_layers, kv_cache.num_kv_heads)
@@ -105,7 +105,7 @@ class BlobStore:
         for name, value in self.__dict__.items():
             if name == "kv_cache":
                 value = None
-            elif name not in ("config", "_engine_config", "cost_model"):
+            elif name not in ("calibration", "cost_model"):
                 value = copy.deepcopy(value, memo)
             setattr(copied, name, value)
         return copied
@@ -131,16 +131,10 @@ class BlobStore:
         reason if the pool cannot take it; the blob's size comes through `segment.stored`."""
         if self.kv_cache is None:
             segment.nbytes_raw = self.raw_bytes(segment.num_tokens)
-            share = self.codecs[segment.codec].stored_share(self._modelled_ratio(segment.codec))
+            share = self.codecs[segment.codec].stored_share(self.calibration[segment.codec].modelled_ratio)
             return self.store.reserve(segment, int(segment.nbytes_raw * share))
         worker = self._early_worker if speculative else self._worker
         return self.store.save(segment, self.kv_cache, request.block_ids, worker)
-
-    def _modelled_ratio(self, codec: str) -> float:
-        ratio = self._ratios.get(codec)
-        if ratio is None:
-            ratio = self._ratios[codec] = calibration(self._engine_config, codec).modelled_ratio
-        return ratio
 
     # ----------------------------------------------------------------- load
     def load(self, request: Request, saved: SavedCopy) -> tuple[bool, np.ndarray | None]:

@@ -38,8 +38,7 @@ from preempt.core.config import EngineConfig
 from preempt.core.cost_model import CostModel
 from preempt.core.registry import save_codec
 from preempt.core.request import Request
-from preempt.kv.blobs import BlobStore, calibration
-from preempt.kv.codec import CODECS
+from preempt.kv.blobs import BlobStore
 from preempt.kv.host_pool import HostPool
 from preempt.kv.kv_cache import KVCache
 from preempt.kv.record import KVMover, RestoreResult, SaveResult
@@ -60,8 +59,8 @@ class Saver(KVMover):
         self.timing = VirtualTiming(
             cost_model,
             self.blobs.codecs,
-            {name: calibration(config, name).encode_mb_s for name in CODECS},
-            {name: calibration(config, name).decode_mb_s for name in CODECS},
+            {name: c.encode_mb_s for name, c in self.blobs.calibration.items()},
+            {name: c.decode_mb_s for name, c in self.blobs.calibration.items()},
             staged_restores=config.early_save.prefetch,
             num_decode_lanes=config.early_save.prefetch_decode_threads,
         )
