@@ -314,9 +314,9 @@ def run_arms(
 ) -> list[dict]:
     """One `vllm serve` per arm, one at a time (with three up at once the machine ran
     ~16 runnable threads on 2 cores and the client's own reads decided TTFT), warmed up,
-    then every workload in turn. Per arm: per workload its records and mean TTFT per
-    class, the `/metrics` scrape at the end (counters over warm-up and all workloads),
-    the exit code."""
+    then every workload in turn. Per arm: per workload its records, mean TTFT per class
+    and the counters it moved (`/metrics` after it minus before it), the scrape at the end
+    (counters over warm-up and all workloads), the exit code."""
     results = []
     for arm in arms:
         command = serve_command(vllm_bin, model_dir, _free_port(), arm, engine)
@@ -326,17 +326,19 @@ def run_arms(
             # a server's first requests pay one-time costs: not measured
             asyncio.run(drive(server.url, http_workload(num_low=8, num_high=2, seed=-1)))
             runs = []
+            metrics = scrape(server.url)
             for requests in workloads:
                 run_started = time.perf_counter()
                 records = asyncio.run(drive(server.url, requests))
+                before, metrics = metrics, scrape(server.url)
                 runs.append(
                     {
                         "wall_s": round(time.perf_counter() - run_started, 2),
                         "ttft_s": mean_by_priority(records, lambda r: r["ttft_s"]),
                         "requests": sorted(records, key=lambda r: r["id"]),
+                        "metrics": {k: v - before.get(k, 0.0) for k, v in metrics.items()},
                     }
                 )
-            metrics = scrape(server.url)
         results.append(
             {
                 "name": arm.name,
@@ -410,6 +412,10 @@ def summarize_http(results: Sequence[dict]) -> dict[str, Any]:
         def over_seeds(value, runs=runs) -> dict:
             return t_interval([value(run) for run in runs])._asdict()
 
+        counters: dict[str, float] = {}
+        for run in runs:
+            for key, value in run["metrics"].items():
+                counters[key] = counters.get(key, 0.0) + value
         pairs = [(a, b) for run, ref in zip(runs, reference["runs"], strict=True)
                  for a, b in zip(run["requests"], ref["requests"], strict=True)]  # fmt: skip
         same = sum(a["token_ids"] == b["token_ids"] for a, b in pairs)
@@ -418,8 +424,9 @@ def summarize_http(results: Sequence[dict]) -> dict[str, Any]:
             "ttft_top_s_per_seed": [round(run["ttft_s"][top], 3) for run in runs],
             "ttft_low_s": over_seeds(lambda run: run["ttft_s"][low]),
             "wall_s": over_seeds(lambda run: run["wall_s"]),
-            "preemptions": result["metrics"].get("vllm:num_preemptions_total"),
-            "plugin_metrics": {k: v for k, v in result["metrics"].items() if k.startswith("preempt:")},
+            # the counters these runs moved (one server serves every shape's runs)
+            "preemptions": counters.get("vllm:num_preemptions_total"),
+            "plugin_metrics": {k: v for k, v in counters.items() if k.startswith("preempt:")},
             f"outputs_equal_{reference['name']}": f"{same}/{len(pairs)}",
             "exit_code": result["exit_code"],
         }

@@ -13,10 +13,11 @@ def _result(name: str, tops: list[float], tokens: list[int]) -> dict:
             "wall_s": 5.0 + k,
             "ttft_s": {"priority_0": top, "priority_3": 2.0},
             "requests": [{"id": 1, "token_ids": tokens}, {"id": 2, "token_ids": [7]}],
+            "metrics": {"vllm:num_preemptions_total": 1.0},
         }
         for k, top in enumerate(tops)
     ]
-    return {"name": name, "runs": runs, "metrics": {"vllm:num_preemptions_total": 3.0}, "exit_code": 0}
+    return {"name": name, "runs": runs, "metrics": {"vllm:num_preemptions_total": 4.0}, "exit_code": 0}
 
 
 def test_summary_pairs_by_seed_and_names_the_best_arm():
@@ -34,6 +35,8 @@ def test_summary_pairs_by_seed_and_names_the_best_arm():
     assert plugin["outputs_equal_vllm_fcfs"] == "3/6"
     assert summary["arms"]["vllm_priority"]["outputs_equal_vllm_fcfs"] == "6/6"
     assert "ttft_top_minus_vllm_priority_s" not in summary["arms"]["vllm_priority"]
+    # the counters of these runs (3 seeds x 1), not the server's over warm-up and other shapes
+    assert plugin["preemptions"] == 3.0
 
 
 def test_summary_gives_the_top_class_ratio_to_vllm_priority():
