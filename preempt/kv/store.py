@@ -294,12 +294,12 @@ class CopyReport:
 
 
 class CopiesById:
-    """Saved copies by request id over one `HostStore` and one encode `Worker`.
+    """Saved copies by request id over one `HostStore`, an encode `Worker` and a load one.
 
     `save` appends a segment (an early copy, then the tokens since) and hands its encode to
     the worker; `load` decodes the copy's segments into the request's new blocks and frees
-    it; `finished` reports, once, each copy whose stores have all ended. A segment that
-    cannot be stored fails the whole copy.
+    it (`load_later`: the same on a load thread); `finished` reports, once, each copy whose
+    stores have all ended. A segment that cannot be stored fails the whole copy.
     """
 
     def __init__(self, store: HostStore, codec: str) -> None:
@@ -310,6 +310,7 @@ class CopiesById:
         self._unreported: dict[str, int] = {}
         self._lock = threading.Lock()
         self._worker = Worker("preempt-kv-save")
+        self._loader = Worker("preempt-kv-load")
 
     @property
     def pool(self) -> HostPool:
@@ -408,6 +409,14 @@ class CopiesById:
         finally:
             self.discard(request_id)
 
+    def load_later(
+        self, request_id: str, cache: PagedCache, block_ids: Sequence[int], start: int, end: int
+    ) -> Future:
+        """`load` on the load thread, in submission order: a future of its `CopyReport`
+        (or of its CorruptBlobError). Nothing else may write the blocks, or discard the
+        copy, until it is done."""
+        return self._loader.submit(lambda: self.load(request_id, cache, block_ids, start, end))
+
     def discard(self, request_id: str) -> None:
         """Free a request's copy (waiting for a store in flight first)."""
         self.wait(request_id)
@@ -418,6 +427,7 @@ class CopiesById:
             self.store.free(segment)
 
     def close(self) -> None:
+        self._loader.close()
         self._worker.close()
         for request_id in list(self.copies):
             self.discard(request_id)

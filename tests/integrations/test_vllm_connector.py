@@ -2,9 +2,11 @@
 in-process): requests preempted for memory resume from the host pool instead of
 recomputing. One peer subprocess for every arm on the same forced-preemption workload
 (prompts of 160 tokens, 24 blocks of 32, 8 seats): plain vLLM (recompute), the plugin with
-the connector in raw, fp8 and mixed modes, with early copies, with a host pool too small
-for a copy, and with a copy corrupted before its load. Skipped without a peer unless
-PREEMPT_REQUIRE_PEER=1 (CI), like tests/parity.
+the connector in raw, fp8 and mixed modes, with synchronous loads, with early copies, with
+a host pool too small for a copy, with a copy corrupted before its load, with stores and
+loads slowed (a resume while a store is in flight, a client gone during a load), and an
+urgent class preempted while a lower one waits (vLLM #41951). Skipped without a peer
+unless PREEMPT_REQUIRE_PEER=1 (CI), like tests/parity.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def forced_preemptions(
 
 
 ABORTED = {1: 20, 4: 40, 7: 60, 10: 80}  # request id -> the step its client goes away
+ABORTED_LOADING = {0, 3, 6, 9}  # these go away when their KV is first being loaded
 
 
 def arm(name: str, **connector) -> dict:
@@ -46,6 +49,8 @@ def arm(name: str, **connector) -> dict:
         out.update(connector_module="tests.integrations.vllm_faults", connector_cls="CorruptingConnector")
     if connector.pop("slow_store", False):
         out.update(connector_module="tests.integrations.vllm_faults", connector_cls="SlowStoringConnector")
+    if connector.pop("slow_load", False):
+        out.update(connector_module="tests.integrations.vllm_faults", connector_cls="SlowLoadingConnector")
     return out
 
 
@@ -67,11 +72,13 @@ def arms(peer, tmp_path_factory):  # noqa: F811
             },
             {"name": "plugin", "scheduler": "preempt", "policy": "priority", "settings": {}},
             arm("raw", codec="raw"),
+            arm("raw_sync", codec="raw", loads="sync"),
             arm("fp8", codec="fp8"),
             arm("mixed", codec="mixed"),
             arm("raw_early", codec="raw", early=True),
             arm("full_pool", codec="raw", host_pool="64KiB", slot_size="64KiB"),
             arm("corrupt", codec="raw", corrupt=True),
+            arm("corrupt_sync", codec="raw", loads="sync", corrupt=True),
             arm("slow_store", codec="raw", slow_store=True),
         ],
     }
@@ -97,7 +104,29 @@ def arms(peer, tmp_path_factory):  # noqa: F811
         "requests": requests,
         "arms": [arm("abort_raw", codec="raw"), arm("abort_slow_store", codec="raw", slow_store=True)],
     }
-    report = run_vllm([job, cached, aborted], peer, module=PEER_MODULE)
+    # clients that go away while their KV is being loaded (slowed: the load thread is still
+    # writing the blocks vLLM gave them)
+    requests = forced_preemptions()
+    for request in requests:
+        request["abort_loading"] = request["id"] in ABORTED_LOADING
+    aborted_loading = {
+        **job,
+        "requests": requests,
+        "arms": [arm("abort_loading", codec="raw", slow_load=True)],
+    }
+    # the urgent class preempted for memory while a lower class waits, queued before it
+    # (vLLM #41951): a victim re-enters the queue with its own class
+    requests = [{**r, "priority": 3} for r in forced_preemptions(num=4, seed=1)]
+    requests += [{**r, "id": 4 + r["id"]} for r in forced_preemptions(num=8, seed=2)]
+    readmission = {
+        **job,
+        "requests": requests,
+        "arms": [
+            {"name": "readmit_plugin", "scheduler": "preempt", "policy": "priority", "settings": {}},
+            arm("readmit_raw_sync", codec="raw", loads="sync"),
+        ],
+    }
+    report = run_vllm([job, cached, aborted, aborted_loading, readmission], peer, module=PEER_MODULE)
     for result in report["results"]:
         assert "error" not in result, result.get("error")
     return {a["name"]: a for result in report["results"] for a in result["arms"]}
@@ -111,8 +140,9 @@ def metric(arm: dict, name: str) -> float:
     return sum(v for k, v in arm["prometheus"].items() if k.split("{")[0] == name)
 
 
-def test_raw_copies_resume_preempted_requests_with_plain_vllms_tokens(arms):
-    raw, plain = arms["raw"], arms["vllm"]
+@pytest.mark.parametrize("name", ["raw", "raw_sync"])  # loads asynchronous (default), synchronous
+def test_raw_copies_resume_preempted_requests_with_plain_vllms_tokens(arms, name):
+    raw, plain = arms[name], arms["vllm"]
     assert plain["preemptions"] > 5 and raw["preemptions"] > 5
     assert outputs(raw) == outputs(plain)  # lossless: token for token
     saves, loads = metric(raw, "preempt:kv_saves_total"), metric(raw, "preempt:kv_loads_total")
@@ -120,6 +150,18 @@ def test_raw_copies_resume_preempted_requests_with_plain_vllms_tokens(arms):
     # recomputed = dropped at preemption - loaded back; only each resume's partial last block
     recomputed = raw["recomputed_tokens"] - metric(raw, "preempt:kv_loaded_tokens_total")
     assert recomputed <= 0.2 * plain["recomputed_tokens"]
+
+
+def test_asynchronous_loads_keep_the_request_out_of_the_batch_until_loaded(arms):
+    # async: vLLM gives a resumed request its blocks and parks it (WAITING_FOR_REMOTE_KVS)
+    # while the load thread fills them during other requests' steps, then admits it; sync:
+    # the copy is decoded before the forward pass of the step that resumes it
+    for name, parked in (("raw", True), ("raw_sync", False)):
+        victims = [r for r in arms[name]["requests"] if r["preempted_steps"]]
+        assert victims, name
+        for r in victims:
+            assert len(r["admitted_steps"]) == len(r["preempted_steps"]) + 1, name  # each ran again
+        assert (sum(r["loading_steps"] for r in victims) > 0) == parked, name
 
 
 def test_a_counting_connector_changes_nothing(arms):
@@ -153,8 +195,9 @@ def test_full_pool_falls_back_to_recompute(arms):
     assert metric(full, "preempt:kv_loads_total") == 0
 
 
-def test_corrupt_copy_is_recomputed_and_the_request_finishes(arms):
-    corrupt = arms["corrupt"]
+@pytest.mark.parametrize("name", ["corrupt", "corrupt_sync"])
+def test_corrupt_copy_is_recomputed_and_the_request_finishes(arms, name):
+    corrupt = arms[name]
     assert outputs(corrupt) == outputs(arms["vllm"])  # the checksum caught it: recomputed, not garbage
     fallbacks = {k: v for k, v in corrupt["prometheus"].items() if k.startswith("preempt:kv_fallbacks_total")}
     assert fallbacks.get("preempt:kv_fallbacks_total{reason=corrupt}", 0) > 0
@@ -178,6 +221,37 @@ def test_aborted_clients_leave_the_others_as_they_were(arms):
         assert kept == {k: v for k, v in plain.items() if k not in aborted}, name
         assert all(r["finish_step"] is not None for r in run["requests"]), name
         assert metric(run, "preempt:kv_loads_total") > 0, name
+
+
+def test_a_client_gone_during_a_load_frees_nothing_early(arms):
+    # vLLM keeps an aborted request's blocks until the connector reports its load finished
+    # (the load thread still writes them); the others' tokens show no block was reused early
+    run, plain = arms["abort_loading"], outputs(arms["vllm"])
+    gone = {r["id"]: r["aborted_while"] for r in run["requests"] if r["aborted"]}
+    assert gone and set(gone) <= ABORTED_LOADING
+    assert set(gone.values()) == {"WAITING_FOR_REMOTE_KVS"}
+    kept = {k: v for k, v in outputs(run).items() if k not in gone}
+    assert kept == {k: v for k, v in plain.items() if k not in gone}
+    assert all(r["finish_step"] is not None for r in run["requests"])
+    assert metric(run, "preempt:kv_loads_total") > len(gone)  # the aborted ones' loads, and others
+
+
+@pytest.mark.parametrize("name", ["readmit_plugin", "readmit_raw_sync"])
+def test_a_preempted_request_keeps_its_priority_when_readmitted(arms, name):
+    # vLLM #41951: a victim back in the queue must not fall behind requests it outranks.
+    # The plugin ranks victims by rewriting `request.priority` inside schedule(); the queue
+    # keys a victim by its own class, so no priority-3 request starts while a preempted
+    # priority-0 one waits
+    run = arms[name]
+    urgent = [r for r in run["requests"] if r["priority"] == 0]
+    low_starts = [r["admitted_steps"][0] for r in run["requests"] if r["priority"] == 3]
+    waits = [
+        (at, min(s for s in r["admitted_steps"] if s > at)) for r in urgent for at in r["preempted_steps"]
+    ]
+    assert waits, "no urgent request was preempted: the workload no longer tests this"
+    assert min(low_starts) > min(at for at, _ in waits)  # the low class was waiting meanwhile
+    for preempted_at, back_at in waits:
+        assert not [s for s in low_starts if preempted_at < s < back_at], (preempted_at, back_at, low_starts)
 
 
 def test_with_vllms_prefix_cache(arms):

@@ -46,3 +46,23 @@ class SlowStoringConnector(PreemptKVConnector):
                 return store(*args, **kwargs)
 
             host._store = slow_store
+
+
+LOAD_DELAY_S = 0.3
+
+
+class SlowLoadingConnector(PreemptKVConnector):
+    """Every load takes `LOAD_DELAY_S` more on the load thread, so a client can go away
+    while its request's KV is still being loaded into blocks vLLM gave it: vLLM must not
+    free those blocks before the connector reports the load finished."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.WORKER:
+            load = self.store.load
+
+            def slow_load(*args, **kwargs):
+                time.sleep(LOAD_DELAY_S)
+                return load(*args, **kwargs)
+
+            self.store.load = slow_load

@@ -17,14 +17,19 @@ Two halves, as every vLLM connector (docs/vllm_plugin.md, "Save and restore"):
   how many tokens they hold; asks the plugin (`SaveAdvisor`, set by `PreemptScheduler`)
   whether to save it and which running requests to copy early; on re-admission reports
   the saved tokens to `get_num_new_matched_tokens` (None while the copy is still being
-  stored) and plans the load into the new blocks.
+  stored; asynchronous by default, `loads`) and plans the load into the new blocks.
 - worker side (where the KV lives): `handle_preemptions` runs before the step's new blocks
   are zeroed and before the forward pass, the last moment the victim's blocks still hold
   its KV: it gathers them (`kv_store.PagedKV`) and hands the encode to a worker thread
-  (`preempt.kv.store.CopiesById`, over the engine's host store); `start_load_kv` decodes a
-  copy into the new blocks before the forward pass. A copy that cannot be stored (full
-  pool, too large) is reported back and the request recomputes; one that fails to decode
-  is reported as invalid blocks, which vLLM recomputes (`kv_load_failure_policy: recompute`, required).
+  (`preempt.kv.store.CopiesById`, over the engine's host store). `start_load_kv` hands a
+  copy's decode into the new blocks to a load thread (`loads: async`, vLLM's load-ready
+  protocol: the request waits in WAITING_FOR_REMOTE_KVS, its blocks its own, and
+  `get_finished` reports the load once the thread is done, so no forward pass waits for
+  it) or decodes it before the forward pass (`loads: sync`). A copy that cannot be stored
+  (full pool, too large) is reported back and the request recomputes; one that fails to
+  decode is reported as invalid blocks, which vLLM recomputes (`kv_load_failure_policy:
+  recompute`, required), and an asynchronous one is still reported finished (vLLM frees or
+  recomputes from there: an aborted request's blocks are freed only then).
 
 Lossy copies (`fp8`, `mixed`) are never served to another request through vLLM's prefix
 cache: blocks of a request that loaded one are not cached (`bind_kv_cache_manager`).
@@ -34,6 +39,7 @@ Imports vLLM; never import it from preempt's own code paths.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -143,6 +149,7 @@ class PreemptKVConnector(KVConnectorBase_V1):
             self.paged: PagedKV | None = None
             self.invalid_blocks: set[int] = set()
             self.load_reports: dict[str, CopyReport] = {}
+            self.loading: dict[str, tuple[CopyJob, Future]] = {}  # asynchronous loads in flight
             logger.info(
                 "preempt connector: %s codec, host pool %s (%d blocks of %d tokens per layer)",
                 self.settings.codec,
@@ -178,7 +185,7 @@ class PreemptKVConnector(KVConnectorBase_V1):
             return 0, False
         if not self.settings.lossless:
             self.lossy.add(request_id)
-        return num_external, False
+        return num_external, self.settings.loads == "async"
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         request_id = request.request_id
@@ -340,21 +347,49 @@ class PreemptKVConnector(KVConnectorBase_V1):
                 self.store.touch(job.request_id)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        # vLLM calls this before the forward pass when a load is synchronous, after it when
+        # every load of the step is asynchronous (their requests are not in the batch)
         meta = self._connector_metadata
         if not isinstance(meta, PreemptConnectorMetadata) or self.paged is None:
             return
         for job in meta.loads:
+            if self.settings.loads == "sync":
+                self._loaded(job, self._load_now(job))
+            else:
+                future = self.store.load_later(job.request_id, self.paged, job.block_ids, job.start, job.end)
+                self.loading[job.request_id] = (job, future)
+
+    def _load_now(self, job: CopyJob) -> CopyReport:
+        try:
+            return self.store.load(job.request_id, self.paged, job.block_ids, job.start, job.end)
+        except CorruptBlobError as err:
+            return CopyReport(error=f"corrupt: {err}")
+
+    def _loaded(self, job: CopyJob, report: CopyReport) -> None:
+        """A load ended: a corrupt copy's blocks are reported invalid (vLLM recomputes them)."""
+        if report.error is not None:
+            logger.warning("preempt connector: request %s recomputes: %s", job.request_id, report.error)
+            first, last = job.start // self.block_size, (job.end - 1) // self.block_size
+            self.invalid_blocks.update(job.block_ids[first : last + 1])
+            report = CopyReport(error="corrupt")
+        self.load_reports[job.request_id] = report
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # The asynchronous loads that ended, failed ones too: vLLM must hear of every load
+        # (an aborted request's blocks are freed only then), and gets a failed one's
+        # invalid blocks in the same pass (get_block_ids_with_load_errors, called after).
+        done = {request_id for request_id, (_, future) in self.loading.items() if future.done()}
+        for request_id in done:
+            job, future = self.loading.pop(request_id)
             try:
-                report = self.store.load(job.request_id, self.paged, job.block_ids, job.start, job.end)
+                report = future.result()
             except CorruptBlobError as err:
-                logger.warning("preempt connector: request %s recomputes: %s", job.request_id, err)
-                first, last = job.start // self.block_size, (job.end - 1) // self.block_size
-                self.invalid_blocks.update(job.block_ids[first : last + 1])
-                report = CopyReport(error="corrupt")
-            self.load_reports[job.request_id] = report
+                report = CopyReport(error=f"corrupt: {err}")
+            self._loaded(job, report)
+        return None, done or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are synchronous: done before the forward pass starts
+        return  # whole copies: a synchronous load is done before the forward pass starts
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         return  # saves happen at preemption (handle_preemptions), not per layer
@@ -381,4 +416,4 @@ class PreemptKVConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         if self._role == KVConnectorRole.WORKER:
-            self.store.close()
+            self.store.close()  # waits for the loads in flight

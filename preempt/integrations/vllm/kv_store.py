@@ -71,6 +71,12 @@ class ConnectorSettings(BaseModel):
     KV is expected to take less time than recomputing it (InferCept's rule: measured
     copy seconds per token against measured prefill seconds per token), or `none`: the
     connector only counts what the preemptions drop (vLLM's recompute, measured)."""
+    loads: Literal["async", "sync"] = "async"
+    """How a resumed request's copy is loaded. `async` (vLLM's load-ready protocol): vLLM
+    allocates its blocks and parks it (WAITING_FOR_REMOTE_KVS) while a load thread decodes
+    the copy during the next forward passes, and admits it once `get_finished` reports the
+    load; no step waits for a decode. `sync`: decoded in `start_load_kv`, before the forward
+    pass of the step that resumes it (the step waits; the request runs in that step)."""
     early: bool = False
     """Start copies of the requests the projection names as the next victims, a step or
     more before vLLM preempts them; at the preemption only the tokens since are copied."""

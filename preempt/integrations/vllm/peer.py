@@ -11,11 +11,13 @@ stdout, one result per job (`{"error": ...}` for a job that failed; the others s
   `AsyncScheduler` class instead. Result: `{"trace": [...], "metrics": {...}}`.
 - `{"kind": "llm", "model_dir": D, "engine": {...}, "requests": [...], "arms": [...]}`: a
   real `vllm.LLM` per arm on a tiny local checkpoint (written with transformers when D
-  has none), requests added at their `arrival_step` (and aborted at their `abort_step`, if
-  any, as a client that goes away) and the engine stepped by hand.
+  has none), requests added at their `arrival_step` (and aborted at their `abort_step`, or
+  with `abort_loading` the first time a KV connector is loading their KV, as a client that
+  goes away) and the engine stepped by hand.
   An arm is `{"name": ..., "scheduler": "default" | "preempt", "policy": "fcfs" |
   "priority", "settings": {...}}`. Result per arm: per request its output token ids,
-  arrival, first-token and finish steps; totals (steps, preemptions and recomputed
+  arrival, first-token and finish steps, the steps it entered the running batch and was
+  preempted at, how many steps began while its KV was being loaded; totals (steps, preemptions and recomputed
   tokens seen at `_preempt_request`, vLLM's own `vllm:num_preemptions` and the plugin's
   `preempt:*` counters read from the same Prometheus registry, wall time).
 """
@@ -81,6 +83,19 @@ def _metric_values(names: tuple[str, ...]) -> dict[str, float]:
     return values
 
 
+LOADING = "WAITING_FOR_REMOTE_KVS"  # vLLM's status while a KV connector loads a request's KV
+
+
+def _external(request_id: str) -> str:
+    """The id given to `add_request` (vLLM's engine appends `-<8 random characters>`)."""
+    return request_id.rsplit("-", 1)[0]
+
+
+def _statuses(scheduler) -> dict[str, str]:
+    """Each request's status in the scheduler by the id given to `add_request`."""
+    return {_external(rid): request.status.name for rid, request in scheduler.requests.items()}
+
+
 def run_arm(job: dict, arm: dict, model_dir: str) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -124,6 +139,8 @@ def run_arm(job: dict, arm: dict, model_dir: str) -> dict:
     def counting(request, *args, **kw):
         seen["preemptions"] += 1
         seen["recomputed_tokens"] += request.num_computed_tokens
+        if _external(request.request_id) in records:
+            records[_external(request.request_id)]["preempted_steps"].append(step)
         return original(request, *args, **kw)
 
     scheduler._preempt_request = counting
@@ -136,6 +153,7 @@ def run_arm(job: dict, arm: dict, model_dir: str) -> dict:
     pending = sorted(job["requests"], key=lambda r: (r["arrival_step"], r["id"]))
     engine_obj = llm.llm_engine
     records: dict[str, dict] = {}
+    running: set[str] = set()
     step = 0
     next_index = 0
     run_started = time.perf_counter()
@@ -160,15 +178,36 @@ def run_arm(job: dict, arm: dict, model_dir: str) -> dict:
                 "finish_step": None,
                 "token_ids": [],
                 "abort_step": spec.get("abort_step"),
+                "abort_loading": spec.get("abort_loading", False),
                 "aborted": False,
+                "aborted_while": None,
+                "admitted_steps": [],  # steps that put it in the running batch (again)
+                "preempted_steps": [],
+                "loading_steps": 0,  # steps begun while a KV connector loaded its KV
             }
-        # a client that goes away: the request is aborted between steps, as vLLM's server does
-        aborts = [rid for rid, r in records.items() if r["abort_step"] == step and r["finish_step"] is None]
+        # a client that goes away: the request is aborted between steps, as vLLM's server
+        # does, at a given step or (abort_loading) the first time its KV is being loaded
+        statuses = _statuses(scheduler)
+        for rid, status in statuses.items():
+            if status == LOADING and rid in records:
+                records[rid]["loading_steps"] += 1
+        aborts = [
+            rid
+            for rid, r in records.items()
+            if r["finish_step"] is None
+            and (r["abort_step"] == step or (r["abort_loading"] and statuses.get(rid) == LOADING))
+        ]
         if aborts:
-            engine_obj.abort_request(aborts)
             for rid in aborts:
-                records[rid].update(aborted=True, finish_step=step)
-        for out in engine_obj.step():
+                records[rid].update(aborted=True, finish_step=step, aborted_while=statuses.get(rid))
+            engine_obj.abort_request(aborts)
+        outputs = engine_obj.step()
+        now_running = {_external(r.request_id) for r in scheduler.running}
+        for rid in now_running - running:
+            if rid in records:
+                records[rid]["admitted_steps"].append(step)
+        running = now_running
+        for out in outputs:
             record = records[out.request_id]
             token_ids = list(out.outputs[0].token_ids)
             if token_ids and record["first_token_step"] is None:

@@ -46,7 +46,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import RequestQueue
 from vllm.v1.core.sched.request_queue import SchedulingPolicy as VllmPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from preempt.integrations.vllm.clock import make_clock
 from preempt.integrations.vllm.connector import PreemptKVConnector
@@ -188,12 +188,30 @@ class PreemptDecisions:
                 self.decider.on_admitted(self.views[request.request_id], now)
         return output
 
+    def _challenger(self) -> Request | None:
+        """The request vLLM's admission loop tries first: the head of `kv_holding_waiting`
+        (drained first), else of `waiting`, past requests still loading their KV (vLLM
+        skips them; they hold their blocks and take a seat once loaded)."""
+        for queue in (self.kv_holding_waiting, self.waiting):
+            if not len(queue):
+                continue
+            head = queue.peek_request()
+            if not self._loading(head):
+                return head
+            for request in queue:  # the queue in admission order: only while a head loads
+                if not self._loading(request):
+                    return request
+        return None
+
+    def _loading(self, request: Request) -> bool:
+        return (
+            request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            and request.request_id not in self.finished_recving_kv_req_ids
+        )
+
     def _priority_preemption(self, now: float) -> None:
-        queue = self.kv_holding_waiting if len(self.kv_holding_waiting) else self.waiting
-        if not len(queue) or not self.running:
-            return
-        challenger = queue.peek_request()
-        if self._can_admit(challenger):
+        challenger = self._challenger() if self.running else None
+        if challenger is None or self._can_admit(challenger):
             return
         victim = self.decider.priority_victim(
             self.views[challenger.request_id], [self.views[r.request_id] for r in self.running], now
