@@ -4,7 +4,8 @@ The same requests, under forced preemptions (every request sent within the first
 second to a pool of 24 blocks of 32 tokens and 8 seats), through one `vllm serve` per arm
 (the peer's, on the tiny local byte-level Llama of `bench vllm --http`): plain vLLM, which
 preempts by recompute; the plugin without the connector; and the plugin with the
-connector in raw and mixed modes, with and without early copies. Two regimes: `long`
+connector in raw and mixed modes, with and without early copies, and with copies only
+where the cost rule chooses them (`saves: cost`, each choice judged: `judge_cost`). Two regimes: `long`
 prompts (224 tokens: recomputing a victim costs a long prefill, its copy a few hundred KB)
 and `short` ones (32 tokens), 128 output tokens each. Per arm and regime: tokens
 recomputed (the preempted tokens not loaded back; the plain arm's connector only counts
@@ -62,7 +63,15 @@ CONNECTOR_ARMS = (
         ServeArm("plugin_raw_early", "priority", plugin=True),
         {"codec": "raw", "early": True},
     ),
+    # InferCept's rule: a victim is saved only while copying is measured cheaper than
+    # recomputing (judged against the `plugin_raw` and `plugin` arms: `judge_cost`)
+    ConnectorArm(
+        "plugin_raw_cost",
+        ServeArm("plugin_raw_cost", "priority", plugin=True),
+        {"codec": "raw", "saves": "cost"},
+    ),
 )
+COST_ARM, SAVE_ALL_ARM, RECOMPUTE_ARM = "plugin_raw_cost", "plugin_raw", "plugin"
 
 REGIMES = {"long": 224, "short": 32}  # prompt tokens (bytes) per request
 OUTPUT_TOKENS = 128
@@ -175,11 +184,61 @@ def bench_vllm_connector(
     # logits tie to the last bit, which the batch's shape sets
     engine = {**ENGINE, "dtype": "float32"}
     results = run_connector_arms(peer_python.parent / "vllm", model_dir, arms, workloads, work_dir, engine)
+    regimes = {regime: summarize_connector(results, regime) for regime in REGIMES}
     return {
         "workload": {"seeds": num_seeds, "requests": num, "prompt_tokens": REGIMES, "engine": engine},
-        "regimes": {regime: summarize_connector(results, regime) for regime in REGIMES},
+        "regimes": regimes,
+        "cost": {regime: judge_cost(arms) for regime, arms in regimes.items() if COST_ARM in arms},
         "commands": {result["name"]: result["command"] for result in results},
     }
+
+
+def _per_token(counters: dict[str, float], seconds: str, tokens: str) -> float | None:
+    total, count = counters.get(seconds), counters.get(tokens)
+    return total / count if total is not None and count else None
+
+
+def _rates(counters: dict[str, float]) -> dict[str, float | None]:
+    """Seconds per token of a save, a load and a prefill-bound step, from an arm's counters."""
+    return {
+        "save": _per_token(counters, "preempt:kv_save_seconds_sum", "preempt:kv_saved_tokens_total"),
+        "load": _per_token(counters, "preempt:kv_load_seconds_sum", "preempt:kv_loaded_tokens_total"),
+        "recompute": _per_token(
+            counters, "preempt:kv_prefill_seconds_total", "preempt:kv_prefill_tokens_total"
+        ),
+    }
+
+
+def judge_cost(arms: dict[str, Any]) -> dict[str, Any]:
+    """The cost rule's choices (`saves: cost`), each judged against what saving and
+    recomputing cost on the same requests: a save and a load per token where every victim
+    was saved (`SAVE_ALL_ARM`), a prefill per token where every victim was recomputed
+    (`RECOMPUTE_ARM`). Every choice is per token on both sides, so the cheaper side is one
+    for all of them: a choice is right when it took that side (a save before the rule had
+    measured both sides counts as a save). Also the rates the cost arm itself measured."""
+    choices = {
+        choice: int(arms[COST_ARM]["counters"].get(f"preempt:kv_cost_choices_total{{choice={choice}}}", 0))
+        for choice in ("save", "recompute", "unmeasured")
+    }
+    saved = arms.get(SAVE_ALL_ARM, {}).get("counters", {})
+    recomputed = arms.get(RECOMPUTE_ARM, {}).get("counters", {})
+    judged = {
+        "save": _rates(saved)["save"],
+        "load": _rates(saved)["load"],
+        "recompute": _rates(recomputed)["recompute"],
+    }
+    out: dict[str, Any] = {
+        "choices": choices,
+        "rates_s_per_token": judged,
+        "own_rates_s_per_token": _rates(arms[COST_ARM]["counters"]),
+    }
+    if None in judged.values():
+        out["cheaper"] = None
+        return out
+    cheaper = "save" if judged["save"] + judged["load"] < judged["recompute"] else "recompute"
+    right = choices["recompute"] if cheaper == "recompute" else choices["save"] + choices["unmeasured"]
+    out.update(cheaper=cheaper, right=right, wrong=sum(choices.values()) - right)
+    return out
 
 
 def summarize_connector(results: Sequence[dict], regime: str) -> dict[str, Any]:
@@ -236,5 +295,21 @@ def connector_table(summary: dict[str, Any]) -> str:
                 f"| {cell(row['output_tokens_per_s'], 0)} "
                 f"| {row[f'outputs_equal_{BASELINE}']} |"
             )
+        cost = summary.get("cost", {}).get(regime)
+        if cost is not None:
+            rates, choices = cost["rates_s_per_token"], cost["choices"]
+            us = {k: "–" if v is None else f"{1e6 * v:.1f}" for k, v in rates.items()}
+            verdict = (
+                "no verdict: a side was not measured"
+                if cost["cheaper"] is None
+                else f"cheaper: {cost['cheaper']}; right {cost['right']}, wrong {cost['wrong']}"
+            )
+            lines += [
+                "",
+                f"`saves: cost` chose save {choices['save']}, recompute {choices['recompute']}, "
+                f"save unmeasured {choices['unmeasured']} times; per token, save {us['save']} + load "
+                f"{us['load']} us ({SAVE_ALL_ARM}) against recompute {us['recompute']} us ({RECOMPUTE_ARM}): "
+                f"{verdict}",
+            ]
         lines.append("")
     return "\n".join(lines)

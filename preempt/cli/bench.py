@@ -175,6 +175,14 @@ def add_bench_parser(sub: Any) -> None:
         help="also the judge windows through vLLM FCFS with preempt's KV connector (raw, mixed) "
         "against its recompute, beside the simulator's prediction of the same gain",
     )
+    fidelity.add_argument(
+        "--loads",
+        action="store_true",
+        help="instead: the judge windows through vLLM FCFS with preempt's KV connector (raw), "
+        "synchronous loads against asynchronous ones, interleaved: step times, resume steps, the "
+        "victims' stream gaps (preempt.bench.vllm_loads; about 10 min, --quick 2 windows); with "
+        "--real DIR, judge such a run again",
+    )
     parsers["peers"].add_argument(
         "--vidur",
         action="store_true",
@@ -329,6 +337,8 @@ def _bench_fidelity(args: argparse.Namespace) -> int:
     from preempt.core.profiles import ProfileError
     from preempt.parity.harness import PeerError, peer_python
 
+    if args.loads:
+        return _bench_loads(args)
     out = args.out or Path("runs/fidelity")
     try:
         if args.real is not None:
@@ -354,6 +364,38 @@ def _bench_fidelity(args: argparse.Namespace) -> int:
     print(json.dumps(result) if args.json else table)
     print(f"wrote {out / 'fidelity.json'}, {out / 'fidelity.md'} and the calibrated {out / 'target.json'}",
           file=sys.stderr if args.json else sys.stdout)  # fmt: skip
+    return 0
+
+
+def _bench_loads(args: argparse.Namespace) -> int:
+    """`bench fidelity --loads`: asynchronous against synchronous loads (or `--real DIR`:
+    judge a kept run again); the table (or the JSON) on stdout, loads.json/.md in --out."""
+    from preempt.bench.vllm_loads import bench_loads, rejudge_loads, render_loads
+    from preempt.core.profiles import ProfileError
+    from preempt.parity.harness import PeerError, peer_python
+
+    if args.connector:
+        print("preempt: error: --loads runs its own connector arms: drop --connector", file=sys.stderr)
+        return 2
+    out = args.out or Path("runs/loads")
+    try:
+        if args.real is not None:
+            if not (args.real / "real.json").is_file():
+                print(f"preempt: error: --real: no real.json in {args.real}", file=sys.stderr)
+                return 2
+            result = rejudge_loads(args.real)
+            out = args.real if args.out is None else out
+        else:
+            result = bench_loads(peer_python(None), out.resolve(), args.quick)
+    except (PeerError, ProfileError) as err:
+        print(f"preempt: error: {err}", file=sys.stderr)
+        return 2
+    table = render_loads(result)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "loads.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "loads.md").write_text(table + "\n")
+    print(json.dumps(result) if args.json else table)
+    print(f"wrote {out / 'loads.json'} and {out / 'loads.md'}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

@@ -196,6 +196,28 @@ def t_interval(values: Sequence[float], level: float | None = None, *, bounds: R
     return Interval(mean, mean - half, mean + half, n, num_nan, level).clip(*bounds)
 
 
+def welch_interval(a: Sequence[float], b: Sequence[float], level: float | None = None) -> Interval:
+    """mean(a) - mean(b) for two independent samples (not paired), with Welch's interval
+    (Welch-Satterthwaite degrees of freedom); `num` counts both samples' finite values.
+    lo/hi are NaN when either sample has fewer than two finite values."""
+    level = confidence_level() if level is None else level
+    x, nan_x = _finite(a)
+    y, nan_y = _finite(b)
+    n, num_nan = len(x) + len(y), nan_x + nan_y
+    if len(x) == 0 or len(y) == 0:
+        return Interval(math.nan, math.nan, math.nan, n, num_nan, level)
+    diff = float(x.mean() - y.mean())
+    if len(x) < 2 or len(y) < 2:
+        return Interval(diff, math.nan, math.nan, n, num_nan, level)
+    vx, vy = float(x.var(ddof=1)) / len(x), float(y.var(ddof=1)) / len(y)
+    se = math.sqrt(vx + vy)
+    if se == 0:
+        return Interval(diff, diff, diff, n, num_nan, level)
+    df = (vx + vy) ** 2 / (vx * vx / (len(x) - 1) + vy * vy / (len(y) - 1))
+    half = t_quantile(0.5 + level / 2.0, df) * se
+    return Interval(diff, diff - half, diff + half, n, num_nan, level)
+
+
 def ratio_interval(
     numerator: Sequence[float], denominator: Sequence[float], level: float | None = None
 ) -> Interval:

@@ -24,6 +24,7 @@ from preempt.obs.stats import (
     percentile_statistic,
     t_interval,
     t_quantile,
+    welch_interval,
 )
 
 
@@ -57,6 +58,22 @@ def test_t_interval_covers_the_true_mean_95_percent_of_the_time():
         hits += iv.lo <= 10.0 <= iv.hi
     # binomial sd at 4000 trials is 0.34 points: 95 +- 1.5 is > 4 sd
     assert 0.935 <= hits / num_trials <= 0.965
+
+
+def test_welch_interval_of_known_values_and_its_coverage_with_unequal_spreads():
+    a, b = [1.0, 2.0, 3.0], [10.0, 20.0, 30.0, 40.0]
+    iv = welch_interval(a, b)
+    va, vb = 1.0 / 3, (500.0 / 3) / 4  # sample variances over sizes
+    df = (va + vb) ** 2 / (va**2 / 2 + vb**2 / 3)
+    half = t_quantile(0.975, df) * math.sqrt(va + vb)
+    assert iv.mean == -23.0 and iv.lo == pytest.approx(-23 - half) and iv.hi == pytest.approx(-23 + half)
+    assert iv.num == 7 and not welch_interval([1.0], b).is_defined
+    rng = np.random.default_rng(2)
+    hits = sum(
+        (iv := welch_interval(rng.normal(5.0, 1.0, 6), rng.normal(3.0, 4.0, 15))).lo <= 2.0 <= iv.hi
+        for _ in range(4000)
+    )
+    assert 0.935 <= hits / 4000 <= 0.965  # Welch keeps 95% where a pooled variance would not
 
 
 @pytest.mark.parametrize("num_groups", [1, 5])

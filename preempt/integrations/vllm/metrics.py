@@ -119,12 +119,27 @@ CONNECTOR_COUNTERS = (
         None,
         "resume_waits",
     ),
+    ("preempt:kv_saved_tokens", "Tokens of KV in the copies stored in the host pool", None, "saved_tokens"),
+    (
+        "preempt:kv_cost_choices",
+        "saves: cost, each victim's choice: save, recompute, or save while unmeasured",
+        "choice",
+        "cost_choices",
+    ),
+    (
+        "preempt:kv_prefill_tokens",
+        "Tokens of the prefill-bound steps the cost rule measures recomputing on",
+        None,
+        "prefill_tokens",
+    ),
+    ("preempt:kv_prefill_seconds", "Seconds of those steps", None, "prefill_s"),
 )
 CONNECTOR_HISTOGRAMS = (
     ("preempt:kv_save_seconds", "From a preemption to its copy stored (gather, encode, store)", "save_s"),
     ("preempt:kv_load_seconds", "Decoding a copy into the resumed request's blocks", "load_s"),
 )
 FALLBACKS = ("pool_full", "blob_too_large", "corrupt", "encode", "cost", "prefix_cache")
+COST_CHOICES = ("save", "recompute", "unmeasured")
 
 
 @dataclass
@@ -146,6 +161,12 @@ class ConnectorMetrics:
     resume_waits: int = 0
     """vLLM asked to resume a victim whose store was in flight: told to ask again next step
     (vLLM #46014's case: never admitted on a half-stored copy)."""
+    saved_tokens: int = 0
+    cost_choices: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COST_CHOICES, 0))
+    """`saves: cost`: victims saved because copying was measured cheaper (`save`), recomputed
+    because it was not (`recompute`), saved before both sides were measured (`unmeasured`)."""
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
     save_s: dict = field(default_factory=lambda: empty_histogram())
     load_s: dict = field(default_factory=lambda: empty_histogram())
     observed: list[tuple[str, float]] = field(default_factory=list)
@@ -159,6 +180,7 @@ class ConnectorMetrics:
 
     def stored(self, report) -> None:
         self.saves += 1
+        self.saved_tokens += report.num_tokens
         self.stored_bytes += report.stored_bytes
         self.raw_bytes += report.raw_bytes
         self._observe("save_s", report.seconds)
@@ -183,6 +205,7 @@ class ConnectorMetrics:
     def snapshot(self) -> dict:
         out = {key: getattr(self, key) for _, _, _, key in CONNECTOR_COUNTERS}
         out["fallbacks"] = dict(self.fallbacks)
+        out["cost_choices"] = dict(self.cost_choices)
         for _, _, key in CONNECTOR_HISTOGRAMS:
             hist = getattr(self, key)
             out[key] = {"buckets": list(hist["buckets"]), "sum": hist["sum"]}

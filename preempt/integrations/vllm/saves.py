@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from preempt.core.block_pool import blocks_needed
 from preempt.integrations.vllm.decider import PreemptionDecider, RequestView
 from preempt.integrations.vllm.kv_store import ConnectorSettings
+from preempt.integrations.vllm.metrics import ConnectorMetrics
 
 EMA = 0.2  # weight of the newest measurement
 MIN_PREFILL_TOKENS = 64  # a step with fewer tokens is decode-bound: not a prefill measurement
@@ -48,8 +49,11 @@ class SavePlanner:
         settings: ConnectorSettings,
         block_size: int,
         state: Callable[[], tuple[Sequence[RequestView], int, float]],
+        metrics: ConnectorMetrics | None = None,
     ) -> None:
-        """`state()`: the running requests' views, the free KV blocks, and now."""
+        """`state()`: the running requests' views, the free KV blocks, and now; `metrics`:
+        the connector's, where the cost rule's choices and prefill measurements are counted."""
+        self.metrics = metrics
         self.decider = decider
         self.settings = settings
         self.block_size = block_size
@@ -66,6 +70,9 @@ class SavePlanner:
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         if num_tokens >= MIN_PREFILL_TOKENS:
             self.prefill_rate.add(num_tokens, seconds)
+            if self.metrics is not None:
+                self.metrics.prefill_tokens += num_tokens
+                self.metrics.prefill_s += seconds
 
     # ------------------------------------------------------------- decisions
     def should_save(self, request_id: str, num_tokens: int) -> bool:
@@ -73,9 +80,13 @@ class SavePlanner:
             return True
         rates = (self.save_rate.value, self.load_rate.value, self.prefill_rate.value)
         if None in rates:
-            return True
-        save, load, prefill = rates
-        return save + load < prefill
+            choice = "unmeasured"
+        else:
+            save, load, prefill = rates
+            choice = "save" if save + load < prefill else "recompute"
+        if self.metrics is not None:
+            self.metrics.cost_choices[choice] += 1
+        return choice != "recompute"
 
     def early_targets(self, tables: dict[str, tuple[list[int], int]]) -> list[str]:
         running, free_blocks, now = self.state()

@@ -141,7 +141,11 @@ class PreemptDecisions:
         self.save_planner: SavePlanner | None = None
         if isinstance(self.connector, PreemptKVConnector):
             self.save_planner = SavePlanner(
-                self.decider, self.connector.settings, self.block_size, self._save_state
+                self.decider,
+                self.connector.settings,
+                self.block_size,
+                self._save_state,
+                self.connector.metrics,
             )
             self.connector.advisor = self.save_planner
 

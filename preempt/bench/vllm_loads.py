@@ -1,0 +1,196 @@
+"""`preempt bench fidelity --loads`: the KV connector's asynchronous loads against
+synchronous ones, in a real vLLM, on the model where recomputing costs.
+
+The judge windows of `preempt bench fidelity` (the same served model, engine shape,
+requests and pinning) through two `vllm serve`s with vLLM's FCFS scheduler and preempt's
+KV connector (raw copies), one loading a resumed request's copy before the forward pass
+of the step that resumes it (`loads: sync`), the other on a load thread while vLLM keeps
+the request parked (`loads: async`, vLLM's load-ready protocol). Both servers up at once,
+each window through one then the other, the order reversed every other window
+(`fidelity.serve_interleaved`), so the machine's drift falls on both alike.
+
+Judged from vLLM's own step logs and the client's stream:
+- per step: each window's mean step time (scheduled steps), async against sync paired by
+  window; and the resume steps (the first step a preempted request runs in again: under
+  sync loads it carries the load), pooled, with Welch's interval on the difference;
+- per request: the requests preempted in both arms, paired: the longest wait between two
+  streamed chunks (where a resume's stall shows to a client), e2e latency and TTFT;
+- the connector's own counters: saves, loads, mean save and load ms, resume waits.
+
+This module never imports vLLM; the servers are subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from preempt.bench.fidelity import (
+    FidelitySetup,
+    RealArm,
+    _preempted,
+    all_windows,
+    engine_side,
+    serve_interleaved,
+    window_index,
+)
+from preempt.obs.stats import ratio_interval, t_interval, welch_interval
+
+ARMS = ("sync", "async")
+QUICK = FidelitySetup(judge_starts=(600.0, 1200.0), fit_starts=())
+
+
+def loads_arms() -> list[RealArm]:
+    from preempt.integrations.vllm.kv_store import kv_transfer_config
+
+    return [
+        RealArm(
+            f"raw_{loads}",
+            "fcfs",
+            ("--kv-transfer-config", json.dumps(kv_transfer_config({"codec": "raw", "loads": loads}))),
+        )
+        for loads in ARMS
+    ]
+
+
+def bench_loads(peer_python: Path, work_dir: Path, quick: bool = False) -> dict[str, Any]:
+    """Serve the judge windows through both arms (kept in `work_dir`: step logs, the
+    client's records in real.json, the servers' logs), then `judge_loads`."""
+    setup = QUICK if quick else FidelitySetup(fit_starts=())
+    work_dir.mkdir(parents=True, exist_ok=True)
+    windows = {name: requests for name, requests in all_windows(setup).items() if name.startswith("judge")}
+    started = time.perf_counter()
+    served = serve_interleaved(peer_python, work_dir, setup, loads_arms(), windows)
+    kept = {"setup": asdict(setup), "real": served, "real_s": round(time.perf_counter() - started, 1)}
+    (work_dir / "real.json").write_text(json.dumps(kept) + "\n")
+    return judge_loads(served, list(windows), kept["real_s"])
+
+
+def _resume_steps(log, run: dict[str, Any], window: str) -> list[float]:
+    """Seconds of the steps in which a preempted request of the window ran again first."""
+    waiting: set[str] = set()
+    out = []
+    for step in log.steps:
+        if not run["started"] <= step["t"] < run["ended"]:
+            continue
+        ids = set(step["ids"])
+        if waiting & ids:
+            out.append(step["end"] - step["t"])
+            waiting -= ids
+        waiting |= {rid for rid, _ in step["preempted"] if window_index(rid, window) is not None}
+    return out
+
+
+def _interval(iv) -> dict[str, Any]:
+    return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in iv._asdict().items()}
+
+
+def judge_loads(served: dict[str, Any], windows: list[str], real_s: float | None = None) -> dict[str, Any]:
+    from preempt.calibrate.vllm_steps import read_step_log
+
+    logs = {loads: read_step_log(served[f"raw_{loads}"]["step_log"]) for loads in ARMS}
+    runs = {loads: served[f"raw_{loads}"]["windows"] for loads in ARMS}
+    arms: dict[str, Any] = {}
+    step_means: dict[str, list[float]] = {}
+    resume: dict[str, list[float]] = {}
+    for loads in ARMS:
+        log, mine = logs[loads], runs[loads]
+        spans = [[s for s in log.steps if mine[w]["started"] <= s["t"] < mine[w]["ended"] and s["chunks"]]
+                 for w in windows]  # fmt: skip
+        seconds = [[s["end"] - s["t"] for s in steps] for steps in spans]
+        step_means[loads] = [float(np.mean(v)) for v in seconds]
+        resume[loads] = [v for w in windows for v in _resume_steps(log, mine[w], w)]
+        metrics = served[f"raw_{loads}"].get("metrics", {})
+        row: dict[str, Any] = {
+            "steps": sum(len(v) for v in seconds),
+            "busy_s": round(sum(sum(v) for v in seconds), 3),
+            "step_ms": round(1e3 * float(np.mean([v for s in seconds for v in s])), 3),
+            "resume_steps": len(resume[loads]),
+            "resume_step_ms": round(1e3 * float(np.mean(resume[loads])), 3) if resume[loads] else None,
+            "preemptions": sum(len(_preempted(log, mine[w], w)) for w in windows),
+        }
+        for what in ("save", "load"):
+            total = metrics.get(f"preempt:kv_{what}_seconds_sum")
+            count = metrics.get(f"preempt:kv_{what}_seconds_count")
+            row[f"{what}s"] = count
+            row[f"{what}_ms"] = round(1e3 * total / count, 3) if total is not None and count else None
+        row["resume_waits"] = metrics.get("preempt:kv_resume_waits_total")
+        row["fallbacks"] = {k: v for k, v in metrics.items() if k.startswith("preempt:kv_fallbacks")}
+        arms[loads] = row
+    # the requests preempted in both arms, paired by (window, request)
+    both = {
+        w: _preempted(logs["sync"], runs["sync"][w], w) & _preempted(logs["async"], runs["async"][w], w)
+        for w in windows
+    }
+    records = {loads: {w: {r["id"]: r for r in runs[loads][w]["records"]} for w in windows} for loads in ARMS}
+    engine = {loads: {w: {r["id"]: r for r in engine_side(logs[loads], runs[loads][w], w)["records"]}
+                      for w in windows} for loads in ARMS}  # fmt: skip
+    paired: dict[str, Any] = {"requests": sum(len(v) for v in both.values())}
+    for key, source in (("max_gap_s", records), ("ttft_s", engine), ("e2e_s", engine)):
+        diffs = [
+            source["async"][w][i][key] - source["sync"][w][i][key]
+            for w in windows
+            for i in sorted(both[w])
+            if i in source["async"][w] and i in source["sync"][w]
+        ]
+        paired[key] = _interval(t_interval(diffs))
+    return {
+        "what": "preempt's KV connector (raw) in vLLM FCFS: asynchronous loads against synchronous, "
+        "the judge windows of bench fidelity, both servers interleaved window by window",
+        "windows": windows,
+        "real_s": real_s,
+        "arms": arms,
+        "step_s_by_window": {loads: [round(v, 6) for v in step_means[loads]] for loads in ARMS},
+        "step_difference_s": _interval(t_interval(np.subtract(step_means["async"], step_means["sync"]))),
+        "step_ratio": _interval(ratio_interval(step_means["async"], step_means["sync"])),
+        "resume_step_difference_s": _interval(welch_interval(resume["async"], resume["sync"])),
+        "victims_async_minus_sync": paired,
+    }
+
+
+def rejudge_loads(work_dir: Path) -> dict[str, Any]:
+    data = json.loads((work_dir / "real.json").read_text())
+    for arm in data["real"].values():
+        name = Path(arm["step_log"]).name
+        here = [work_dir / name, work_dir / f"{name}.gz"]
+        arm["step_log"] = str(next((p for p in here if p.is_file()), here[0]))
+    windows = [w for w in next(iter(data["real"].values()))["windows"]]
+    return judge_loads(data["real"], windows, data.get("real_s"))
+
+
+def _cell(iv: dict[str, Any], scale: float = 1.0, digits: int = 3) -> str:
+    if iv["mean"] is None or iv["mean"] != iv["mean"]:
+        return "–"
+    if iv["lo"] != iv["lo"]:
+        return f"{iv['mean'] * scale:.{digits}g} (no interval)"
+    return f"{iv['mean'] * scale:.{digits}g} [{iv['lo'] * scale:.{digits}g}, {iv['hi'] * scale:.{digits}g}]"
+
+
+def render_loads(result: dict[str, Any]) -> str:
+    arms = result["arms"]
+    lines = [
+        "| loads | steps | mean step ms | busy s | resume steps | resume step ms | preempted requests | "
+        "saves / loads | save / load ms | resume waits |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for loads, row in arms.items():
+        lines.append(
+            f"| {loads} | {row['steps']} | {row['step_ms']} | {row['busy_s']} | {row['resume_steps']} | "
+            f"{row['resume_step_ms']} | {row['preemptions']} | {row['saves']} / {row['loads']} | "
+            f"{row['save_ms']} / {row['load_ms']} | {row['resume_waits']} |"
+        )
+    v = result["victims_async_minus_sync"]
+    lines += [
+        "",
+        f"- mean step, async minus sync, paired by window ({len(result['windows'])}): "
+        f"{_cell(result['step_difference_s'], 1e3)} ms; ratio {_cell(result['step_ratio'])}",
+        f"- resume steps, async minus sync (Welch): {_cell(result['resume_step_difference_s'], 1e3)} ms",
+        f"- the {v['requests']} requests preempted in both arms, async minus sync: longest stream gap "
+        f"{_cell(v['max_gap_s'])} s, TTFT {_cell(v['ttft_s'])} s, e2e {_cell(v['e2e_s'])} s",
+    ]
+    return "\n".join(lines)
