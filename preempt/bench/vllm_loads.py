@@ -12,7 +12,8 @@ each window through one then the other, the order reversed every other window
 Judged from vLLM's own step logs and the client's stream:
 - per step: each window's mean step time (scheduled steps), async against sync paired by
   window; and the resume steps (the first step a preempted request runs in again: under
-  sync loads it carries the load), pooled, with Welch's interval on the difference;
+  sync loads it carries the load): their time beyond what a step of their shape takes
+  (`_resume_excess`), pooled, with Welch's interval on the difference;
 - per request: the requests preempted in both arms, paired: the longest wait between two
   streamed chunks (where a resume's stall shows to a client), e2e latency and TTFT;
 - the connector's own counters: saves, loads, mean save and load ms, resume waits.
@@ -24,12 +25,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from preempt.bench.fidelity import QUICK as FIDELITY_QUICK
 from preempt.bench.fidelity import (
     FidelitySetup,
     RealArm,
@@ -42,7 +44,8 @@ from preempt.bench.fidelity import (
 from preempt.obs.stats import ratio_interval, t_interval, welch_interval
 
 ARMS = ("sync", "async")
-QUICK = FidelitySetup(judge_starts=(600.0, 1200.0), fit_starts=())
+SETUP = FidelitySetup(fit_starts=())  # the judge windows only: nothing is calibrated here
+QUICK = replace(FIDELITY_QUICK, fit_starts=())  # a smoke run: the tiny model, one short window
 
 
 def loads_arms() -> list[RealArm]:
@@ -61,7 +64,7 @@ def loads_arms() -> list[RealArm]:
 def bench_loads(peer_python: Path, work_dir: Path, quick: bool = False) -> dict[str, Any]:
     """Serve the judge windows through both arms (kept in `work_dir`: step logs, the
     client's records in real.json, the servers' logs), then `judge_loads`."""
-    setup = QUICK if quick else FidelitySetup(fit_starts=())
+    setup = QUICK if quick else SETUP
     work_dir.mkdir(parents=True, exist_ok=True)
     windows = {name: requests for name, requests in all_windows(setup).items() if name.startswith("judge")}
     started = time.perf_counter()
@@ -71,19 +74,38 @@ def bench_loads(peer_python: Path, work_dir: Path, quick: bool = False) -> dict[
     return judge_loads(served, list(windows), kept["real_s"])
 
 
-def _resume_steps(log, run: dict[str, Any], window: str) -> list[float]:
-    """Seconds of the steps in which a preempted request of the window ran again first."""
+def _steps(log, run: dict[str, Any], window: str) -> list[tuple[dict, bool]]:
+    """The window's scheduled steps, each with whether a preempted request of the window
+    ran again first in it (a resume step: under sync loads it carries the load)."""
     waiting: set[str] = set()
     out = []
     for step in log.steps:
-        if not run["started"] <= step["t"] < run["ended"]:
+        if not run["started"] <= step["t"] < run["ended"] or not step["chunks"]:
             continue
         ids = set(step["ids"])
-        if waiting & ids:
-            out.append(step["end"] - step["t"])
-            waiting -= ids
+        out.append((step, bool(waiting & ids)))
+        waiting -= ids
         waiting |= {rid for rid, _ in step["preempted"] if window_index(rid, window) is not None}
     return out
+
+
+def _resume_excess(steps: list[tuple[dict, bool]]) -> list[float]:
+    """Seconds each resume step took beyond what a step of its shape takes: a least-squares
+    line over the arm's other steps in new tokens, requests and tokens attended (a resume
+    step's own shape varies: a lone decode or a 512-token prefill chunk, so raw times
+    would compare shapes, not loads)."""
+
+    def features(step: dict) -> list[float]:
+        chunks = step["chunks"]
+        return [1.0, sum(n for _, n in chunks), len(chunks), sum(b + n for b, n in chunks) / 1e3]
+
+    x = np.array([features(step) for step, _ in steps])
+    y = np.array([step["end"] - step["t"] for step, _ in steps])
+    resumed = np.array([flag for _, flag in steps], dtype=bool)
+    if resumed.all() or not resumed.any():
+        return []
+    coef, *_ = np.linalg.lstsq(x[~resumed], y[~resumed], rcond=None)
+    return [float(v) for v in (y - x @ coef)[resumed]]
 
 
 def _interval(iv) -> dict[str, Any]:
@@ -100,18 +122,19 @@ def judge_loads(served: dict[str, Any], windows: list[str], real_s: float | None
     resume: dict[str, list[float]] = {}
     for loads in ARMS:
         log, mine = logs[loads], runs[loads]
-        spans = [[s for s in log.steps if mine[w]["started"] <= s["t"] < mine[w]["ended"] and s["chunks"]]
-                 for w in windows]  # fmt: skip
-        seconds = [[s["end"] - s["t"] for s in steps] for steps in spans]
+        spans = [_steps(log, mine[w], w) for w in windows]
+        seconds = [[s["end"] - s["t"] for s, _ in steps] for steps in spans]
         step_means[loads] = [float(np.mean(v)) for v in seconds]
-        resume[loads] = [v for w in windows for v in _resume_steps(log, mine[w], w)]
+        resumes = [s["end"] - s["t"] for steps in spans for s, flag in steps if flag]
+        resume[loads] = _resume_excess([pair for steps in spans for pair in steps])
         metrics = served[f"raw_{loads}"].get("metrics", {})
         row: dict[str, Any] = {
             "steps": sum(len(v) for v in seconds),
             "busy_s": round(sum(sum(v) for v in seconds), 3),
             "step_ms": round(1e3 * float(np.mean([v for s in seconds for v in s])), 3),
-            "resume_steps": len(resume[loads]),
-            "resume_step_ms": round(1e3 * float(np.mean(resume[loads])), 3) if resume[loads] else None,
+            "resume_steps": len(resumes),
+            "resume_step_ms": round(1e3 * float(np.mean(resumes)), 3) if resumes else None,
+            "resume_excess_ms": round(1e3 * float(np.mean(resume[loads])), 3) if resume[loads] else None,
             "preemptions": sum(len(_preempted(log, mine[w], w)) for w in windows),
         }
         for what in ("save", "load"):
@@ -148,7 +171,7 @@ def judge_loads(served: dict[str, Any], windows: list[str], real_s: float | None
         "step_s_by_window": {loads: [round(v, 6) for v in step_means[loads]] for loads in ARMS},
         "step_difference_s": _interval(t_interval(np.subtract(step_means["async"], step_means["sync"]))),
         "step_ratio": _interval(ratio_interval(step_means["async"], step_means["sync"])),
-        "resume_step_difference_s": _interval(welch_interval(resume["async"], resume["sync"])),
+        "resume_excess_difference_s": _interval(welch_interval(resume["async"], resume["sync"])),
         "victims_async_minus_sync": paired,
     }
 
@@ -174,14 +197,15 @@ def _cell(iv: dict[str, Any], scale: float = 1.0, digits: int = 3) -> str:
 def render_loads(result: dict[str, Any]) -> str:
     arms = result["arms"]
     lines = [
-        "| loads | steps | mean step ms | busy s | resume steps | resume step ms | preempted requests | "
-        "saves / loads | save / load ms | resume waits |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| loads | steps | mean step ms | busy s | resume steps | their mean ms | beyond their shape's ms | "
+        "preempted requests | saves / loads | save / load ms | resume waits |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for loads, row in arms.items():
         lines.append(
             f"| {loads} | {row['steps']} | {row['step_ms']} | {row['busy_s']} | {row['resume_steps']} | "
-            f"{row['resume_step_ms']} | {row['preemptions']} | {row['saves']} / {row['loads']} | "
+            f"{row['resume_step_ms']} | {row['resume_excess_ms']} | {row['preemptions']} | "
+            f"{row['saves']} / {row['loads']} | "
             f"{row['save_ms']} / {row['load_ms']} | {row['resume_waits']} |"
         )
     v = result["victims_async_minus_sync"]
@@ -189,7 +213,8 @@ def render_loads(result: dict[str, Any]) -> str:
         "",
         f"- mean step, async minus sync, paired by window ({len(result['windows'])}): "
         f"{_cell(result['step_difference_s'], 1e3)} ms; ratio {_cell(result['step_ratio'])}",
-        f"- resume steps, async minus sync (Welch): {_cell(result['resume_step_difference_s'], 1e3)} ms",
+        "- a resume step's time beyond its shape's (a line fitted on the arm's other steps), async "
+        f"minus sync (Welch): {_cell(result['resume_excess_difference_s'], 1e3)} ms",
         f"- the {v['requests']} requests preempted in both arms, async minus sync: longest stream gap "
         f"{_cell(v['max_gap_s'])} s, TTFT {_cell(v['ttft_s'])} s, e2e {_cell(v['e2e_s'])} s",
     ]

@@ -180,8 +180,8 @@ def add_bench_parser(sub: Any) -> None:
         action="store_true",
         help="instead: the judge windows through vLLM FCFS with preempt's KV connector (raw), "
         "synchronous loads against asynchronous ones, interleaved: step times, resume steps, the "
-        "victims' stream gaps (preempt.bench.vllm_loads; about 10 min, --quick 2 windows); with "
-        "--real DIR, judge such a run again",
+        "victims' stream gaps (preempt.bench.vllm_loads; about 10 min; --quick: a smoke run on the "
+        "tiny model); with --real DIR, judge such a run again",
     )
     parsers["peers"].add_argument(
         "--vidur",

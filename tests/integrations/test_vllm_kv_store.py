@@ -143,6 +143,26 @@ def test_corrupt_blob_is_refused_and_freed():
     assert kv_store.pool.bytes_used == 0 and "r" not in kv_store.copies
 
 
+def test_a_load_on_the_load_thread_reports_through_its_future():
+    caches = cpu_caches()
+    paged = PagedKV(caches, NB, BS, H, D)
+    saved = reference(caches, [0, 1], 64)
+    kv_store = store("raw")
+    for request_id in ("r", "bad"):
+        kv_store.save(request_id, paged, [0, 1], 0, 64)  # still storing: the load waits for it
+    kv_store.wait("bad")
+    handle = resolve(kv_store.copies["bad"].segments[0].handle)
+    kv_store.pool._array[handle.offset + 100] ^= 0xFF
+    loaded = kv_store.load_later("r", paged, [4, 5], 0, 64)
+    failed = kv_store.load_later("bad", paged, [6, 7], 0, 64)
+    assert loaded.result(timeout=30).num_tokens == 64
+    assert torch.equal(reference(caches, [4, 5], 64), saved)
+    with pytest.raises(CorruptBlobError):
+        failed.result(timeout=30)
+    assert kv_store.pool.bytes_used == 0 and not kv_store.copies  # both freed, the failed one too
+    kv_store.close()
+
+
 def test_bad_settings_name_the_field():
     with pytest.raises(ConnectorSettingsError, match="codec"):
         parse_connector_settings({"codec": "gzip"})

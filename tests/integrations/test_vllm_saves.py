@@ -68,6 +68,7 @@ def test_expected_output_bounds_the_projection():
 
 def test_cost_rule_saves_while_a_copy_is_cheaper_than_a_prefill():
     plan = planner([], 0, saves="cost")
+    plan.metrics = metrics = ConnectorMetrics()
     assert plan.should_save("r", 100)  # nothing measured yet: save
     plan.observe_save(100, 0.001)
     plan.observe_load(100, 0.001)
@@ -78,6 +79,33 @@ def test_cost_rule_saves_while_a_copy_is_cheaper_than_a_prefill():
     plan.observe_save(100, 1.0)  # copies turned slow
     assert not plan.should_save("r", 100)
     assert planner([], 0).should_save("r", 100)  # saves: all
+    # each choice counted, and the prefill it was measured on (the bench judges them)
+    assert metrics.cost_choices == {"save": 1, "recompute": 1, "unmeasured": 2}
+    assert (metrics.prefill_tokens, metrics.prefill_s) == (256, pytest.approx(0.256))
+
+
+def test_each_cost_choice_is_judged_against_the_save_all_and_recompute_arms():
+    from preempt.bench.vllm_connector import COST_ARM, RECOMPUTE_ARM, SAVE_ALL_ARM, judge_cost
+
+    def arm(**counters):
+        return {"counters": {f"preempt:kv_{k}": v for k, v in counters.items()}}
+
+    made = {"save": 3, "recompute": 5, "unmeasured": 2}
+    choices = {f"cost_choices_total{{choice={c}}}": n for c, n in made.items()}
+    arms = {
+        COST_ARM: arm(**choices),
+        # a save 2 us a token, a load 1 us: 3 us against a 10 us prefill
+        SAVE_ALL_ARM: arm(save_seconds_sum=0.002, saved_tokens_total=1000, load_seconds_sum=0.001,
+                          loaded_tokens_total=1000),
+        RECOMPUTE_ARM: arm(prefill_seconds_total=0.01, prefill_tokens_total=1000),
+    }  # fmt: skip
+    judged = judge_cost(arms)
+    assert judged["cheaper"] == "save" and (judged["right"], judged["wrong"]) == (5, 5)
+    arms[RECOMPUTE_ARM] = arm(prefill_seconds_total=0.001, prefill_tokens_total=1000)  # 1 us: recompute
+    judged = judge_cost(arms)
+    assert judged["cheaper"] == "recompute" and (judged["right"], judged["wrong"]) == (5, 5)
+    del arms[RECOMPUTE_ARM]
+    assert judge_cost(arms)["cheaper"] is None  # a side not measured: no verdict
 
 
 def test_connector_metrics_reach_the_collector(tmp_path):
