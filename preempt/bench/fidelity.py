@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import tempfile
 import time
 from collections.abc import Sequence
@@ -46,10 +45,12 @@ from typing import Any
 import numpy as np
 
 from preempt.bench.vllm_http import (
+    SERVER_ENV,
     HttpRequest,
     ServeArm,
     _free_port,
     drive,
+    pinned_client,
     serve_command,
     vllm_server,
     write_model,
@@ -58,21 +59,6 @@ from preempt.calibrate.vllm_steps import host_copy_rate
 from preempt.obs.stats import t_interval
 
 STEP_LOG_CLS = "preempt.integrations.vllm.steplog.StepLogScheduler"
-# The model on core 0 alone, everything else (vLLM's engine core and API server, the
-# client) on the other cores, in every arm. Left to itself vLLM's CPU backend binds only
-# its model worker and reserves one core for the rest, two with a KV connector: with two
-# cores in all it then gave the connector's model both (its steps ran twice as fast as
-# plain vLLM's), and nothing kept the API server and the client off the model's core (the
-# same step shapes ran up to 14% slower in one window than the next; pinned, the
-# calibrated clock's error per window fell from 0.87-1.06 to 0.97-1.08: docs/fidelity.md).
-MODEL_CPU = 0
-SERVER_ENV = {"VLLM_CPU_OMP_THREADS_BIND": str(MODEL_CPU)}
-
-
-def _other_cpus() -> set[int] | None:
-    """Every core this process may use but the model's (None on a single core)."""
-    others = os.sched_getaffinity(0) - {MODEL_CPU}
-    return others or None
 
 
 COPY_SOURCE = "measured: a 64 MiB host memory copy on this machine (best of 5), with the runs"
@@ -214,10 +200,7 @@ def serve_interleaved(
 
     model_dir = write_model(peer_python, work_dir / f"model-{setup.preset}", setup.preset)
     out: dict[str, dict[str, Any]] = {}
-    cpus, mine = _other_cpus(), os.sched_getaffinity(0)
-    if cpus is not None:
-        os.sched_setaffinity(0, cpus)  # the client too
-    try:
+    with pinned_client() as cpus:  # the model on its own core (vllm_http.SERVER_ENV), the rest and us not
         with contextlib.ExitStack() as stack:
             servers = {}
             for arm in arms:
@@ -263,8 +246,6 @@ def serve_interleaved(
                     }
             for arm in arms:
                 out[arm.name]["metrics"] = scrape(servers[arm.name].url)
-    finally:
-        os.sched_setaffinity(0, mine)
     return out
 
 
@@ -639,9 +620,9 @@ def all_windows(setup: FidelitySetup) -> dict[str, list[WindowRequest]]:
     return {name: window_requests(setup, start) for name, start in ordered}
 
 
-def rejudge(work_dir: Path) -> dict[str, Any]:
-    """`judge_fidelity` again on the real runs a bench left in `work_dir` (real.json and
-    the step logs beside it, plain or gzipped: the folder may have moved)."""
+def read_kept(work_dir: Path) -> dict[str, Any]:
+    """The real runs a bench left in `work_dir` (real.json, plain or gzipped), each arm's
+    step log found beside it (plain or gzipped): the folder may have moved."""
     packed = work_dir / "real.json.gz"
     if packed.is_file() and not (work_dir / "real.json").is_file():
         import gzip
@@ -655,6 +636,12 @@ def rejudge(work_dir: Path) -> dict[str, Any]:
                 name = Path(arm["step_log"]).name
                 here = [work_dir / name, work_dir / f"{name}.gz"]
                 arm["step_log"] = str(next((p for p in here if p.is_file()), here[0]))
+    return data
+
+
+def rejudge(work_dir: Path) -> dict[str, Any]:
+    """`judge_fidelity` again on the real runs a bench left in `work_dir` (`read_kept`)."""
+    data = read_kept(work_dir)
     setup = data["setup"]
     setup = FidelitySetup(**{**setup, **{k: tuple(v) for k, v in setup.items() if isinstance(v, list)}})
     copy_rate = data.get("host_copy_bytes_per_s") or host_copy_rate()  # older runs did not keep it

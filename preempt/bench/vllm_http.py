@@ -304,6 +304,36 @@ def scrape(url: str) -> dict[str, float]:
     return values
 
 
+# The model on core 0 alone, everything else (vLLM's engine core and API server, the
+# client) on the other cores, in every arm. Left to itself vLLM's CPU backend binds only
+# its model worker and reserves one core for the rest, two with a KV connector: with two
+# cores in all it then gave the connector's model both (its steps ran twice as fast as
+# plain vLLM's), and nothing kept the API server and the client off the model's core (the
+# same step shapes ran up to 14% slower in one window than the next; pinned, the
+# calibrated clock's error per window fell from 0.87-1.06 to 0.97-1.08: docs/fidelity.md).
+MODEL_CPU = 0
+SERVER_ENV = {"VLLM_CPU_OMP_THREADS_BIND": str(MODEL_CPU)}
+
+
+def other_cpus() -> set[int] | None:
+    """Every core this process may use but the model's (None on a single core)."""
+    others = os.sched_getaffinity(0) - {MODEL_CPU}
+    return others or None
+
+
+@contextlib.contextmanager
+def pinned_client() -> Iterator[set[int] | None]:
+    """This process (the client) off the model's core while the block runs; yields the
+    cores the servers' other processes get (`other_cpus`)."""
+    cpus, mine = other_cpus(), os.sched_getaffinity(0)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    try:
+        yield cpus
+    finally:
+        os.sched_setaffinity(0, mine)
+
+
 def run_arms(
     vllm_bin: Path,
     model_dir: Path,
@@ -312,45 +342,47 @@ def run_arms(
     log_dir: Path,
     engine: dict = ENGINE,
 ) -> list[dict]:
-    """One `vllm serve` per arm, one at a time (with three up at once the machine ran
-    ~16 runnable threads on 2 cores and the client's own reads decided TTFT), warmed up,
-    then every workload in turn. Per arm: per workload its records, mean TTFT per class
-    and the counters it moved (`/metrics` after it minus before it), the scrape at the end
-    (counters over warm-up and all workloads), the exit code."""
-    results = []
-    for arm in arms:
-        command = serve_command(vllm_bin, model_dir, _free_port(), arm, engine)
-        started = time.perf_counter()
-        with vllm_server(command, log_dir / f"{arm.name}.log") as server:
+    """Every arm's `vllm serve` up at once, pinned (the model on `MODEL_CPU`, the rest and
+    the client on the other cores), each warmed up; then the workloads in turn, each
+    through every arm one after the other (each drains before the next), the arms' order
+    reversed every other workload, so the machine's drift falls on every arm alike and a
+    workload's arms are paired in time (arm after arm, minutes apart, one arm's top-class
+    TTFT spanned 0.2-3.7 s over seeds of the same shape). An idle server does not spin
+    (vLLM's busy wait on its message queue stops 1 s after the last message). Per arm: per
+    workload its records, mean TTFT per class and the counters it moved (`/metrics` after
+    it minus before it), the scrape at the end (counters over warm-up and all workloads),
+    the exit code."""
+    out: dict[str, dict] = {}
+    with pinned_client() as cpus, contextlib.ExitStack() as stack:
+        servers = {}
+        for arm in arms:
+            command = serve_command(vllm_bin, model_dir, _free_port(), arm, engine)
+            started = time.perf_counter()
+            log = log_dir / f"{arm.name}.log"
+            server = stack.enter_context(vllm_server(command, log, env=SERVER_ENV, cpus=cpus))
             up_s = time.perf_counter() - started
             # a server's first requests pay one-time costs: not measured
             asyncio.run(drive(server.url, http_workload(num_low=8, num_high=2, seed=-1)))
-            runs = []
-            metrics = scrape(server.url)
-            for requests in workloads:
+            servers[arm.name] = server
+            out[arm.name] = {"name": arm.name, "command": command, "start_s": round(up_s, 1), "runs": [],
+                             "metrics": scrape(server.url), "pid": server.proc.pid}  # fmt: skip
+        for turn, requests in enumerate(workloads):
+            for arm in reversed(arms) if turn % 2 else arms:
+                server, mine = servers[arm.name], out[arm.name]
                 run_started = time.perf_counter()
                 records = asyncio.run(drive(server.url, requests))
-                before, metrics = metrics, scrape(server.url)
-                runs.append(
+                before, mine["metrics"] = mine["metrics"], scrape(server.url)
+                mine["runs"].append(
                     {
                         "wall_s": round(time.perf_counter() - run_started, 2),
                         "ttft_s": mean_by_priority(records, lambda r: r["ttft_s"]),
                         "requests": sorted(records, key=lambda r: r["id"]),
-                        "metrics": {k: v - before.get(k, 0.0) for k, v in metrics.items()},
+                        "metrics": {k: v - before.get(k, 0.0) for k, v in mine["metrics"].items()},
                     }
                 )
-        results.append(
-            {
-                "name": arm.name,
-                "command": command,
-                "start_s": round(up_s, 1),
-                "runs": runs,
-                "metrics": metrics,
-                "exit_code": server.returncode,
-                "pid": server.proc.pid,  # the API server's (`vllm serve` itself, one API server)
-            }
-        )
-    return results
+    for arm in arms:
+        out[arm.name]["exit_code"] = servers[arm.name].returncode
+    return [out[arm.name] for arm in arms]
 
 
 def write_model(peer_python: Path, model_dir: Path, preset: str = "served") -> Path:

@@ -38,6 +38,7 @@ from preempt.bench.fidelity import (
     _preempted,
     all_windows,
     engine_side,
+    read_kept,
     serve_interleaved,
     window_index,
 )
@@ -177,12 +178,9 @@ def judge_loads(served: dict[str, Any], windows: list[str], real_s: float | None
 
 
 def rejudge_loads(work_dir: Path) -> dict[str, Any]:
-    data = json.loads((work_dir / "real.json").read_text())
-    for arm in data["real"].values():
-        name = Path(arm["step_log"]).name
-        here = [work_dir / name, work_dir / f"{name}.gz"]
-        arm["step_log"] = str(next((p for p in here if p.is_file()), here[0]))
-    windows = [w for w in next(iter(data["real"].values()))["windows"]]
+    """`judge_loads` again on the runs a bench left in `work_dir` (`fidelity.read_kept`)."""
+    data = read_kept(work_dir)
+    windows = list(next(iter(data["real"].values()))["windows"])
     return judge_loads(data["real"], windows, data.get("real_s"))
 
 

@@ -380,7 +380,7 @@ def _bench_loads(args: argparse.Namespace) -> int:
     out = args.out or Path("runs/loads")
     try:
         if args.real is not None:
-            if not (args.real / "real.json").is_file():
+            if not any((args.real / name).is_file() for name in ("real.json", "real.json.gz")):
                 print(f"preempt: error: --real: no real.json in {args.real}", file=sys.stderr)
                 return 2
             result = rejudge_loads(args.real)
