@@ -46,7 +46,9 @@ from preempt.obs.stats import ratio_interval, t_interval, welch_interval
 
 ARMS = ("sync", "async")
 SETUP = FidelitySetup(fit_starts=())  # the judge windows only: nothing is calibrated here
-QUICK = replace(FIDELITY_QUICK, fit_starts=())  # a smoke run: the tiny model, one short window
+# a smoke run: the tiny model, one short window of 33 requests sent within a second, so
+# that its 11 usable blocks run out even at the tiny model's 3 ms steps
+QUICK = replace(FIDELITY_QUICK, fit_starts=(), judge_starts=(1500.0,), rate_scale=4.0)
 
 
 def loads_arms() -> list[RealArm]:

@@ -51,6 +51,8 @@ def arm(name: str, **connector) -> dict:
         out.update(connector_module="tests.integrations.vllm_faults", connector_cls="SlowStoringConnector")
     if connector.pop("slow_load", False):
         out.update(connector_module="tests.integrations.vllm_faults", connector_cls="SlowLoadingConnector")
+    if connector.pop("broken_load", False):
+        out.update(connector_module="tests.integrations.vllm_faults", connector_cls="BrokenLoadingConnector")
     return out
 
 
@@ -79,6 +81,7 @@ def arms(peer, tmp_path_factory):  # noqa: F811
             arm("full_pool", codec="raw", host_pool="64KiB", slot_size="64KiB"),
             arm("corrupt", codec="raw", corrupt=True),
             arm("corrupt_sync", codec="raw", loads="sync", corrupt=True),
+            arm("broken_load", codec="raw", broken_load=True),
             arm("slow_store", codec="raw", slow_store=True),
         ],
     }
@@ -202,6 +205,13 @@ def test_corrupt_copy_is_recomputed_and_the_request_finishes(arms, name):
     fallbacks = {k: v for k, v in corrupt["prometheus"].items() if k.startswith("preempt:kv_fallbacks_total")}
     assert fallbacks.get("preempt:kv_fallbacks_total{reason=corrupt}", 0) > 0
     assert metric(corrupt, "preempt:kv_loads_total") > 0  # the others loaded
+
+
+def test_a_load_that_raises_is_recomputed_and_the_engine_keeps_serving(arms):
+    broken = arms["broken_load"]
+    assert outputs(broken) == outputs(arms["vllm"])
+    assert broken["prometheus"].get("preempt:kv_fallbacks_total{reason=load}", 0) > 0
+    assert metric(broken, "preempt:kv_loads_total") > 0  # every other one loaded
 
 
 def test_resuming_while_a_copy_is_still_stored_waits_then_loads(arms):

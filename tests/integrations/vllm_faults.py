@@ -66,3 +66,21 @@ class SlowLoadingConnector(PreemptKVConnector):
                 return load(*args, **kwargs)
 
             self.store.load = slow_load
+
+
+class BrokenLoadingConnector(PreemptKVConnector):
+    """Every other load raises an error that is not a failed checksum (a bug, a device
+    error): the request must recompute and the engine keep serving."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.WORKER:
+            load, count = self.store.load, [0]
+
+            def broken_load(*args, **kwargs):
+                count[0] += 1
+                if count[0] % 2:
+                    raise RuntimeError("injected load failure")
+                return load(*args, **kwargs)
+
+            self.store.load = broken_load

@@ -113,6 +113,13 @@ class PreemptWorkerMetadata(KVConnectorWorkerMetadata):
         return self
 
 
+def _failed_load(err: Exception) -> CopyReport:
+    """A load that raised: `corrupt` (the copy failed its checks) or `load` (anything else)."""
+    if isinstance(err, CorruptBlobError):
+        return CopyReport(error=f"corrupt: {err}")
+    return CopyReport(error=f"load: {type(err).__name__}: {err}")
+
+
 class PreemptKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -362,16 +369,16 @@ class PreemptKVConnector(KVConnectorBase_V1):
     def _load_now(self, job: CopyJob) -> CopyReport:
         try:
             return self.store.load(job.request_id, self.paged, job.block_ids, job.start, job.end)
-        except CorruptBlobError as err:
-            return CopyReport(error=f"corrupt: {err}")
+        except Exception as err:  # noqa: BLE001 - any failed load is a recompute, never a dead engine
+            return _failed_load(err)
 
     def _loaded(self, job: CopyJob, report: CopyReport) -> None:
-        """A load ended: a corrupt copy's blocks are reported invalid (vLLM recomputes them)."""
+        """A load ended: a failed one's blocks are reported invalid (vLLM recomputes them)."""
         if report.error is not None:
             logger.warning("preempt connector: request %s recomputes: %s", job.request_id, report.error)
             first, last = job.start // self.block_size, (job.end - 1) // self.block_size
             self.invalid_blocks.update(job.block_ids[first : last + 1])
-            report = CopyReport(error="corrupt")
+            report = CopyReport(error=report.error.split(":")[0])
         self.load_reports[job.request_id] = report
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -383,8 +390,8 @@ class PreemptKVConnector(KVConnectorBase_V1):
             job, future = self.loading.pop(request_id)
             try:
                 report = future.result()
-            except CorruptBlobError as err:
-                report = CopyReport(error=f"corrupt: {err}")
+            except Exception as err:  # noqa: BLE001 - as in _load_now
+                report = _failed_load(err)
             self._loaded(job, report)
         return None, done or None
 

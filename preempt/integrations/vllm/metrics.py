@@ -138,7 +138,7 @@ CONNECTOR_HISTOGRAMS = (
     ("preempt:kv_save_seconds", "From a preemption to its copy stored (gather, encode, store)", "save_s"),
     ("preempt:kv_load_seconds", "Decoding a copy into the resumed request's blocks", "load_s"),
 )
-FALLBACKS = ("pool_full", "blob_too_large", "corrupt", "encode", "cost", "prefix_cache")
+FALLBACKS = ("pool_full", "blob_too_large", "corrupt", "load", "encode", "cost", "prefix_cache")
 COST_CHOICES = ("save", "recompute", "unmeasured")
 
 
@@ -150,8 +150,9 @@ class ConnectorMetrics:
     loads: int = 0
     fallbacks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FALLBACKS, 0))
     """`pool_full`, `blob_too_large`: the host pool refused the copy; `corrupt`: a copy
-    failed its checksum on load; `encode`: the codec failed; `cost`: the plugin chose to
-    recompute (`saves: cost`); `prefix_cache`: vLLM's prefix cache held the whole copy."""
+    failed its checksum on load; `load`: its load failed otherwise; `encode`: the codec
+    failed; `cost`: the plugin chose to recompute (`saves: cost`); `prefix_cache`: vLLM's
+    prefix cache held the whole copy."""
     stored_bytes: int = 0
     raw_bytes: int = 0
     preempted_tokens: int = 0
