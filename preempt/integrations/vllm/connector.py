@@ -348,6 +348,8 @@ class PreemptKVConnector(KVConnectorBase_V1):
         for request_id in meta.discards:
             self.store.discard(request_id)
         for job in (*meta.saves, *meta.early):
+            if job.start == 0:  # a copy from the first token: whatever is left of an old one is stale
+                self.store.discard(job.request_id)
             if job.end > job.start:
                 self.store.save(job.request_id, self.paged, job.block_ids, job.start, job.end)
             else:  # an early copy already holds it all: report it stored
@@ -376,6 +378,7 @@ class PreemptKVConnector(KVConnectorBase_V1):
         """A load ended: a failed one's blocks are reported invalid (vLLM recomputes them)."""
         if report.error is not None:
             logger.warning("preempt connector: request %s recomputes: %s", job.request_id, report.error)
+            self.store.discard(job.request_id)  # a load that failed early may have left it
             first, last = job.start // self.block_size, (job.end - 1) // self.block_size
             self.invalid_blocks.update(job.block_ids[first : last + 1])
             report = CopyReport(error=report.error.split(":")[0])
