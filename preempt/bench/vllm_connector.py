@@ -103,14 +103,15 @@ def connector_command(
 
 def scrape_counters(url: str) -> dict[str, float]:
     """vLLM's `VLLM_COUNTERS` and preempt's `preempt:kv_*` families from `/metrics`
-    (labelled ones as `name{label=value}`), summed over vLLM's engine labels."""
+    (labelled ones as `name{label=value}`, preempt's labels `reason` and `choice`), summed
+    over vLLM's engine labels."""
     from prometheus_client.parser import text_string_to_metric_families
 
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10.0).text):
         for sample in family.samples:
             if sample.name in VLLM_COUNTERS or sample.name.startswith("preempt:kv_"):
-                own = {k: v for k, v in sample.labels.items() if k == "reason"}
+                own = {k: v for k, v in sample.labels.items() if k in ("reason", "choice")}
                 key = sample.name + "".join(f"{{{k}={v}}}" for k, v in own.items())
                 values[key] = values.get(key, 0.0) + sample.value
     return values

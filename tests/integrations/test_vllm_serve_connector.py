@@ -3,7 +3,8 @@ command (plugin + `--kv-transfer-config` naming the connector by module path) st
 same forced-preemption requests go to plain vLLM (recompute; the connector only counts)
 and to the plugin with raw copies through the openai client, greedy outputs are equal,
 preempted requests resume from the host pool (loads > 0, fewer tokens recomputed), the
-connector's families are on `/metrics`, SIGTERM drains cleanly. Skipped without a peer
+connector's families are on `/metrics` (the cost rule's choices too), SIGTERM drains
+cleanly. Skipped without a peer
 unless PREEMPT_REQUIRE_PEER=1 (CI), like tests/parity.
 """
 
@@ -22,7 +23,7 @@ REQUESTS = forced_preemptions("long", num=8)
 def served(peer, tmp_path_factory):  # noqa: F811
     work = tmp_path_factory.mktemp("vllm-serve-connector")
     model = write_model(peer, work / "model")
-    arms = [arm for arm in CONNECTOR_ARMS if arm.name in ("vllm", "plugin_raw")]
+    arms = [arm for arm in CONNECTOR_ARMS if arm.name in ("vllm", "plugin_raw", "plugin_raw_cost")]
     # float32: greedy outputs are compared token for token (tests/integrations/test_vllm_serve.py)
     results = run_connector_arms(
         peer.parent / "vllm", model, arms, {"long": [REQUESTS]}, work, {**ENGINE, "dtype": "float32"}
@@ -55,3 +56,16 @@ def test_connector_families_on_metrics(served):
         assert family in counters, family
     assert any(key.startswith("preempt:kv_fallbacks_total{reason=") for key in counters)
     assert counters["preempt:kv_save_seconds_count"] == counters["preempt:kv_saves_total"]
+
+
+def test_the_cost_rules_choices_and_measurements_on_metrics(served):
+    cost = served["plugin_raw_cost"]["counters"]
+    choices = {k: v for k, v in cost.items() if k.startswith("preempt:kv_cost_choices_total{choice=")}
+    assert set(choices) >= {f"preempt:kv_cost_choices_total{{choice={c}}}" for c in ("save", "recompute")}
+    # every victim with a whole block to copy got a choice; each recompute is a cost fallback
+    assert sum(choices.values()) > 0
+    recomputed = cost.get("preempt:kv_fallbacks_total{reason=cost}", 0)
+    assert recomputed == choices["preempt:kv_cost_choices_total{choice=recompute}"]
+    assert cost["preempt:kv_prefill_tokens_total"] > 0 and cost["preempt:kv_saved_tokens_total"] > 0
+    # nothing to choose under `saves: all`
+    assert sum(v for k, v in served["plugin_raw"]["counters"].items() if "cost_choices" in k) == 0
