@@ -334,6 +334,12 @@ def pinned_client() -> Iterator[set[int] | None]:
         os.sched_setaffinity(0, mine)
 
 
+# vLLM's engine core and worker busy-wait on their message queue for 1 s after the last
+# message (`vllm/distributed/device_communicators/shm_broadcast.py`): a server just
+# drained spins that long on both cores, so the next arm starts after it has gone quiet.
+QUIET_S = 1.5
+
+
 def run_arms(
     vllm_bin: Path,
     model_dir: Path,
@@ -342,24 +348,23 @@ def run_arms(
     log_dir: Path,
     engine: dict = ENGINE,
 ) -> list[dict]:
-    """Every arm's `vllm serve` up at once, pinned (the model on `MODEL_CPU`, the rest and
-    the client on the other cores), each warmed up; then the workloads in turn, each
-    through every arm one after the other (each drains before the next), the arms' order
-    reversed every other workload, so the machine's drift falls on every arm alike and a
-    workload's arms are paired in time (arm after arm, minutes apart, one arm's top-class
-    TTFT spanned 0.2-3.7 s over seeds of the same shape). An idle server does not spin
-    (vLLM's busy wait on its message queue stops 1 s after the last message). Per arm: per
+    """Every arm's `vllm serve` up at once, each warmed up; then the workloads in turn,
+    each through every arm one after the other (each drains, then `QUIET_S` passes,
+    before the next), the arms' order reversed every other workload, so the machine's
+    drift falls on every arm alike and a workload's arms are paired in time. Not pinned:
+    with this tiny model the serving stack (engine core, API server, client), not the
+    model, is the load; pinning the model to a core of its own left the rest one core and
+    every arm's TTFT grew 2-5x (benchmarks/vllm_http_2026-12-08_pinned.json). Per arm: per
     workload its records, mean TTFT per class and the counters it moved (`/metrics` after
     it minus before it), the scrape at the end (counters over warm-up and all workloads),
     the exit code."""
     out: dict[str, dict] = {}
-    with pinned_client() as cpus, contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack:
         servers = {}
         for arm in arms:
             command = serve_command(vllm_bin, model_dir, _free_port(), arm, engine)
             started = time.perf_counter()
-            log = log_dir / f"{arm.name}.log"
-            server = stack.enter_context(vllm_server(command, log, env=SERVER_ENV, cpus=cpus))
+            server = stack.enter_context(vllm_server(command, log_dir / f"{arm.name}.log"))
             up_s = time.perf_counter() - started
             # a server's first requests pay one-time costs: not measured
             asyncio.run(drive(server.url, http_workload(num_low=8, num_high=2, seed=-1)))
@@ -369,6 +374,7 @@ def run_arms(
         for turn, requests in enumerate(workloads):
             for arm in reversed(arms) if turn % 2 else arms:
                 server, mine = servers[arm.name], out[arm.name]
+                time.sleep(QUIET_S)
                 run_started = time.perf_counter()
                 records = asyncio.run(drive(server.url, requests))
                 before, mine["metrics"] = mine["metrics"], scrape(server.url)

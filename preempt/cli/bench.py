@@ -331,71 +331,61 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_fidelity(args: argparse.Namespace) -> int:
-    """`bench fidelity`: real vLLM, then calibrate, simulate, compare; the table (or the
-    JSON) on stdout, everything in --out."""
-    from preempt.bench.fidelity import bench_fidelity, rejudge, render_fidelity
-    from preempt.core.profiles import ProfileError
-    from preempt.parity.harness import PeerError, peer_python
+    """`bench fidelity`: real vLLM, then calibrate, simulate, compare (`--loads`: the
+    connector's asynchronous against synchronous loads); the table (or the JSON) on
+    stdout, everything in --out."""
+    from preempt.parity.harness import peer_python
 
     if args.loads:
-        return _bench_loads(args)
-    out = args.out or Path("runs/fidelity")
+        from preempt.bench.vllm_loads import bench_loads, rejudge_loads, render_loads
+
+        if args.connector:
+            print("preempt: error: --loads runs its own connector arms: drop --connector", file=sys.stderr)
+            return 2
+
+        def run_loads(out: Path) -> dict:
+            return bench_loads(peer_python(None), out, args.quick)
+
+        return _kept_bench(args, "loads", run_loads, rejudge_loads, render_loads)
+    from preempt.bench.fidelity import bench_fidelity, rejudge, render_fidelity
+
+    if args.real is not None and args.connector:
+        print("preempt: error: --real judges what the kept run holds: drop --connector", file=sys.stderr)
+        return 2
+
+    def run(out: Path) -> dict:
+        return bench_fidelity(peer_python(None), out, args.quick, connector=args.connector)
+
+    return _kept_bench(args, "fidelity", run, rejudge, render_fidelity, " and the calibrated target.json")
+
+
+def _kept_bench(args: argparse.Namespace, stem: str, run, rejudge, render, also: str = "") -> int:
+    """A bench that keeps its real runs in --out (`run(out)`), or judges kept ones again
+    (`--real DIR`: `rejudge(DIR)`); writes <stem>.json and <stem>.md beside them and
+    prints the table (or the JSON)."""
+    from preempt.core.profiles import ProfileError
+    from preempt.parity.harness import PeerError
+
+    out = args.out or Path(f"runs/{stem}")
     try:
         if args.real is not None:
-            if args.connector:
-                print(
-                    "preempt: error: --real judges what the kept run holds: drop --connector", file=sys.stderr
-                )
-                return 2
             if not any((args.real / name).is_file() for name in ("real.json", "real.json.gz")):
                 print(f"preempt: error: --real: no real.json in {args.real}", file=sys.stderr)
                 return 2
             result = rejudge(args.real)
             out = args.real if args.out is None else out
         else:
-            result = bench_fidelity(peer_python(None), out.resolve(), args.quick, connector=args.connector)
+            result = run(out.resolve())
     except (PeerError, ProfileError) as err:
         print(f"preempt: error: {err}", file=sys.stderr)
         return 2
-    table = render_fidelity(result)
+    table = render(result)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "fidelity.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "fidelity.md").write_text(table + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(table + "\n")
     print(json.dumps(result) if args.json else table)
-    print(f"wrote {out / 'fidelity.json'}, {out / 'fidelity.md'} and the calibrated {out / 'target.json'}",
-          file=sys.stderr if args.json else sys.stdout)  # fmt: skip
-    return 0
-
-
-def _bench_loads(args: argparse.Namespace) -> int:
-    """`bench fidelity --loads`: asynchronous against synchronous loads (or `--real DIR`:
-    judge a kept run again); the table (or the JSON) on stdout, loads.json/.md in --out."""
-    from preempt.bench.vllm_loads import bench_loads, rejudge_loads, render_loads
-    from preempt.core.profiles import ProfileError
-    from preempt.parity.harness import PeerError, peer_python
-
-    if args.connector:
-        print("preempt: error: --loads runs its own connector arms: drop --connector", file=sys.stderr)
-        return 2
-    out = args.out or Path("runs/loads")
-    try:
-        if args.real is not None:
-            if not any((args.real / name).is_file() for name in ("real.json", "real.json.gz")):
-                print(f"preempt: error: --real: no real.json in {args.real}", file=sys.stderr)
-                return 2
-            result = rejudge_loads(args.real)
-            out = args.real if args.out is None else out
-        else:
-            result = bench_loads(peer_python(None), out.resolve(), args.quick)
-    except (PeerError, ProfileError) as err:
-        print(f"preempt: error: {err}", file=sys.stderr)
-        return 2
-    table = render_loads(result)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "loads.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "loads.md").write_text(table + "\n")
-    print(json.dumps(result) if args.json else table)
-    print(f"wrote {out / 'loads.json'} and {out / 'loads.md'}", file=sys.stderr if args.json else sys.stdout)
+    written = f"wrote {out / f'{stem}.json'}, {out / f'{stem}.md'}{also}"
+    print(written, file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
