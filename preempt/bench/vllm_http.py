@@ -304,13 +304,15 @@ def scrape(url: str) -> dict[str, float]:
     return values
 
 
-# The model on core 0 alone, everything else (vLLM's engine core and API server, the
-# client) on the other cores, in every arm. Left to itself vLLM's CPU backend binds only
-# its model worker and reserves one core for the rest, two with a KV connector: with two
-# cores in all it then gave the connector's model both (its steps ran twice as fast as
-# plain vLLM's), and nothing kept the API server and the client off the model's core (the
-# same step shapes ran up to 14% slower in one window than the next; pinned, the
-# calibrated clock's error per window fell from 0.87-1.06 to 0.97-1.08: docs/fidelity.md).
+# Pinning, where the model's forward pass is the load (the fidelity bench's 25M model;
+# not this bench's tiny one, `run_arms`): the model on core 0 alone, everything else
+# (vLLM's engine core and API server, the client) on the other cores, in every arm. Left
+# to itself vLLM's CPU backend binds only its model worker and reserves one core for the
+# rest, two with a KV connector: with two cores in all it then gave the connector's model
+# both (its steps ran twice as fast as plain vLLM's), and nothing kept the API server and
+# the client off the model's core (the same step shapes ran up to 14% slower in one window
+# than the next; pinned, the calibrated clock's error per window fell from 0.87-1.06 to
+# 0.97-1.08: docs/fidelity.md).
 MODEL_CPU = 0
 SERVER_ENV = {"VLLM_CPU_OMP_THREADS_BIND": str(MODEL_CPU)}
 
