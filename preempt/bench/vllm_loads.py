@@ -42,7 +42,7 @@ from preempt.bench.fidelity import (
     serve_interleaved,
     window_index,
 )
-from preempt.obs.stats import ratio_interval, t_interval, welch_interval
+from preempt.obs.stats import Interval, ratio_interval, t_interval, welch_interval
 
 ARMS = ("sync", "async")
 SETUP = FidelitySetup(fit_starts=())  # the judge windows only: nothing is calibrated here
@@ -186,12 +186,9 @@ def rejudge_loads(work_dir: Path) -> dict[str, Any]:
     return judge_loads(data["real"], windows, data.get("real_s"))
 
 
-def _cell(iv: dict[str, Any], scale: float = 1.0, digits: int = 3) -> str:
-    if iv["mean"] is None or iv["mean"] != iv["mean"]:
-        return "–"
-    if iv["lo"] != iv["lo"]:
-        return f"{iv['mean'] * scale:.{digits}g} (no interval)"
-    return f"{iv['mean'] * scale:.{digits}g} [{iv['lo'] * scale:.{digits}g}, {iv['hi'] * scale:.{digits}g}]"
+def _cell(iv: dict[str, Any], scale: float = 1.0) -> str:
+    """A kept interval (`Interval._asdict()`, through JSON) as the stats module prints one."""
+    return Interval(**iv).format(scale=scale)
 
 
 def render_loads(result: dict[str, Any]) -> str:
