@@ -80,3 +80,30 @@ def test_judging_again_gives_the_same_result_and_the_cli_writes_it(bench, tmp_pa
     assert json.loads(capsys.readouterr().out)["arms"] == json.loads(json.dumps(result["arms"]))
     assert (tmp_path / "loads.md").read_text().startswith("| loads |")
     assert main(["bench", "fidelity", "--loads", "--connector"]) == 2
+
+
+def test_the_readme_and_docs_quote_the_kept_runs():
+    """The README's async-against-sync step ratio is the one both kept runs' windows give
+    together, and each run's kept result is what judging its step logs again gives."""
+    from pathlib import Path
+
+    from preempt.obs.stats import ratio_interval
+
+    root = Path(__file__).resolve().parents[2]
+    runs = [root / "benchmarks/loads_2026-12-08" / name for name in ("run1", "run2")]
+    kept = [json.loads((run / "loads.json").read_text()) for run in runs]
+    for run, result in zip(runs, kept, strict=True):
+        assert rejudge_loads(run)["step_ratio"] == result["step_ratio"]
+    pooled = ratio_interval(
+        [v for r in kept for v in r["step_s_by_window"]["async"]],
+        [v for r in kept for v in r["step_s_by_window"]["sync"]],
+    )
+    quoted = f"{pooled.mean:.3f} [{pooled.lo:.3f}, {pooled.hi:.3f}]"
+    assert quoted == "0.990 [0.961, 1.022]"
+    readme = " ".join((root / "README.md").read_text().split())
+    docs = " ".join((root / "docs/vllm_plugin.md").read_text().split())
+    assert f"mean step time ratio {quoted} over their ten windows" in readme
+    assert f"ratio {quoted}" in docs
+    for result in kept:
+        ratio = result["step_ratio"]
+        assert f"(ratio {ratio['mean']:.3f} [{ratio['lo']:.3f}, {ratio['hi']:.3g}])" in docs
